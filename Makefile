@@ -1,0 +1,29 @@
+# Thin wrappers; each target works on a fresh machine with only python3 installed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Optional extra package index tried first (e.g. a local mirror with CPU-only torch wheels).
+TORCH_INDEX ?=
+INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
+
+.PHONY: demo test lint install dev
+
+$(BIN)/uv:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip uv
+
+install: $(BIN)/uv
+	$(INSTALL) -e .
+
+dev: $(BIN)/uv
+	$(INSTALL) -e '.[dev]'
+
+demo: install
+	$(BIN)/ctl run examples/quickstart.yaml
+
+test: dev
+	$(BIN)/python -m pytest
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

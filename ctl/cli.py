@@ -1,0 +1,64 @@
+"""The `ctl` command (Typer). Thin: each command parses, delegates, maps errors to exit codes.
+
+Exit codes: 0 ok, 1 error, 2 usage or bad input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ctl.spec import load_spec
+from trainer.spec import SpecError
+
+EXIT_BAD_INPUT = 2
+
+app = typer.Typer(
+    name="ctl",
+    help="Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm chart's values).", show_default=False)]
+SetOpt = Annotated[
+    list[str],
+    typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
+]
+
+
+@app.callback()
+def cli() -> None:
+    """Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob."""
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def run(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
+    ] = None,
+) -> None:
+    """Run the job on this machine: one torchrun agent per node, with the operator's env."""
+    try:
+        job = load_spec(spec, set_values)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+    from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
+
+    directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
+    code = run_local(job, directory)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,156 @@
+"""`ctl run`: a job's pods as local torchrun agents, each with the env its pod would get.
+
+The training config is written to a temporary file standing in for the mounted
+ConfigMap; agents run `torchrun -m trainer --config FILE` exactly as a pod does.
+When any agent fails, the others are stopped: no process outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from ctl.operator_env import Replica, operator_env, replicas
+from ctl.spec import JobSpec
+
+LOCAL_ADDRESS = "127.0.0.1"
+STOP_GRACE_SECONDS = 15
+EXIT_BAD_INPUT = 2
+# Set by the operator, torchrun or an outer launcher; a simulated pod must not inherit them.
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@dataclass
+class Agent:
+    """One simulated pod: a torchrun agent process and where it records its failure."""
+
+    node: int
+    replica: Replica
+    process: subprocess.Popen
+    error_file: Path
+
+    def failure(self) -> tuple[int, str]:
+        """(exit code of the root cause, its message) from torchrun's error file."""
+        code = self.process.returncode
+        try:
+            message = json.loads(self.error_file.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return code, f"exited with code {code}"
+        if isinstance(message, dict):
+            return int(message.get("errorCode", code)), str(message.get("message", "")).splitlines()[0]
+        return code, str(message).splitlines()[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOCAL_ADDRESS, 0))
+        return sock.getsockname()[1]
+
+
+def agent_env(spec: JobSpec, replica: Replica, port: int, error_file: Path) -> dict[str, str]:
+    """This process's env, less launcher variables, plus what the operator injects into the pod."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in LAUNCHER_VARIABLES}
+    env |= operator_env(spec, replica, address=LOCAL_ADDRESS, port=port)
+    env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    # Share the machine's cores among all local processes instead of oversubscribing.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))))
+    return env
+
+
+def pump(agent: Agent, out: TextIO, lock: threading.Lock) -> None:
+    """Copy an agent's output line by line, prefixed with its node."""
+    assert agent.process.stdout is not None
+    for line in agent.process.stdout:
+        with lock:
+            out.write(f"[node {agent.node}] {line}")
+            out.flush()
+
+
+def stop(agents: list[Agent]) -> None:
+    """SIGTERM every agent's process group, then SIGKILL what is left after the grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for agent in agents:
+            try:
+                os.killpg(agent.process.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for agent in agents:
+            try:
+                agent.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def supervise(agents: list[Agent]) -> Agent | None:
+    """Wait for all agents; return the first that failed (the others are then stopped)."""
+    while True:
+        running = False
+        for agent in agents:
+            code = agent.process.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                stop(agents)
+                return agent
+        if not running:
+            return None
+        time.sleep(0.2)
+
+
+def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run the job on this machine; returns the exit code for `ctl run`."""
+    training = spec.training.to_values()
+    training["checkpoint"]["dir"] = str(run_dir)
+    port = free_port()
+    lock = threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="ddpjob-") as tmp:
+        config = Path(tmp) / "training.yaml"
+        config.write_text(yaml.safe_dump(training, sort_keys=False), encoding="utf-8")
+        agents: list[Agent] = []
+        for node, replica in enumerate(replicas(spec)):
+            error_file = Path(tmp) / f"error-{replica.pod_name(spec.name)}.json"
+            process = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "-m", "trainer", "--config", str(config)],
+                env=agent_env(spec, replica, port, error_file),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                start_new_session=True,  # its own process group, so stop() reaches its workers too
+            )
+            agents.append(Agent(node, replica, process, error_file))
+        print(
+            f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}",
+            file=err,
+        )
+        pumps = [threading.Thread(target=pump, args=(a, out, lock), daemon=True) for a in agents]
+        for thread in pumps:
+            thread.start()
+        try:
+            failed = supervise(agents)
+        except KeyboardInterrupt:
+            stop(agents)
+            print("ctl: interrupted; stopped all nodes", file=err)
+            return 130
+        finally:
+            for thread in pumps:
+                thread.join(timeout=5)
+        if failed is None:
+            return 0
+        code, message = failed.failure()
+        print(f"ctl: node {failed.node} ({failed.replica.pod_name(spec.name)}) failed: {message}", file=err)
+        return EXIT_BAD_INPUT if code == EXIT_BAD_INPUT else 1

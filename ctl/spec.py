@@ -1,0 +1,135 @@
+"""The job spec: one YAML file that is also the Helm chart's values.
+
+`training:` is the trainer's own model (trainer.spec); everything else describes the
+PyTorchJob around it. `--set dotted.key=value` overrides any key before validation.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
+
+# Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MAX = 63
+
+
+class ImageSpec(SpecModel):
+    """The training image (see the Dockerfile)."""
+
+    repository: str = Field("ddpjob", description="Image repository.")
+    tag: str = Field("latest", description="Image tag.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+
+
+class ResourcesSpec(SpecModel):
+    """Per-pod resources."""
+
+    gpu: int = Field(0, ge=0, description="nvidia.com/gpu per pod; usually equal to procsPerNode.")
+    cpu: str | None = Field(None, description="CPU request and limit, e.g. '8'.")
+    memory: str | None = Field(None, description="Memory request and limit, e.g. 64Gi.")
+    shm: str = Field("1Gi", description="Size limit of the /dev/shm memory volume.")
+
+
+class ElasticSpec(SpecModel):
+    """Worker-only PyTorchJob with torchrun's c10d rendezvous."""
+
+    enabled: bool = Field(False, description="Use an elasticPolicy instead of Master + Workers.")
+    min_nodes: int = Field(1, ge=1, description="Fewest pods the job runs with.")
+    max_nodes: int = Field(1, ge=1, description="Most pods the job scales to.")
+    max_restarts: int = Field(3, ge=0, description="Worker-group restarts torchrun allows.")
+
+
+class StorageSpec(SpecModel):
+    """The shared volume holding run directories (checkpoints, final model, report)."""
+
+    existing_claim: str = Field("", description="Use this PVC instead of creating one.")
+    size: str = Field("10Gi", description="Size of the created PVC.")
+    storage_class_name: str = Field("", description="StorageClass of the created PVC; empty: cluster default.")
+    access_modes: list[str] = Field(["ReadWriteMany"], min_length=1, description="Access modes of the created PVC.")
+    mount_path: str = Field("/checkpoints", description="Where the volume is mounted in every pod.")
+
+
+class JobSpec(SpecModel):
+    """A whole training job."""
+
+    name: str = Field(description="Job (and release) name; a DNS-1035 label.")
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    nodes: int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
+    procs_per_node: int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
+    master_port: int = Field(23456, ge=1, le=65535, description="The `pytorchjob-port` rendezvous port.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    training: TrainingSpec
+
+    @field_validator("name")
+    @classmethod
+    def _dns_1035(cls, name: str) -> str:
+        if not DNS_1035.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a DNS-1035 label (lower-case letters, digits and '-', starting with a letter)"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.elastic.enabled and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
+            raise ValueError(
+                f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
+                f" and maxNodes ({self.elastic.max_nodes})"
+            )
+        longest = f"{self.name}-worker-{self.max_nodes - 1}"
+        if len(longest) > DNS_LABEL_MAX:
+            raise ValueError(
+                f"name: too long: pod name {longest!r} would have {len(longest)} characters (at most {DNS_LABEL_MAX})"
+            )
+        return self
+
+    @property
+    def max_nodes(self) -> int:
+        return self.elastic.max_nodes if self.elastic.enabled else self.nodes
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
+    key, sep, raw = assignment.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise SpecError(f"--set {assignment!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(values: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Return a copy of `values` with every `--set` assignment applied in order."""
+    merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(values))
+    for assignment in assignments:
+        path, value = parse_override(assignment)
+        node = merged
+        for depth, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(path[: depth + 1])
+                raise SpecError(f"--set {assignment!r}: {where} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return merged
+
+
+def load_spec(path: Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read, override and validate a job spec; every problem is one SpecError line."""
+    values = apply_overrides(read_yaml_mapping(path), overrides or [])
+    try:
+        return JobSpec.model_validate(values)
+    except ValidationError as exc:
+        raise SpecError(f"{path}: {describe_validation_error(exc)}") from None

@@ -1,0 +1,1 @@
+"""The ddpjob trainer: runs inside pods (or locally) under torchrun."""

@@ -1,0 +1,51 @@
+"""The run directory: what a finished run leaves behind (`final/`, `report.json`).
+
+Everything is written under a temporary name and renamed into place, so a reader
+never sees a half-written export or report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.spec import SpecError
+
+FINAL = "final"
+REPORT = "report.json"
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create the run directory, or fail clearly before any training happens."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError(f"checkpoint.dir: cannot create {path}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SpecError(f"checkpoint.dir: {path} is not writable")
+    return path.resolve()
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> Path:
+    target = run_dir / REPORT
+    staging = target.with_name(f".{REPORT}.tmp")
+    staging.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, target)
+    return target
+
+
+def export_final(run_dir: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
+    """`save_pretrained` model + tokenizer, loadable by transformers' Auto classes as is."""
+    target = run_dir / FINAL
+    staging = run_dir / f".{FINAL}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target
