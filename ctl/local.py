@@ -7,6 +7,7 @@ When any agent fails, the others are stopped: no process outlives the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,7 +30,15 @@ LOCAL_ADDRESS = "127.0.0.1"
 STOP_GRACE_SECONDS = 15
 EXIT_BAD_INPUT = 2
 # Set by the operator, torchrun or an outer launcher; a simulated pod must not inherit them.
-LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+LAUNCHER_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
 
 
 @dataclass
@@ -82,16 +91,12 @@ def stop(agents: list[Agent]) -> None:
     """SIGTERM every agent's process group, then SIGKILL what is left after the grace period."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for agent in agents:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.process.pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for agent in agents:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def supervise(agents: list[Agent]) -> Agent | None:

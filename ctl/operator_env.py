@@ -33,7 +33,9 @@ def replicas(spec: JobSpec) -> list[Replica]:
     return [Replica("master", 0)] + [Replica("worker", i) for i in range(spec.nodes - 1)]
 
 
-def operator_env(spec: JobSpec, replica: Replica, address: str | None = None, port: int | None = None) -> dict[str, str]:
+def operator_env(
+    spec: JobSpec, replica: Replica, address: str | None = None, port: int | None = None
+) -> dict[str, str]:
     """The variables the operator appends to the `pytorch` container of `replica`.
 
     `address`/`port` stand in for the master (or rendezvous) Service and the

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from trainer.data import TrainBatches, TokenBlocks, eval_loader
+from trainer.data import TokenBlocks, TrainBatches, eval_loader
 from trainer.dist import Dist, all_reduce_sum
 from trainer.models import parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
@@ -56,14 +56,18 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def lm_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
     """Next-token cross-entropy, computed in fp32 whatever the autocast dtype."""
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, dist: Dist, amp_dtype: torch.dtype | None) -> tuple[float, int]:
+def evaluate(
+    model: torch.nn.Module, loader: DataLoader, dist: Dist, amp_dtype: torch.dtype | None
+) -> tuple[float, int]:
     """Exact mean loss over the whole split: per-rank sums and counts, all-reduced."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
@@ -133,7 +137,11 @@ def train(
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             last_micro = micro == spec.grad_accum - 1
-            sync = contextlib.nullcontext() if last_micro or not isinstance(forward_model, DDP) else forward_model.no_sync()
+            sync = (
+                contextlib.nullcontext()
+                if last_micro or not isinstance(forward_model, DDP)
+                else forward_model.no_sync()
+            )
             with sync:
                 with autocast(device, amp_dtype):
                     loss = lm_loss(forward_model, inputs, targets) / spec.grad_accum

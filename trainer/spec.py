@@ -79,7 +79,8 @@ class CheckpointSpec(SpecModel):
     """The run directory: final export and report land here."""
 
     dir: str | None = Field(
-        None, description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster."
+        None,
+        description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster.",
     )
 
 
