@@ -85,16 +85,14 @@ class JobSpec(SpecModel):
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
             )
-        longest = f"{self.name}-worker-{self.max_nodes - 1}"
+        # The longest pod/Service name the operator derives: <name>-master-0 or <name>-worker-<last>.
+        workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
+        longest = f"{self.name}-worker-{workers - 1}" if workers else f"{self.name}-master-0"
         if len(longest) > DNS_LABEL_MAX:
             raise ValueError(
                 f"name: too long: pod name {longest!r} would have {len(longest)} characters (at most {DNS_LABEL_MAX})"
             )
         return self
-
-    @property
-    def max_nodes(self) -> int:
-        return self.elastic.max_nodes if self.elastic.enabled else self.nodes
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:

@@ -1,0 +1,5 @@
+"""`python -m ctl` = `ctl`."""
+
+from ctl.cli import main
+
+main()

@@ -1,0 +1,89 @@
+"""Shared fixtures: the installed `ctl`, a small real-text corpus and tiny job specs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+CTL = [sys.executable, "-m", "ctl"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~50 KB of real text: the standard library's json package sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("corpus") / "json_sources.txt"
+    path.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted((stdlib / "json").glob("*.py"))))
+    return path
+
+
+def tiny_spec(corpus: Path, **training: Any) -> dict[str, Any]:
+    """A job spec small enough to train in seconds on one CPU core per process."""
+    return {
+        "name": "tiny",
+        "nodes": 1,
+        "procsPerNode": 1,
+        "training": {
+            "task": "char-gpt",
+            "model": {"nLayer": 1, "nHead": 2, "nEmbd": 32, "blockSize": 32},
+            "data": {"train": str(corpus), "valFraction": 0.1},
+            "maxSteps": 5,
+            "batchSize": 4,
+            "logEvery": 1,
+            "sample": {"maxNewTokens": 20},
+        }
+        | training,
+    }
+
+
+@pytest.fixture
+def write_spec(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
+    def write(spec: dict[str, Any], name: str = "spec.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+        return path
+
+    return write
+
+
+def run_ctl(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CTL, *args],
+        cwd=cwd,
+        env=(env or os.environ) | {"PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs whose environment carries `DDPJOB_TEST_MARKER=marker` (what a run left behind)."""
+    needle = f"DDPJOB_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+def marked_env() -> tuple[dict[str, str], str]:
+    marker = uuid.uuid4().hex
+    return os.environ | {"DDPJOB_TEST_MARKER": marker}, marker

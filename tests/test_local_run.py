@@ -1,0 +1,112 @@
+"""`ctl run` end to end: a real multi-process run, its run directory, and failures that clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CTL, REPO, processes_with_marker, run_ctl, tiny_spec
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    env, marker = marked_env
+    spec = tiny_spec(corpus_file, sample={"prompt": "def ", "maxNewTokens": 20}) | {"procsPerNode": 2}
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    assert "[node 0] step 5/5 | loss " in result.stdout
+    assert f"[node 0] run directory: {run_dir}" in result.stdout
+    assert "[node 0] sample:\n[node 0] def " in result.stdout
+
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["task"] == "char-gpt" and report["world_size"] == 2 and report["steps"] == 5
+    assert report["samples"] == 5 * 2 * 4 and report["tokens"] == 5 * 2 * 4 * 32
+    assert report["perplexity"] > 1 and report["eval_tokens"] > 0
+
+    # final/ is a plain transformers export: load it without this project and generate.
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    text = "import json\n"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert tokenizer.decode(ids[0]) == text and ids.shape[1] == len(text)
+    generated = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert generated.shape[1] == len(text) + 10
+    assert processes_with_marker(marker) == []
+
+
+def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    env, marker = marked_env
+    missing = tmp_path / "no-such-corpus.txt"
+    spec = tiny_spec(corpus_file, data={"train": str(missing)}) | {"nodes": 2, "procsPerNode": 1}
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: data.train: no file matches '{missing}'" in result.stdout
+    assert f"failed: SpecError: data.train: no file matches '{missing}'" in result.stderr
+    assert not (tmp_path / "runs").exists()
+    assert processes_with_marker(marker) == []
+
+
+def trainer_pids(marker: str, rank: int) -> list[int]:
+    """Trainer processes (not torchrun agents) of this run with the given global rank."""
+    pids = []
+    for pid in processes_with_marker(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            f"RANK={rank}".encode() in environ
+            and b"LOCAL_RANK=0" in environ
+            and b"torch.distributed.run" not in cmdline
+        ):
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    env, marker = marked_env
+    spec = tiny_spec(corpus_file, maxSteps=100_000) | {"nodes": 2, "procsPerNode": 1}
+    ctl = subprocess.Popen(
+        [*CTL, "run", str(write_spec(spec))],
+        cwd=tmp_path,
+        env=env | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert ctl.stdout is not None
+        for line in ctl.stdout:
+            if "| loss " in line:
+                break
+        deadline = time.monotonic() + 30
+        while not (victims := trainer_pids(marker, rank=1)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victims, "rank 1's trainer process not found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, stderr = ctl.communicate(timeout=120)
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+    assert ctl.returncode == 1
+    assert "ctl: node 1 (tiny-worker-0) failed" in stderr
+    assert processes_with_marker(marker) == []
+
+
+def test_spec_values_reach_the_trainer_unchanged(tmp_path, write_spec, corpus_file) -> None:
+    """--set overrides apply to the run (here: the step count and the run directory)."""
+    spec_file = write_spec(tiny_spec(corpus_file))
+    result = run_ctl("run", str(spec_file), "--set", "training.maxSteps=2", "--run-dir", "elsewhere", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "elsewhere" / "report.json").read_text())
+    assert report["steps"] == 2 and report["world_size"] == 1
+    assert yaml.safe_load(spec_file.read_text())["training"]["maxSteps"] == 5

@@ -1,0 +1,70 @@
+"""The env contract: what the training operator v1.9 injects into each pod (DESIGN.md table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import tiny_spec
+
+from ctl.local import agent_env
+from ctl.operator_env import Replica, operator_env, replicas
+from ctl.spec import JobSpec
+
+
+def job(corpus: Path, **fields) -> JobSpec:
+    return JobSpec.model_validate(tiny_spec(corpus) | {"name": "news"} | fields)
+
+
+def test_master_and_workers(corpus_file: Path) -> None:
+    spec = job(corpus_file, nodes=3, procsPerNode=4)
+    assert replicas(spec) == [Replica("master", 0), Replica("worker", 0), Replica("worker", 1)]
+    common = {
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_ADDR": "news-master-0",
+        "PET_MASTER_ADDR": "news-master-0",
+        "MASTER_PORT": "23456",
+        "PET_MASTER_PORT": "23456",
+        "WORLD_SIZE": "12",
+        "PET_NNODES": "3",
+        "PET_NPROC_PER_NODE": "4",
+    }
+    assert operator_env(spec, Replica("master", 0)) == common | {"RANK": "0", "PET_NODE_RANK": "0"}
+    assert operator_env(spec, Replica("worker", 0)) == common | {"RANK": "1", "PET_NODE_RANK": "1"}
+    assert operator_env(spec, Replica("worker", 1)) == common | {"RANK": "2", "PET_NODE_RANK": "2"}
+
+
+def test_single_node_is_a_lone_master(corpus_file: Path) -> None:
+    spec = job(corpus_file, nodes=1, procsPerNode=2, masterPort=29500)
+    assert replicas(spec) == [Replica("master", 0)]
+    env = operator_env(spec, Replica("master", 0))
+    assert env["WORLD_SIZE"] == "2" and env["PET_NNODES"] == "1" and env["PET_MASTER_PORT"] == "29500"
+
+
+def test_elastic_workers_get_rendezvous_and_no_master(corpus_file: Path) -> None:
+    spec = job(
+        corpus_file, nodes=2, procsPerNode=8, elastic={"enabled": True, "minNodes": 1, "maxNodes": 4, "maxRestarts": 5}
+    )
+    assert replicas(spec) == [Replica("worker", 0), Replica("worker", 1)]
+    expected = {
+        "PYTHONUNBUFFERED": "1",
+        "PET_NPROC_PER_NODE": "8",
+        "PET_RDZV_ENDPOINT": "news-worker-0:23456",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_NNODES": "1:4",
+        "PET_MAX_RESTARTS": "5",
+    }
+    for replica in replicas(spec):
+        assert operator_env(spec, replica) == expected
+
+
+def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path, tmp_path: Path, monkeypatch) -> None:
+    # An outer launcher's variables must not leak into a simulated pod.
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("PET_RDZV_ID", "outer")
+    spec = job(corpus_file, nodes=2, procsPerNode=2)
+    env = agent_env(spec, Replica("worker", 0), 40123, tmp_path / "error.json")
+    injected = operator_env(spec, Replica("worker", 0), address="127.0.0.1", port=40123)
+    assert {k: env[k] for k in injected} == injected
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_MASTER_PORT"] == "40123" and env["RANK"] == "1"
+    assert "PET_RDZV_ID" not in env
+    assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "error.json")

@@ -1,0 +1,109 @@
+"""The job spec: examples load; bad specs and flags get one clear line and exit 2, and nothing is created."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_ctl, tiny_spec
+
+from ctl.spec import JobSpec, apply_overrides, load_spec
+from trainer.spec import SpecError
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_load(example: Path) -> None:
+    spec = load_spec(example)
+    assert isinstance(spec, JobSpec)
+    assert spec.training.data.train
+
+
+def test_overrides_are_typed_and_nested() -> None:
+    values = apply_overrides(
+        {"name": "a", "training": {"data": {"train": "x"}}},
+        ["nodes=2", "training.maxSteps=50", "training.compile=true", "training.optimizer.betas=[0.9, 0.99]"],
+    )
+    spec = JobSpec.model_validate(values)
+    assert (spec.nodes, spec.training.max_steps, spec.training.compile) == (2, 50, True)
+    assert spec.training.optimizer.betas == (0.9, 0.99)
+
+
+def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
+    spec = JobSpec.model_validate(tiny_spec(corpus_file))
+    values = spec.to_values()
+    assert values["procsPerNode"] == 1 and values["training"]["model"]["blockSize"] == 32
+    assert JobSpec.model_validate(values) == spec
+
+
+LONG_NAME = "a" * 56  # "-worker-0" makes it 65 characters
+BAD_SPECS = [
+    ("unknown-key", {"nodez": 2}, [], "nodez: unknown key"),
+    ("unknown-nested-key", {"training": {"optimizer": {"lrr": 1}}}, [], "training.optimizer.lrr: unknown key"),
+    ("wrong-type", {"nodes": "two"}, [], "nodes: Input should be a valid integer"),
+    ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
+    ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
+    ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
+    ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f"name: too long: pod name '{LONG_NAME}-worker-0'"),
+    ("missing-data-path", {"training": {"data": {"train": None}}}, [], "training.data.train: required key is missing"),
+    ("missing-name", {"name": None}, [], "name: required key is missing"),
+    ("heads", {"training": {"model": {"nEmbd": 30, "nHead": 4}}}, [], "must be a multiple of nHead"),
+    ("elastic-range", {"nodes": 5, "elastic": {"enabled": True, "maxNodes": 4}}, [], "elastic: nodes (5)"),
+    ("bad-task", {"training": {"task": "translation"}}, [], "training.task: Input should be 'char-gpt'"),
+    (
+        "val-fraction",
+        {"training": {"data": {"valFraction": 0.7}}},
+        [],
+        "training.data.valFraction: Input should be less",
+    ),
+    ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
+    ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
+    ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
+]
+
+
+def merge(base: dict, patch: dict) -> dict:
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize(("patch", "flags", "message"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patch: dict, flags: list, message: str):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(merge(tiny_spec(corpus_file), patch)))
+    result = run_ctl("run", str(spec), *flags, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert result.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("name: [unclosed\n", "invalid YAML at line"), ("- just\n- a list\n", "expected a mapping")],
+    ids=["invalid-yaml", "not-a-mapping"],
+)
+def test_unreadable_spec_file(tmp_path: Path, content: str, message: str) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(content)
+    with pytest.raises(SpecError, match=message):
+        load_spec(spec)
+    result = run_ctl("run", str(spec), cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_missing_spec_file(tmp_path: Path) -> None:
+    result = run_ctl("run", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: no such file"
