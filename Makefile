@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
 
-.PHONY: demo test lint install dev
+.PHONY: demo test lint install dev chart k8s
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,11 @@ test: dev
 lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The chart's values.yaml and values.schema.json, generated from the job spec model.
+chart: install
+	$(BIN)/python -m ctl.schema
+
+# k8s/examples: every examples/*.yaml rendered by `ctl render` (tests fail when these drift).
+k8s: chart
+	$(BIN)/python -m ctl.k8s

@@ -6,7 +6,7 @@ Exit codes: 0 ok, 1 error, 2 usage or bad input.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -58,6 +58,35 @@ def run(
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
     code = run_local(job, directory)
     raise typer.Exit(code)
+
+
+@app.command()
+def render(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="yaml (multi-document, as `helm template`) or json (a List).")
+    ] = "yaml",
+    namespace: Annotated[
+        str, typer.Option("--namespace", "-n", help="Namespace the chart's notes name (objects carry none).")
+    ] = "default",
+) -> None:
+    """Print the Kubernetes objects the job becomes (the Helm chart, rendered in process); no cluster access."""
+    if output not in ("yaml", "json"):
+        raise fail(f"--output {output!r}: expected yaml or json")
+    fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
+    try:
+        job = load_spec(spec, set_values)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+    from ctl.render import RenderError, to_json, to_yaml
+    from ctl.render import render as render_spec
+
+    try:
+        manifests = render_spec(job, namespace)
+    except RenderError as exc:
+        raise fail(str(exc), code=1) from None
+    typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
 
 
 def main() -> None:

@@ -56,10 +56,70 @@ class StorageSpec(SpecModel):
     mount_path: str = Field("/checkpoints", description="Where the volume is mounted in every pod.")
 
 
+class ServiceAccountSpec(SpecModel):
+    """The pods' ServiceAccount; the trainer never calls the Kubernetes API."""
+
+    create: bool = Field(False, description="Create a ServiceAccount for the job (named `name` when `name` is empty).")
+    name: str = Field("", description="ServiceAccount to use; empty: the namespace's `default`, or the created one.")
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations of the created ServiceAccount (e.g. cloud IAM bindings)."
+    )
+    automount_token: bool = Field(False, description="Mount an API token into the pods (off: least privilege).")
+
+
+class SchedulingPolicySpec(SpecModel):
+    """runPolicy.schedulingPolicy: gang scheduling with Volcano (or scheduler-plugins)."""
+
+    min_available: int | None = Field(None, ge=1, description="Pods that must be schedulable together; default: all.")
+    priority_class: str = Field("", description="PriorityClass of the PodGroup.")
+    schedule_timeout_seconds: int | None = Field(None, ge=1, description="Give up gang scheduling after this long.")
+
+
+class RunPolicySpec(SpecModel):
+    """The PyTorchJob's runPolicy: retries, lifetime and clean-up."""
+
+    backoff_limit: int | None = Field(None, ge=0, description="Pod failures before the job is marked Failed.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the finished PyTorchJob (and its pods) after this many seconds."
+    )
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after running this long.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "None", description="Pods deleted when the job finishes; None keeps them for `ctl logs`."
+    )
+    suspend: bool = Field(False, description="Create the job suspended (no pods until resumed).")
+    scheduling_policy: SchedulingPolicySpec = Field(default_factory=SchedulingPolicySpec)
+
+
+class QueueSpec(SpecModel):
+    """Admission through a batch queue: Kueue or Volcano (at most one)."""
+
+    kueue: str = Field("", description="Kueue LocalQueue: sets the `kueue.x-k8s.io/queue-name` label on the job.")
+    volcano: str = Field(
+        "", description="Volcano queue: schedulerName volcano and runPolicy.schedulingPolicy.queue (gang scheduling)."
+    )
+
+    @model_validator(mode="after")
+    def _one_queue(self) -> QueueSpec:
+        if self.kueue and self.volcano:
+            raise ValueError("set either kueue or volcano, not both")
+        return self
+
+
+class PodSecuritySpec(SpecModel):
+    """Who the trainer runs as; the chart adds the rest of the "restricted" Pod Security profile."""
+
+    run_as_user: int = Field(1000, ge=1, description="UID of the trainer (the image's non-root user).")
+    run_as_group: int = Field(1000, ge=0, description="GID of the trainer.")
+    fs_group: int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
+
+
 class JobSpec(SpecModel):
     """A whole training job."""
 
-    name: str = Field(description="Job (and release) name; a DNS-1035 label.")
+    name: str = Field(
+        description="Job (and release) name; a DNS-1035 label.",
+        json_schema_extra={"pattern": f"^{DNS_1035.pattern}$", "maxLength": DNS_LABEL_MAX},
+    )
     image: ImageSpec = Field(default_factory=ImageSpec)
     nodes: int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
     procs_per_node: int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
@@ -67,6 +127,32 @@ class JobSpec(SpecModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
+    restart_policy: Literal["OnFailure", "Never", "Always", "ExitCode"] = Field(
+        "OnFailure", description="What the operator does when a pod's container fails (every replica type)."
+    )
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
+    queue: QueueSpec = Field(default_factory=QueueSpec)
+    termination_grace_period_seconds: int = Field(
+        120, ge=0, description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
+    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
+    priority_class_name: str = Field("", description="PriorityClass of the pods.")
+    image_pull_secrets: list[dict[str, str]] = Field(
+        default_factory=list, description="Secrets for pulling the image, e.g. [{name: regcred}]."
+    )
+    service_account: ServiceAccountSpec = Field(default_factory=ServiceAccountSpec)
+    security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra env of the `pytorch` container (Kubernetes form), e.g. HF_TOKEN from a secretKeyRef.",
+    )
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list, description="Whole ConfigMaps/Secrets as env (Kubernetes form)."
+    )
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every pod.")
     training: TrainingSpec
 
     @field_validator("name")
@@ -77,6 +163,24 @@ class JobSpec(SpecModel):
                 f"{name!r} is not a DNS-1035 label (lower-case letters, digits and '-', starting with a letter)"
             )
         return name
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, var in enumerate(env):
+            if not isinstance(var.get("name"), str) or not var["name"]:
+                raise ValueError(f"entry {i} needs a `name`")
+            if "value" in var and not isinstance(var["value"], str):
+                raise ValueError(f"{var['name']}: value must be a string (quote it)")
+        return env
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secret_refs(cls, secrets: list[dict[str, str]]) -> list[dict[str, str]]:
+        for i, ref in enumerate(secrets):
+            if set(ref) != {"name"}:
+                raise ValueError(f"entry {i} must be {{name: <secret>}}")
+        return secrets
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

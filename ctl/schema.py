@@ -1,0 +1,119 @@
+"""Generate the chart's values.yaml and values.schema.json from the job spec model.
+
+The spec model (ctl/spec.py + trainer/spec.py) is the one source of truth: `helm install -f spec.yaml`
+must see the same defaults and the same rules as `ctl`. Both files are generated and a test fails when
+the committed copies drift:
+
+    python -m ctl.schema          # rewrite helm/ddpjob/values.yaml and values.schema.json
+    python -m ctl.schema --check  # exit 1 when either is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+
+from ctl.spec import JobSpec
+
+CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "ddpjob"
+
+VALUES_HEADER = """\
+# Default values of the ddpjob chart: a ddpjob job spec (see README.md, "The job spec").
+# Generated from the spec model (ctl/spec.py, trainer/spec.py) by `python -m ctl.schema`; do not edit.
+# A values file is a whole job spec: `helm install NAME helm/ddpjob -f examples/quickstart.yaml`
+# and `ctl render examples/quickstart.yaml` produce the same objects.
+"""
+
+
+def values_schema() -> dict[str, Any]:
+    """JSON Schema of the chart's values: the job spec model by alias (camelCase)."""
+    schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    return {"title": "ddpjob job spec (the ddpjob chart's values)", **{k: v for k, v in schema.items() if k != "title"}}
+
+
+def _scalar(value: Any) -> str:
+    """A JSON-compatible value as one line of flow YAML that Go's and Python's YAML parsers read alike."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_scalar(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    if isinstance(value, float) and math.isfinite(value):
+        text = repr(value)
+        # PyYAML (YAML 1.1) reads "1e-08" as a string; "1.0e-08" is a float everywhere.
+        if "e" in text and "." not in text.split("e")[0]:
+            mantissa, exponent = text.split("e")
+            text = f"{mantissa}.0e{exponent}"
+        return text
+    return json.dumps(value)
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    return [f"{indent}# {line}".rstrip() for line in text.strip().splitlines()]
+
+
+def _model_lines(model: type[BaseModel], depth: int) -> list[str]:
+    """One documented line per key: sub-models recurse, required keys stay commented out."""
+    indent = "  " * depth
+    lines: list[str] = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        annotation = field.annotation
+        is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        description = field.description or (annotation.__doc__ if is_model else "") or ""
+        if depth == 0 and lines:
+            lines.append("")
+        if is_model:
+            lines += _comment(description, indent)
+            inner = _model_lines(annotation, depth + 1)
+            lines += [f"{indent}{key}:", *inner] if inner else [f"{indent}{key}: {{}}"]
+        elif field.is_required():
+            lines += _comment(f"{description} Required: no default.", indent)
+            lines.append(f"{indent}# {key}:")
+        else:
+            lines += _comment(description, indent)
+            default = field.get_default(call_default_factory=True, validated_data={})
+            dumped = TypeAdapter(annotation).dump_python(default, mode="json", by_alias=True)
+            lines.append(f"{indent}{key}: {_scalar(dumped)}")
+    return lines
+
+
+def values_yaml() -> str:
+    """The chart's values.yaml: the spec's defaults, each key with its description."""
+    return VALUES_HEADER + "\n" + "\n".join(_model_lines(JobSpec, 0)) + "\n"
+
+
+def generated_files(chart_dir: Path = CHART_DIR) -> dict[Path, str]:
+    """Every generated chart file and its expected content."""
+    return {
+        chart_dir / "values.yaml": values_yaml(),
+        chart_dir / "values.schema.json": json.dumps(values_schema(), indent=2, sort_keys=False) + "\n",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ctl.schema", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in generated_files().items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}", file=sys.stderr)
+    if args.check and stale:
+        print("stale: " + ", ".join(map(str, stale)) + " (run `python -m ctl.schema`)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,582 @@
+"""The Helm chart as a cluster sees it: rendered by Helm's own engine, validated against the Kubernetes
+OpenAPI schemas and the real PyTorchJob CRD of the training operator v1.9, and checked for what a user
+would notice (layout, volumes, security, names, bad values)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import REPO, run_ctl
+
+from ctl.operator_env import replicas
+from ctl.render import Manifest, RenderError, chart_path, chart_values, render, render_chart, split_manifests
+from ctl.schema import generated_files
+from ctl.spec import JobSpec, load_spec
+from trainer.spec import load_training_spec
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"
+CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+KUBERNETES_VERSION = "1.30.0"  # the oldest minor the chart's kubeVersion range is tested against
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+TRAIN = {"data": {"train": ["/data/train.txt"]}}
+
+
+def spec_of(**values: Any) -> JobSpec:
+    return JobSpec.model_validate({"name": "job", "training": TRAIN} | values)
+
+
+def objects(spec: JobSpec) -> dict[str, dict[str, Any]]:
+    """kind -> object (the chart renders at most one object of each kind)."""
+    rendered = render(spec)
+    by_kind = {m.kind: m.obj for m in rendered}
+    assert len(by_kind) == len(rendered), [m.kind for m in rendered]
+    return by_kind
+
+
+def pod_templates(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {kind: spec["template"] for kind, spec in job["spec"]["pytorchReplicaSpecs"].items()}
+
+
+def trainer_container(template: dict[str, Any]) -> dict[str, Any]:
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
+    return container
+
+
+# Specs covering every branch of the templates.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "single-node": {},
+    "multi-node-gpu": {
+        "nodes": 4,
+        "procsPerNode": 8,
+        "resources": {"gpu": 8, "cpu": "32", "memory": "200Gi", "shm": "32Gi"},
+        "storage": {"storageClassName": "fast-rwx", "size": "1Ti"},
+    },
+    "elastic": {"nodes": 2, "elastic": {"enabled": True, "minNodes": 1, "maxNodes": 4, "maxRestarts": 5}},
+    "kueue": {"nodes": 2, "queue": {"kueue": "team-a"}, "runPolicy": {"suspend": True}},
+    "volcano": {
+        "nodes": 3,
+        "queue": {"volcano": "research"},
+        "runPolicy": {"schedulingPolicy": {"minAvailable": 3, "priorityClass": "high", "scheduleTimeoutSeconds": 600}},
+    },
+    "everything": {
+        "nodes": 2,
+        "image": {"repository": "registry.example.com/ml/ddpjob", "tag": "0.1.0", "pullPolicy": "Always"},
+        "restartPolicy": "ExitCode",
+        "runPolicy": {
+            "backoffLimit": 0,
+            "ttlSecondsAfterFinished": 86400,
+            "activeDeadlineSeconds": 1_000_000,
+            "cleanPodPolicy": "Running",
+        },
+        "storage": {"existingClaim": "shared-runs", "mountPath": "/runs"},
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["a"]}]}]
+                }
+            }
+        },
+        "priorityClassName": "training",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccount": {"create": True, "annotations": {"iam.example.com/role": "trainer"}},
+        "env": [
+            {"name": "NCCL_DEBUG", "value": "WARN"},
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}}},
+        ],
+        "envFrom": [{"configMapRef": {"name": "nccl-tuning"}}],
+        "podAnnotations": {"example.com/team": "ml"},
+        "podLabels": {"team": "ml"},
+        "training": {**TRAIN, "checkpoint": {"dir": "/runs/custom"}},
+    },
+}
+
+
+def variant_specs() -> list[tuple[str, JobSpec]]:
+    return [(p.stem, load_spec(p)) for p in EXAMPLES] + [(k, spec_of(**v)) for k, v in VARIANTS.items()]
+
+
+ALL_SPECS = variant_specs()
+ALL_IDS = [name for name, _ in ALL_SPECS]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real PyTorchJob CRD, from the training operator's published Go module (downloaded at test time).
+
+
+def _strict(schema: Any) -> Any:
+    """Reject unknown fields where the CRD lists its fields: the API server would silently prune them."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="session")
+def pytorchjob_schema() -> dict[str, Any]:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).exists():
+        pytest.fail("the Go toolchain is needed to download the training operator's CRD (go mod download)")
+    result = subprocess.run(
+        [go, "mod", "download", "-json", TRAINING_OPERATOR],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=os.environ | {"GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
+    )
+    assert result.returncode == 0, f"go mod download failed: {result.stdout}{result.stderr}"
+    crd = yaml.safe_load((Path(json.loads(result.stdout)["Dir"]) / CRD_IN_MODULE).read_text())
+    assert crd["spec"]["names"]["kind"] == "PyTorchJob"
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _strict(v1["schema"]["openAPIV3Schema"])
+
+
+def test_strict_crd_schema_catches_unknown_fields(pytorchjob_schema: dict[str, Any]) -> None:
+    job = objects(spec_of())["PyTorchJob"]
+    jsonschema.validate(job, pytorchjob_schema)
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["comand"] = ["x"]
+    with pytest.raises(jsonschema.ValidationError, match="comand"):
+        jsonschema.validate(job, pytorchjob_schema)
+
+
+@pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
+def test_pytorchjob_validates_against_the_real_crd(name: str, spec: JobSpec, pytorchjob_schema: dict[str, Any]) -> None:
+    job = objects(spec)["PyTorchJob"]
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    jsonschema.validate(job, pytorchjob_schema, cls=jsonschema.Draft7Validator)
+
+
+@pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
+def test_core_objects_and_pods_validate_strictly(name: str, spec: JobSpec) -> None:
+    """Every core object, and each replica's pod as the operator will create it, against Kubernetes' schemas."""
+    for manifest in render(spec):
+        if manifest.kind == "PyTorchJob":
+            for template in pod_templates(manifest.obj).values():
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]}}
+                kubernetes_validate.validate(pod | {"spec": template["spec"]}, KUBERNETES_VERSION, strict=True)
+        else:
+            kubernetes_validate.validate(manifest.obj, KUBERNETES_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the objects say.
+
+
+def test_master_and_workers() -> None:
+    spec = spec_of(nodes=3, procsPerNode=4, masterPort=29500)
+    job = objects(spec)["PyTorchJob"]["spec"]
+    assert job["nprocPerNode"] == "4" and "elasticPolicy" not in job
+    reps = job["pytorchReplicaSpecs"]
+    assert {k: v["replicas"] for k, v in reps.items()} == {"Master": 1, "Worker": 2}
+    assert sum(r["replicas"] for r in reps.values()) == len(replicas(spec))  # what `ctl run` simulates
+    for rep in reps.values():
+        assert rep["restartPolicy"] == "OnFailure"
+        container = trainer_container(rep["template"])
+        assert container["command"] == ["torchrun", "-m", "trainer", "--config", "/etc/ddpjob/training.yaml"]
+        assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"}]
+
+
+def test_one_node_has_no_workers() -> None:
+    reps = objects(spec_of(nodes=1))["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
+    assert list(reps) == ["Master"]
+
+
+def test_elastic_is_worker_only_with_c10d_rendezvous() -> None:
+    spec = spec_of(**VARIANTS["elastic"])
+    job = objects(spec)["PyTorchJob"]["spec"]
+    assert list(job["pytorchReplicaSpecs"]) == ["Worker"]
+    assert job["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2 == len(replicas(spec))
+    assert job["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 5}
+
+
+def test_training_config_is_the_spec_training_section() -> None:
+    spec = spec_of(**VARIANTS["multi-node-gpu"])
+    by_kind = objects(spec)
+    config = by_kind["ConfigMap"]
+    template = pod_templates(by_kind["PyTorchJob"])["Master"]
+    (volume,) = [v for v in template["spec"]["volumes"] if v.get("configMap")]
+    assert volume["configMap"]["name"] == config["metadata"]["name"]
+    mount = next(m for m in trainer_container(template)["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["mountPath"] == "/etc/ddpjob" and mount["readOnly"]
+    # What the trainer reads in the pod, through its own loader.
+    assert set(config["data"]) == {"training.yaml"}
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpjob-training-{os.getpid()}.yaml"
+    path.write_text(config["data"]["training.yaml"])
+    try:
+        training = load_training_spec(path)
+    finally:
+        path.unlink()
+    assert training.checkpoint.dir == "/checkpoints/job"  # <storage.mountPath>/<name>
+    assert training == spec.training.model_copy(update={"checkpoint": training.checkpoint})
+
+
+def test_explicit_run_directory_and_existing_claim() -> None:
+    by_kind = objects(spec_of(**VARIANTS["everything"]))
+    assert "PersistentVolumeClaim" not in by_kind
+    assert yaml.safe_load(by_kind["ConfigMap"]["data"]["training.yaml"])["checkpoint"]["dir"] == "/runs/custom"
+    template = pod_templates(by_kind["PyTorchJob"])["Master"]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["shared-runs"]
+    assert {"name": "checkpoints", "mountPath": "/runs"} in trainer_container(template)["volumeMounts"]
+
+
+def test_created_claim_is_kept_on_uninstall() -> None:
+    by_kind = objects(spec_of(**VARIANTS["multi-node-gpu"]))
+    pvc = by_kind["PersistentVolumeClaim"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": "fast-rwx",
+        "resources": {"requests": {"storage": "1Ti"}},
+    }
+    template = pod_templates(by_kind["PyTorchJob"])["Worker"]
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+def test_shm_and_gpu_resources() -> None:
+    template = pod_templates(objects(spec_of(**VARIANTS["multi-node-gpu"]))["PyTorchJob"])["Worker"]
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    container = trainer_container(template)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    expected = {"cpu": "32", "memory": "200Gi", "nvidia.com/gpu": 8}
+    assert container["resources"] == {"requests": expected, "limits": expected}
+    assert trainer_container(pod_templates(objects(spec_of())["PyTorchJob"])["Master"])["resources"] == {}
+
+
+def assert_restricted(pod_spec: dict[str, Any]) -> None:
+    """The Pod Security Standards "restricted" profile (Kubernetes docs, policy v1.30), rule by rule."""
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not pod_spec.get(host), host
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim"}
+    allowed_volumes |= {"projected", "secret"}
+    for volume in pod_spec.get("volumes", []):
+        assert set(volume) - {"name"} <= allowed_volumes, volume
+    pod_sc = pod_spec.get("securityContext", {})
+    assert pod_sc.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost")
+    assert pod_sc.get("runAsUser") != 0
+    for container in pod_spec["containers"] + pod_spec.get("initContainers", []):
+        sc = container.get("securityContext", {})
+        assert not sc.get("privileged") and "hostPort" not in json.dumps(container.get("ports", []))
+        assert sc.get("allowPrivilegeEscalation") is False
+        assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True
+        assert sc.get("runAsUser", pod_sc.get("runAsUser")) != 0
+        assert sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") in ("RuntimeDefault", "Localhost")
+        assert "ALL" in sc.get("capabilities", {}).get("drop", [])
+        assert set(sc.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}
+
+
+@pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
+def test_pods_satisfy_the_restricted_pod_security_profile(name: str, spec: JobSpec) -> None:
+    for template in pod_templates(objects(spec)["PyTorchJob"]).values():
+        assert_restricted(template["spec"])
+        assert template["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        assert template["spec"]["automountServiceAccountToken"] is False
+
+
+def test_scheduling_env_and_identity_knobs() -> None:
+    values = VARIANTS["everything"]
+    by_kind = objects(spec_of(**values))
+    job = by_kind["PyTorchJob"]
+    assert job["spec"]["runPolicy"] == {
+        "cleanPodPolicy": "Running",
+        "suspend": False,
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": 86400,
+        "activeDeadlineSeconds": 1_000_000,
+    }
+    for rep in job["spec"]["pytorchReplicaSpecs"].values():
+        assert rep["restartPolicy"] == "ExitCode"
+        pod = rep["template"]["spec"]
+        for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
+            assert pod[key] == values[key], key
+        assert pod["serviceAccountName"] == by_kind["ServiceAccount"]["metadata"]["name"] == "job"
+        container = trainer_container(rep["template"])
+        assert container["image"] == "registry.example.com/ml/ddpjob:0.1.0"
+        assert container["imagePullPolicy"] == "Always"
+        assert container["env"] == values["env"] and container["envFrom"] == values["envFrom"]
+        assert rep["template"]["metadata"]["labels"]["team"] == "ml"
+        assert rep["template"]["metadata"]["annotations"]["example.com/team"] == "ml"
+    assert by_kind["ServiceAccount"]["metadata"]["annotations"] == {"iam.example.com/role": "trainer"}
+
+
+def test_kueue_and_volcano_queues() -> None:
+    kueue = objects(spec_of(**VARIANTS["kueue"]))["PyTorchJob"]
+    assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert kueue["spec"]["runPolicy"]["suspend"] is True and "schedulingPolicy" not in kueue["spec"]["runPolicy"]
+    volcano = objects(spec_of(**VARIANTS["volcano"]))["PyTorchJob"]
+    assert "kueue.x-k8s.io/queue-name" not in volcano["metadata"]["labels"]
+    assert volcano["spec"]["runPolicy"]["schedulingPolicy"] == {
+        "queue": "research",
+        "minAvailable": 3,
+        "priorityClass": "high",
+        "scheduleTimeoutSeconds": 600,
+    }
+    for template in pod_templates(volcano).values():
+        assert template["spec"]["schedulerName"] == "volcano"
+
+
+def test_standard_labels() -> None:
+    for manifest in render(spec_of(serviceAccount={"create": True})):
+        labels = manifest.obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "ddpjob"
+        assert labels["app.kubernetes.io/instance"] == "job"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "ddpjob-0.1.0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Names.
+
+
+def all_names(manifests: list[Manifest], spec: JobSpec) -> None:
+    """Every object name, the pods and Services the operator derives, and every label are valid."""
+    job = next(m.obj for m in manifests if m.kind == "PyTorchJob")
+    for manifest in manifests:
+        name = manifest.name
+        assert len(name) <= 253 and DNS_1123_SUBDOMAIN.fullmatch(name), name
+        for value in manifest.obj["metadata"].get("labels", {}).values():
+            assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
+    for kind, rep in job["spec"]["pytorchReplicaSpecs"].items():
+        count = spec.elastic.max_nodes if spec.elastic.enabled else rep["replicas"]
+        for index in range(count):
+            pod = f"{job['metadata']['name']}-{kind.lower()}-{index}"  # also the headless Service's name
+            assert len(pod) <= 63 and DNS_1035.fullmatch(pod), pod
+        for value in rep["template"]["metadata"]["labels"].values():
+            assert len(value) <= 63 and LABEL_VALUE.fullmatch(value), value
+
+
+def test_longest_accepted_name_renders_valid_names_everywhere() -> None:
+    spec = spec_of(name="n" * 54, nodes=1)  # "<name>-master-0": 63 characters
+    all_names(render(spec), spec)
+    spec = spec_of(name="e" * 54, nodes=2, elastic={"enabled": True, "maxNodes": 10})  # "-worker-9"
+    all_names(render(spec), spec)
+
+
+def test_sixty_character_name_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump({"name": "a" * 60, "training": TRAIN}))
+    result = run_ctl("render", str(path), cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert "name: too long: pod name" in result.stderr and "69 characters (at most 63)" in result.stderr
+
+
+def test_helm_refuses_a_long_name_that_bypasses_ctl() -> None:
+    """`helm install -f` with a values file ctl never validated: the chart's own check."""
+    values = {"name": "a" * 56, "nodes": 2, "training": TRAIN}
+    with pytest.raises(RenderError, match=r"name: too long: pod name \\?\"a{56}-worker-0"):
+        render_chart(values, "r")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad values: one line from ctl; Helm's own message for values files that skip ctl.
+
+BAD = [
+    ("restartPolicy=Sometimes", "restartPolicy: Input should be 'OnFailure', 'Never', 'Always' or 'ExitCode'"),
+    ("runPolicy.cleanPodPolicy=Some", "runPolicy.cleanPodPolicy: Input should be 'None', 'Running' or 'All'"),
+    ("runPolicy.backoffLimit=-1", "runPolicy.backoffLimit: Input should be greater than or equal to 0"),
+    ("queue={kueue: a, volcano: b}", "queue: set either kueue or volcano, not both"),
+    ("env=[{name: OMP_NUM_THREADS, value: 4}]", "env: OMP_NUM_THREADS: value must be a string (quote it)"),
+    ("env=[{value: x}]", "env: entry 0 needs a `name`"),
+    ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
+    ("serviceAccount.craete=true", "serviceAccount.craete: unknown key"),
+    ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0].split("=")[0] for b in BAD])
+def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_path: Path) -> None:
+    result = run_ctl("render", str(EXAMPLES[0]), "--set", override, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"nodes": 0}, "at '/nodes': minimum: got 0, want 1"),
+        ({"restartPolicy": "Sometimes"}, "at '/restartPolicy'"),
+        ({"nodez": 2}, "additional properties 'nodez' not allowed"),
+        ({"name": "News_Job"}, "at '/name'"),
+        ({"training": {**TRAIN, "batchSize": 0}}, "at '/training/batchSize'"),
+    ],
+)
+def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:
+    """`helm install -f bad.yaml` fails on values.schema.json with Helm's message naming the key."""
+    with pytest.raises(RenderError, match=re.escape(message)):
+        render_chart({"name": "job", "training": TRAIN} | values, "r")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One source of truth: the chart's files come from the spec model; ctl and helm agree.
+
+
+def test_generated_chart_files_match_the_spec_model() -> None:
+    for path, text in generated_files().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is stale: run `python -m ctl.schema`"
+
+
+def test_values_yaml_is_the_spec_defaults() -> None:
+    """values.yaml holds exactly the defaults of a minimal spec (null = unset, as in Helm)."""
+    minimal = JobSpec.model_validate({"name": "job", "training": TRAIN})
+    values = _drop_nulls(yaml.safe_load((chart_path() / "values.yaml").read_text()))
+    values["name"] = "job"
+    values["training"].setdefault("data", {})["train"] = TRAIN["data"]["train"]
+    assert values == chart_values(minimal)
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_helm_values_merge_gives_the_same_objects_as_ctl(example: Path) -> None:
+    """`helm install NAME helm/ddpjob -f examples/x.yaml` (Helm merges the file onto values.yaml) == `ctl render`."""
+    raw = yaml.safe_load(example.read_text())
+    spec = load_spec(example)
+    via_helm = split_manifests(render_chart(raw, spec.name))
+    assert [m.obj for m in via_helm] == [m.obj for m in render(spec)]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_helm_lint_is_clean(example: Path) -> None:
+    """`helm lint --strict -f example` (Helm's linter in process): nothing above info."""
+    report = helm_python.lint(chart_path(), values=yaml.safe_load(example.read_text()), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
+def test_helm_binary_template_matches(tmp_path: Path) -> None:
+    """Where a `helm` binary is installed, `helm template` gives the same objects as `ctl render`."""
+    helm = shutil.which("helm")
+    if helm is None:
+        pytest.skip("no helm binary on PATH (the in-process engine is tested above)")
+    for example in EXAMPLES:
+        spec = load_spec(example)
+        result = subprocess.run(
+            [helm, "template", spec.name, str(chart_path()), "-f", str(example)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert [d for d in yaml.safe_load_all(result.stdout) if d] == [m.obj for m in render(spec)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ctl render.
+
+
+def test_ctl_render_prints_multi_document_yaml_and_json(tmp_path: Path) -> None:
+    example = REPO / "examples" / "quickstart.yaml"
+    result = run_ctl("render", str(example), "--set", "nodes=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PersistentVolumeClaim", "PyTorchJob"]
+    assert result.stdout.startswith("---\n# Source: ddpjob/templates/")
+    assert docs[2]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    as_json = run_ctl("render", str(example), "--set", "nodes=2", "-o", "json", cwd=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == {"apiVersion": "v1", "kind": "List", "items": docs}
+    bad = run_ctl("render", str(example), "-o", "xml", cwd=tmp_path)
+    assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "error: --output 'xml': expected yaml or json\n")
+
+
+def test_ctl_render_does_not_import_torch() -> None:
+    code = "import sys, ctl.cli, ctl.render, ctl.schema; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([os.sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr or "ctl imported torch"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# k8s/: prerequisites and rendered examples.
+
+
+@cache
+def k8s_example_text(example: Path) -> str:
+    from ctl.k8s import rendered_example
+
+    return rendered_example(example)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_k8s_examples_are_current(example: Path) -> None:
+    path = REPO / "k8s" / "examples" / example.name
+    assert path.exists(), f"{path} is missing: run `make k8s`"
+    assert path.read_text() == k8s_example_text(example), f"{path} is stale: run `make k8s`"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs == [m.obj for m in render(load_spec(example))]
+
+
+def test_k8s_examples_have_a_source() -> None:
+    stale = {p.name for p in (REPO / "k8s" / "examples").glob("*.yaml")} - {p.name for p in EXAMPLES}
+    assert not stale, f"k8s/examples without an examples/ spec: {stale} (run `make k8s`)"
+
+
+PREREQUISITES = ["namespace.yaml", "rbac.yaml", "storage.yaml"]
+
+
+@pytest.mark.parametrize("name", PREREQUISITES)
+def test_k8s_prerequisites_validate_strictly(name: str) -> None:
+    docs = [d for d in yaml.safe_load_all((REPO / "k8s" / name).read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_rbac_is_least_privilege() -> None:
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()) if d}
+    assert set(docs) == {"Role", "RoleBinding"}  # namespaced: no cluster-wide rights
+    rules = docs["Role"]["rules"]
+    granted = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
+    assert granted == {
+        ("kubeflow.org", "pytorchjobs"),
+        ("kubeflow.org", "pytorchjobs/status"),
+        ("", "pods"),
+        ("", "pods/log"),
+        ("", "services"),
+        ("", "configmaps"),
+        ("", "persistentvolumeclaims"),
+        ("", "events"),
+        ("events.k8s.io", "events"),
+    }
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+        if rule["resources"] != ["pytorchjobs"] and rule["resources"] != ["configmaps", "persistentvolumeclaims"]:
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # read-only beyond what ctl creates
+    assert docs["RoleBinding"]["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": docs["Role"]["metadata"]["name"],
+    }
+    assert "kubectl apply --server-side" in (REPO / "k8s" / "README.md").read_text()
