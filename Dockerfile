@@ -1,0 +1,37 @@
+# The training image: CUDA PyTorch with the ddpjob project installed; every pod runs
+# `torchrun -m trainer --config /etc/ddpjob/training.yaml` (the chart sets that command).
+#   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
+# The base image's torch (2.5.1, CUDA 12.4) satisfies pyproject's `torch>=2.4`, so pip keeps it.
+FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+
+# HOME, the Hugging Face cache and torch.compile's cache must be writable by the non-root user.
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/ddpjob \
+    XDG_CACHE_HOME=/home/ddpjob/.cache \
+    HF_HOME=/home/ddpjob/.cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/home/ddpjob/.cache/torchinductor \
+    TRITON_CACHE_DIR=/home/ddpjob/.cache/triton
+
+WORKDIR /opt/ddpjob
+COPY pyproject.toml README.md ./
+COPY trainer ./trainer
+COPY ctl ./ctl
+
+# pyproject.toml is the one source of the dependency set: install the project, nothing listed here.
+RUN pip install --no-cache-dir . \
+    && python -c "import torch, transformers, tokenizers, safetensors, trainer"
+
+# The chart runs as 1000:1000 (security.runAsUser/runAsGroup/fsGroup); /checkpoints is the default mount.
+RUN groupadd --gid 1000 ddpjob \
+    && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ddpjob --shell /bin/bash ddpjob \
+    && mkdir -p /home/ddpjob/.cache/huggingface /checkpoints \
+    && chown -R 1000:1000 /home/ddpjob /checkpoints
+
+USER 1000:1000
+WORKDIR /home/ddpjob
+
+# NCCL_* and OMP_NUM_THREADS are left to the job spec's `env`; torchrun reads its flags from PET_*.
+ENTRYPOINT ["torchrun", "-m", "trainer"]
+CMD ["--config", "/etc/ddpjob/training.yaml"]

