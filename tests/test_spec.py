@@ -47,11 +47,21 @@ BAD_SPECS = [
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
     ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
     ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f"name: too long: pod name '{LONG_NAME}-worker-0'"),
-    ("missing-data-path", {"training": {"data": {"train": None}}}, [], "training.data.train: required key is missing"),
+    (
+        "missing-data-path",
+        {"training": {"data": {"train": None}}},
+        [],
+        "training.data: set train (files or globs) or builtin",
+    ),
     ("missing-name", {"name": None}, [], "name: required key is missing"),
     ("heads", {"training": {"model": {"nEmbd": 30, "nHead": 4}}}, [], "must be a multiple of nHead"),
     ("elastic-range", {"nodes": 5, "elastic": {"enabled": True, "maxNodes": 4}}, [], "elastic: nodes (5)"),
-    ("bad-task", {"training": {"task": "translation"}}, [], "training.task: Input should be 'char-gpt'"),
+    (
+        "bad-task",
+        {"training": {"task": "translation"}},
+        [],
+        "training.task: Input should be 'char-gpt', 'causal-lm' or 'classification'",
+    ),
     (
         "val-fraction",
         {"training": {"data": {"valFraction": 0.7}}},

@@ -10,19 +10,43 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from trainer.data import check_enough_samples, load_char_corpus
+from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
-from trainer.loop import train
-from trainer.models import build_char_gpt, sample_tokens
-from trainer.rundir import export_final, prepare_run_dir, write_report
+from trainer.loop import autocast_dtype, evaluate, predict, train
+from trainer.models import sample_tokens
+from trainer.report import classification_report, format_report
+from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.workloads import Workload, prepare
 
 EXIT_BAD_INPUT = 2
+
+
+def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[str, Any]:
+    """Evaluate the trained model: loss (and perplexity) everywhere, the classification report where it applies."""
+    split, dataset = ("test", work.test) if work.test is not None else ("val", work.val)
+    amp_dtype = autocast_dtype(spec.precision, dist.device)
+    result = evaluate(work.model, eval_loader(dataset, dist, spec.batch_size, work.collate), dist, amp_dtype)
+    report: dict[str, Any] = {"task": spec.task, "split": split, "eval_loss": result.loss}
+    if work.labels is None:
+        report |= {"perplexity": math.exp(result.loss), "eval_tokens": result.count, "token_accuracy": result.accuracy}
+        log(f"final | {split} loss {result.loss:.4f} | perplexity {math.exp(result.loss):.2f}")
+        return report
+    predictions = predict(work.model, dataset, dist, spec.batch_size, work.collate)
+    metrics = classification_report(work.labels, dataset.labels, predictions)
+    majority = max(metrics["per_class"].values(), key=lambda c: c["support"])["support"] / metrics["support"]
+    log(
+        f"final | {split} loss {result.loss:.4f} | accuracy {metrics['accuracy']:.4f}"
+        f" (best constant prediction: {majority:.4f})"
+    )
+    log(format_report(metrics))
+    return report | metrics
 
 
 def run(spec: TrainingSpec, dist: Dist) -> None:
@@ -31,38 +55,42 @@ def run(spec: TrainingSpec, dist: Dist) -> None:
             print(message, flush=True)
 
     transformers.utils.logging.disable_progress_bar()
-    corpus = load_char_corpus(spec.data, spec.model.block_size)
-    check_enough_samples(corpus.train, dist, spec.batch_size, "data.train")
-    run_dir = prepare_run_dir(Path(spec.checkpoint.dir or Path("runs") / spec.task)) if dist.is_main else None
+    transformers.utils.logging.set_verbosity_error()
+    run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
+    created = [path for path in (run_dir, *run_dir.parents) if not path.exists()] if dist.is_main else []
+    if dist.is_main:
+        prepare_run_dir(run_dir)
+    try:
+        torch.manual_seed(spec.seed)
+        work = prepare(spec, dist, run_dir)
+    except SpecError:
+        remove_if_empty(created)  # bad data: leave nothing behind
+        raise
+    params = sum(p.numel() for p in work.model.parameters())
+    log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
 
-    torch.manual_seed(spec.seed)
-    model = build_char_gpt(spec.model, corpus.vocab.size, corpus.vocab.special_id)
-    log(f"char-gpt: {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary of {corpus.vocab.size}")
-    result = train(spec, dist, model, corpus.train, corpus.val, log)
-
-    if run_dir is not None:
-        export_final(run_dir, model, corpus.vocab.to_hf_tokenizer())
-        write_report(
-            run_dir,
-            {
-                "task": spec.task,
-                "eval_loss": result.eval_loss,
-                "perplexity": math.exp(result.eval_loss),
-                "eval_tokens": result.eval_tokens,
-                "train_loss": result.train_loss,
-                "steps": result.steps,
-                "samples": result.samples,
-                "tokens": result.tokens,
-                "world_size": dist.world_size,
-                "train_seconds": result.seconds,
-            },
-        )
-        if spec.sample.max_new_tokens:
+    result = train(spec, dist, work.model, work.train, work.val, work.collate, log)
+    report = final_report(spec, dist, work, log) | {
+        "train_loss": result.train_loss,
+        "steps": result.steps,
+        "epochs": result.epochs,
+        "samples": result.samples,
+        "tokens": result.tokens,
+        "world_size": dist.world_size,
+        "train_seconds": result.seconds,
+    }
+    if dist.is_main:
+        export_final(run_dir, work.model, work.tokenizer)
+        write_report(run_dir, report)
+        if spec.task != "classification" and spec.sample.max_new_tokens:
             torch.manual_seed(spec.seed)
-            text = corpus.vocab.decode(
+            encode = work.char_vocab.encode if work.char_vocab else lambda text: work.tokenizer(text)["input_ids"]
+            decode = work.char_vocab.decode if work.char_vocab else work.tokenizer.decode
+            prompt = torch.as_tensor(encode(spec.sample.prompt)).tolist()
+            text = decode(
                 sample_tokens(
-                    model,
-                    corpus.vocab.encode(spec.sample.prompt).tolist(),
+                    work.model,
+                    prompt,
                     spec.sample.max_new_tokens,
                     spec.model.block_size,
                     spec.sample.temperature,

@@ -7,45 +7,19 @@ which never pads, so no sample is counted twice.
 
 from __future__ import annotations
 
-import glob
-import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from trainer.dist import Dist
 from trainer.spec import DataSpec, SpecError
+from trainer.text import expand_paths, read_documents
 
 SPECIAL_TOKEN = "<|endoftext|>"
-
-
-def expand_paths(patterns: list[str], key: str) -> list[Path]:
-    """Expand globs (and `{stdlib}`) into a sorted list of files; no match is a SpecError."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files: set[Path] = set()
-    for pattern in patterns:
-        expanded = pattern.replace("{stdlib}", stdlib)
-        matches = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file()]
-        if not matches:
-            raise SpecError(f"{key}: no file matches {expanded!r}")
-        files.update(matches)
-    return sorted(files)
-
-
-def read_text(paths: list[Path], key: str) -> str:
-    """Concatenate UTF-8 files, one newline between them."""
-    parts = []
-    for path in paths:
-        try:
-            parts.append(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as exc:
-            raise SpecError(f"{key}: {path} is not UTF-8 text (byte {exc.start})") from None
-        except OSError as exc:
-            raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
-    return "\n".join(parts)
+Collate = Callable[[list[Any]], dict[str, torch.Tensor]]
 
 
 class CharVocab:
@@ -96,10 +70,45 @@ class TokenBlocks(Dataset):
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start = index * self.block_size
-        window = self.tokens[start : start + self.block_size + 1]
-        return window[:-1], window[1:]
+        window = self.tokens[start : start + self.block_size + 1].long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+class LabelledExamples(Dataset):
+    """Tokenized documents with a label id; batches are padded by `PadCollator`."""
+
+    def __init__(self, input_ids: list[list[int]], labels: list[int]) -> None:
+        self.input_ids = input_ids
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index], "index": index}
+
+
+class PadCollator:
+    """Dynamic padding: right-pad each batch to its longest example (pad = eos), with an attention mask."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(item["input_ids"]) for item in items)
+        input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, item in enumerate(items):
+            input_ids[row, : len(item["input_ids"])] = torch.tensor(item["input_ids"])
+            attention_mask[row, : len(item["input_ids"])] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": torch.tensor([item["labels"] for item in items]),
+            "index": torch.tensor([item["index"] for item in items]),
+        }
 
 
 @dataclass
@@ -111,11 +120,9 @@ class CharCorpus:
 
 def load_char_corpus(spec: DataSpec, block_size: int) -> CharCorpus:
     """Read the text, build the vocabulary over all of it, and cut train/val blocks."""
-    train_text = read_text(expand_paths(spec.train, "data.train"), "data.train")
-    if not train_text.strip():
-        raise SpecError("data.train: the files hold no text")
+    train_text = "\n".join(read_documents(expand_paths(spec.train, "data.train"), spec.text_field, "data.train"))
     if spec.val:
-        val_text = read_text(expand_paths(spec.val, "data.val"), "data.val")
+        val_text = "\n".join(read_documents(expand_paths(spec.val, "data.val"), spec.text_field, "data.val"))
     else:
         cut = int(len(train_text) * (1 - spec.val_fraction))
         train_text, val_text = train_text[:cut], train_text[cut:]
@@ -153,7 +160,7 @@ class ShardSampler(Sampler[int]):
 class TrainBatches:
     """Endless (epoch, batch) stream; the sampler reshuffles with `set_epoch` each epoch."""
 
-    def __init__(self, dataset: Dataset, dist: Dist, batch_size: int, seed: int) -> None:
+    def __init__(self, dataset: Dataset, dist: Dist, batch_size: int, seed: int, collate: Collate | None) -> None:
         self.sampler = DistributedSampler(
             dataset, num_replicas=dist.world_size, rank=dist.rank, shuffle=True, seed=seed, drop_last=True
         )
@@ -162,6 +169,7 @@ class TrainBatches:
             batch_size=batch_size,
             sampler=self.sampler,
             drop_last=True,
+            collate_fn=collate,
             pin_memory=dist.device.type == "cuda",
         )
 
@@ -169,7 +177,7 @@ class TrainBatches:
     def batches_per_epoch(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
+    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         epoch = 0
         while True:
             self.sampler.set_epoch(epoch)
@@ -178,10 +186,11 @@ class TrainBatches:
             epoch += 1
 
 
-def eval_loader(dataset: Dataset, dist: Dist, batch_size: int) -> DataLoader:
+def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, collate: Collate | None) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=ShardSampler(len(dataset), dist),
+        collate_fn=collate,
         pin_memory=dist.device.type == "cuda",
     )

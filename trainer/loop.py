@@ -2,6 +2,9 @@
 
 A step: set the LR, run `gradAccum` micro-batches (all but the last under
 `no_sync`, so DDP all-reduces gradients once per step), clip, step, log.
+Every task feeds batches as dicts with `input_ids` and `labels` (token targets for
+language modelling, one class id per row for classification): the loss is the
+cross-entropy of the model's logits against `labels` either way.
 """
 
 from __future__ import annotations
@@ -13,24 +16,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from trainer.data import TokenBlocks, TrainBatches, eval_loader
+from trainer.data import Collate, TrainBatches, eval_loader
 from trainer.dist import Dist, all_reduce_sum
 from trainer.models import parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
+
+# Keys of a batch that are not model inputs.
+NOT_INPUTS = ("labels", "index")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    loss: float
+    accuracy: float
+    count: int  # targets scored: tokens (language modelling) or examples (classification)
 
 
 @dataclass(frozen=True)
 class TrainResult:
     steps: int
+    epochs: float
     samples: int
     tokens: int
     train_loss: float
-    eval_loss: float
-    eval_tokens: int
     seconds: float
 
 
@@ -56,38 +69,72 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def lm_loss(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
-) -> torch.Tensor:
-    """Next-token cross-entropy, computed in fp32 whatever the autocast dtype."""
-    logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits flattened to (targets, classes), in fp32 whatever the autocast dtype."""
+    logits = model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}).logits
+    return logits.float().flatten(0, -2)
+
+
+def batch_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(summed loss, correct predictions, targets) of one batch."""
+    logits = forward_logits(model, batch)
+    targets = batch["labels"].flatten()
+    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    correct = (logits.detach().argmax(-1) == targets).sum()
+    return loss_sum, correct, targets.numel()
 
 
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, loader: DataLoader, dist: Dist, amp_dtype: torch.dtype | None
-) -> tuple[float, int]:
-    """Exact mean loss over the whole split: per-rank sums and counts, all-reduced."""
+def evaluate(model: torch.nn.Module, loader: DataLoader, dist: Dist, amp_dtype: torch.dtype | None) -> Evaluation:
+    """Exact loss and accuracy over the whole split: per-rank sums and counts, all-reduced."""
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=dist.device)
-    for inputs, targets in loader:
-        inputs = inputs.to(dist.device, non_blocking=True)
-        targets = targets.to(dist.device, non_blocking=True)
+    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss sum, correct, count
+    for batch in loader:
+        batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
-            totals[0] += lm_loss(model, inputs, targets, reduction="sum").double()
-        totals[1] += targets.numel()
+            loss_sum, correct, count = batch_stats(model, batch)
+        totals += torch.stack([loss_sum.double(), correct.double(), torch.tensor(count, device=dist.device)])
     model.train()
-    all_reduce_sum(totals)
-    return (totals[0] / totals[1]).item(), int(totals[1].item())
+    loss_sum, correct, count = all_reduce_sum(totals).tolist()
+    return Evaluation(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), count=int(count))
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module, dataset: Dataset, dist: Dist, batch_size: int, collate: Collate | None
+) -> list[int]:
+    """Predicted class of every example, in dataset order, gathered from all ranks.
+
+    Each rank predicts its own shard (no padding duplicates) and sends (index, prediction)
+    pairs; placing them by index makes the result independent of the world size.
+    """
+    model.eval()
+    pairs: list[tuple[int, int]] = []
+    for batch in eval_loader(dataset, dist, batch_size, collate):
+        batch = to_device(batch, dist.device)
+        predictions = forward_logits(model, batch).argmax(-1)
+        pairs += zip(batch["index"].tolist(), predictions.tolist(), strict=True)
+    model.train()
+    shards = [pairs]
+    if dist.is_distributed:
+        shards = [None] * dist.world_size
+        torch_dist.all_gather_object(shards, pairs)
+    by_index = dict(pair for shard in shards for pair in shard)
+    assert sorted(by_index) == list(range(len(dataset))), "every example predicted exactly once"
+    return [by_index[i] for i in range(len(dataset))]
 
 
 def train(
     spec: TrainingSpec,
     dist: Dist,
     model: torch.nn.Module,
-    train_set: TokenBlocks,
-    val_set: TokenBlocks,
+    train_set: Dataset,
+    val_set: Dataset,
+    collate: Collate | None,
     log: Callable[[str], None],
 ) -> TrainResult:
     """Train `model` in place (it stays the plain module: no DDP/compile wrapper in its state dict)."""
@@ -113,40 +160,44 @@ def train(
     amp_dtype = autocast_dtype(spec.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
-    batches = TrainBatches(train_set, dist, spec.batch_size, spec.seed)
-    max_steps = spec.max_steps or max(1, spec.epochs * batches.batches_per_epoch // spec.grad_accum)
-    val_batches = eval_loader(val_set, dist, spec.batch_size)
+    batches = TrainBatches(train_set, dist, spec.batch_size, spec.seed, collate)
+    steps_per_epoch = batches.batches_per_epoch // spec.grad_accum
+    max_steps = spec.max_steps or max(1, spec.epochs * steps_per_epoch)
+    val_batches = eval_loader(val_set, dist, spec.batch_size, collate)
     samples_per_step = dist.world_size * spec.batch_size * spec.grad_accum
-    tokens_per_step = samples_per_step * train_set.block_size
     log(
-        f"training {max_steps} steps: world size {dist.world_size}, {samples_per_step} sequences"
-        f" x {train_set.block_size} tokens per step, {len(train_set)} train / {len(val_set)} val sequences"
+        f"training {max_steps} steps ({max_steps / max(steps_per_epoch, 1):.2f} epochs): world size"
+        f" {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
     )
 
+    def report_eval(prefix: str) -> None:
+        result = evaluate(model, val_batches, dist, amp_dtype)
+        log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
+
     stream = iter(batches)
-    loss_sum = torch.zeros((), device=device)
+    # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
+    interval = torch.zeros(4, dtype=torch.float64, device=device)
+    epoch_totals = torch.zeros(3, dtype=torch.float64, device=device)
     started = interval_start = time.perf_counter()
-    last_logged = 0
-    train_loss = float("nan")
+    last_logged, tokens, train_loss = 0, 0, float("nan")
     for step in range(max_steps):
         lr = lr_at(step, max_steps, spec.optimizer.lr, spec.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(spec.grad_accum):
-            _, (inputs, targets) = next(stream)
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+            _, batch = next(stream)
+            batch = to_device(batch, device)
             last_micro = micro == spec.grad_accum - 1
-            sync = (
-                contextlib.nullcontext()
-                if last_micro or not isinstance(forward_model, DDP)
-                else forward_model.no_sync()
-            )
-            with sync:
+            in_ddp = isinstance(forward_model, DDP)
+            with contextlib.nullcontext() if last_micro or not in_ddp else forward_model.no_sync():
                 with autocast(device, amp_dtype):
-                    loss = lm_loss(forward_model, inputs, targets) / spec.grad_accum
+                    loss_sum, correct, count = batch_stats(forward_model, batch)
+                    loss = loss_sum / count / spec.grad_accum
                 scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+            stats = torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(count, device=device)])
+            interval[:3] += stats
+            epoch_totals += stats
+            interval[3] += batch["input_ids"].numel()
         if spec.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
@@ -156,25 +207,31 @@ def train(
 
         done = step + 1
         if done % spec.log_every == 0 or done == max_steps:
-            train_loss = all_reduce_sum(loss_sum).item() / dist.world_size / (done - last_logged)
+            loss_sum_all, correct_all, count_all, tokens_all = all_reduce_sum(interval).tolist()
+            train_loss = loss_sum_all / count_all
             now = time.perf_counter()
-            tokens_per_second = tokens_per_step * (done - last_logged) / (now - interval_start)
-            log(f"step {done}/{max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s")
-            loss_sum.zero_()
+            tokens += int(tokens_all)
+            log(
+                f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
+                f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
+            )
+            interval.zero_()
             last_logged, interval_start = done, now
-        if spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
-            eval_loss, _ = evaluate(model, val_batches, dist, amp_dtype)
-            log(f"step {done}/{max_steps} | eval loss {eval_loss:.4f} | perplexity {math.exp(eval_loss):.2f}")
-
-    seconds = time.perf_counter() - started
-    eval_loss, eval_tokens = evaluate(model, val_batches, dist, amp_dtype)
-    log(f"final | eval loss {eval_loss:.4f} | perplexity {math.exp(eval_loss):.2f} | {seconds:.1f} s")
+        if steps_per_epoch and done % steps_per_epoch == 0:
+            epoch = done // steps_per_epoch
+            loss_sum_all, correct_all, count_all = all_reduce_sum(epoch_totals).tolist()
+            log(f"epoch {epoch} | train loss {loss_sum_all / count_all:.4f} | accuracy {correct_all / count_all:.4f}")
+            epoch_totals.zero_()
+            if done < max_steps:  # the last evaluation is the final one, done by the caller
+                report_eval(f"epoch {epoch}")
+        elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
+            report_eval(f"step {done}/{max_steps}")
+    assert last_logged == max_steps
     return TrainResult(
         steps=max_steps,
+        epochs=max_steps / max(steps_per_epoch, 1),
         samples=max_steps * samples_per_step,
-        tokens=max_steps * tokens_per_step,
+        tokens=tokens,
         train_loss=train_loss,
-        eval_loss=eval_loss,
-        eval_tokens=eval_tokens,
-        seconds=seconds,
+        seconds=time.perf_counter() - started,
     )

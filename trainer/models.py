@@ -1,33 +1,92 @@
-"""Models, built from the spec: a GPT-2-architecture transformer via transformers.
+"""Models built from the spec: GPT-2 through transformers, for every task.
 
-Using transformers' GPT2LMHeadModel (rather than a private GPT class) means the
-`final/` export loads with `AutoModelForCausalLM` as is, outside this project.
+Using transformers' GPT-2 classes (never a private GPT) means every `final/` export
+loads with `AutoModelForCausalLM` / `AutoModelForSequenceClassification` as is.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from typing import Any
 
-from trainer.spec import ModelSpec
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+)
+
+from trainer.spec import ModelSpec, SpecError
+
+# (layers, heads, width) of the published GPT-2 sizes; all have 1024 positions.
+GPT2_SIZES = {
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+GPT2_POSITIONS = 1024
+
+
+def gpt2_config(spec: ModelSpec, vocab_size: int, eos_id: int, **extra: Any) -> GPT2Config:
+    """A named GPT-2 size, or the spec's own dimensions; random weights come later."""
+    n_layer, n_head, n_embd = GPT2_SIZES[spec.size] if spec.size else (spec.n_layer, spec.n_head, spec.n_embd)
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=GPT2_POSITIONS if spec.size else spec.block_size,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=spec.dropout,
+        embd_pdrop=spec.dropout,
+        attn_pdrop=spec.dropout,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        **extra,
+    )
+
+
+def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> PreTrainedModel:
+    try:
+        model = auto_class.from_pretrained(spec.pretrained, **kwargs)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"model.pretrained: cannot load {spec.pretrained!r}: {reason}") from None
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if positions and spec.block_size > positions:
+        raise SpecError(f"model.blockSize: {spec.block_size} is more than the model's {positions} positions")
+    return model
+
+
+def fit_vocabulary(model: PreTrainedModel, tokenizer: Any) -> PreTrainedModel:
+    """Grow the embeddings when the tokenizer knows more tokens than the pretrained model."""
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def build_char_gpt(spec: ModelSpec, vocab_size: int, special_id: int) -> GPT2LMHeadModel:
     """A randomly initialised GPT-2 with a character vocabulary."""
-    config = GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=spec.block_size,
-        n_embd=spec.n_embd,
-        n_layer=spec.n_layer,
-        n_head=spec.n_head,
-        resid_pdrop=spec.dropout,
-        embd_pdrop=spec.dropout,
-        attn_pdrop=spec.dropout,
-        bos_token_id=special_id,
-        eos_token_id=special_id,
-        pad_token_id=special_id,
-    )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(gpt2_config(spec, vocab_size, special_id))
+
+
+def build_causal_lm(spec: ModelSpec, tokenizer: Any) -> PreTrainedModel:
+    if spec.pretrained:
+        return fit_vocabulary(from_pretrained(AutoModelForCausalLM, spec), tokenizer)
+    return GPT2LMHeadModel(gpt2_config(spec, len(tokenizer), tokenizer.eos_token_id))
+
+
+def build_classifier(spec: ModelSpec, tokenizer: Any, labels: list[str]) -> PreTrainedModel:
+    """GPT2ForSequenceClassification: the last non-pad token's state feeds a linear head."""
+    names = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
+    if spec.pretrained:
+        model = from_pretrained(AutoModelForSequenceClassification, spec, num_labels=len(labels), **names)
+        return fit_vocabulary(model, tokenizer)
+    return GPT2ForSequenceClassification(gpt2_config(spec, len(tokenizer), tokenizer.eos_token_id, **names))
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

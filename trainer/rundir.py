@@ -6,6 +6,7 @@ never sees a half-written export or report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +30,13 @@ def prepare_run_dir(path: Path) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise SpecError(f"checkpoint.dir: {path} is not writable")
     return path.resolve()
+
+
+def remove_if_empty(created: list[Path]) -> None:
+    """Undo `prepare_run_dir` (deepest first) when a run fails on bad input before writing anything."""
+    for path in created:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> Path:

@@ -29,34 +29,64 @@ class SpecModel(BaseModel):
 
 
 class ModelSpec(SpecModel):
-    """A GPT-2-architecture model built from a config (random init)."""
+    """A GPT-2 model: a pretrained directory (or hub id), a named GPT-2 size, or the dimensions below."""
 
-    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
-    n_head: int = Field(4, ge=1, description="Attention heads per block.")
-    n_embd: int = Field(128, ge=1, description="Embedding width; a multiple of nHead.")
-    block_size: int = Field(128, ge=2, description="Context length in tokens.")
+    pretrained: str | None = Field(
+        None, description="Directory for from_pretrained (a hub id only when the network allows it)."
+    )
+    size: Literal["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] | None = Field(
+        None, description="A GPT-2 size built from its config with random weights."
+    )
+    n_layer: int = Field(4, ge=1, description="Transformer blocks (without pretrained/size).")
+    n_head: int = Field(4, ge=1, description="Attention heads per block (without pretrained/size).")
+    n_embd: int = Field(128, ge=1, description="Embedding width, a multiple of nHead (without pretrained/size).")
+    block_size: int = Field(128, ge=2, description="Context length: the packing block (LM) or truncation length.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP.")
 
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
+    def _one_source(self) -> ModelSpec:
+        if self.pretrained and self.size:
+            raise ValueError("set either pretrained or size, not both")
         if self.n_embd % self.n_head:
             raise ValueError(f"nEmbd ({self.n_embd}) must be a multiple of nHead ({self.n_head})")
         return self
 
 
-class DataSpec(SpecModel):
-    """Where the text comes from. Paths are globs; `{stdlib}` expands to Python's standard library."""
+class TokenizerSpec(SpecModel):
+    """causal-lm / classification: a tokenizer directory, or one trained here on the training text."""
 
-    train: list[str] = Field(min_length=1, description="Training files: paths or globs (`**` recurses).")
+    path: str | None = Field(
+        None, description="Tokenizer directory (or hub id); default: model.pretrained, else train one."
+    )
+    vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
+
+
+class DataSpec(SpecModel):
+    """Where the examples come from. Paths are globs; `{stdlib}` expands to Python's standard library."""
+
+    builtin: Literal["stdlib-docstrings"] | None = Field(
+        None, description="classification: a dataset built offline from Python's standard library docstrings."
+    )
+    train: list[str] = Field(default_factory=list, description="Training files: paths or globs (`**` recurses).")
     val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
+    test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
+    text_field: str = Field("text", min_length=1, description="JSONL/CSV field holding the text.")
+    label_field: str = Field("label", min_length=1, description="classification: JSONL/CSV field holding the label.")
+    labels: list[str] | None = Field(None, min_length=2, description="classification: label set; default: from train.")
 
     @model_validator(mode="before")
     @classmethod
     def _single_path_is_a_list(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: [v] if k in ("train", "val") and isinstance(v, str) else v for k, v in data.items()}
+            return {k: [v] if k in ("train", "val", "test") and isinstance(v, str) else v for k, v in data.items()}
         return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if bool(self.train) == bool(self.builtin):
+            raise ValueError("set train (files or globs) or builtin, one of the two")
+        return self
 
 
 class OptimizerSpec(SpecModel):
@@ -96,8 +126,13 @@ class SampleSpec(SpecModel):
 class TrainingSpec(SpecModel):
     """Everything the trainer needs; mounted as training.yaml in a pod."""
 
-    task: Literal["char-gpt"] = Field("char-gpt", description="What to train.")
+    task: Literal["char-gpt", "causal-lm", "classification"] = Field(
+        "char-gpt",
+        description="char-gpt: a GPT from scratch on characters; causal-lm: GPT-2 on text;"
+        " classification: a GPT-2 document classifier.",
+    )
     model: ModelSpec = Field(default_factory=ModelSpec)
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
     data: DataSpec
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -115,6 +150,16 @@ class TrainingSpec(SpecModel):
     seed: int = Field(1337, description="Seed for init, data order and sampling.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     sample: SampleSpec = Field(default_factory=SampleSpec)
+
+    @model_validator(mode="after")
+    def _fits_the_task(self) -> TrainingSpec:
+        if self.task != "classification":
+            misplaced = [key for key in ("builtin", "test", "labels") if getattr(self.data, key)]
+            if misplaced:
+                raise ValueError(f"data.{misplaced[0]}: only for task classification")
+        if self.task == "char-gpt" and (self.model.pretrained or self.model.size):
+            raise ValueError("model: char-gpt trains from scratch: no pretrained or size")
+        return self
 
 
 def describe_validation_error(error: ValidationError, prefix: str = "") -> str:

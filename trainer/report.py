@@ -1,0 +1,67 @@
+"""The classification report: accuracy, per-class precision/recall/F1, averages, confusion matrix.
+
+Pure Python over integer counts, so the same predictions give bit-identical floats
+however many processes produced them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ratio(numerator: float, denominator: int) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def classification_report(labels: list[str], truth: list[int], predicted: list[int]) -> dict[str, Any]:
+    """Metrics of `predicted` against `truth` (label ids), sklearn's definitions (zero when undefined)."""
+    size = len(labels)
+    confusion = [[0] * size for _ in range(size)]
+    for t, p in zip(truth, predicted, strict=True):
+        confusion[t][p] += 1
+    per_class = {}
+    for i, label in enumerate(labels):
+        true_positive = confusion[i][i]
+        support = sum(confusion[i])
+        predicted_as = sum(row[i] for row in confusion)
+        precision = _ratio(true_positive, predicted_as)
+        recall = _ratio(true_positive, support)
+        f1 = _ratio(2 * true_positive, support + predicted_as)
+        per_class[label] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
+    total = len(truth)
+    metrics = ("precision", "recall", "f1")
+    return {
+        "accuracy": _ratio(sum(confusion[i][i] for i in range(size)), total),
+        "support": total,
+        "per_class": per_class,
+        "macro_avg": {m: sum(c[m] for c in per_class.values()) / size for m in metrics},
+        "weighted_avg": {m: _ratio(sum(c[m] * c["support"] for c in per_class.values()), total) for m in metrics},
+        "labels": labels,
+        "confusion_matrix": confusion,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a text table, like sklearn's classification_report plus the confusion matrix."""
+    labels = report["labels"]
+    width = max(12, *(len(label) for label in labels))
+    lines = [f"{'':>{width}} {'precision':>9} {'recall':>9} {'f1':>9} {'support':>9}"]
+    for label, row in report["per_class"].items():
+        lines.append(
+            f"{label:>{width}} {row['precision']:>9.3f} {row['recall']:>9.3f} {row['f1']:>9.3f} {row['support']:>9d}"
+        )
+    lines.append("")
+    lines.append(f"{'accuracy':>{width}} {'':>9} {'':>9} {report['accuracy']:>9.3f} {report['support']:>9d}")
+    for name in ("macro_avg", "weighted_avg"):
+        avg = report[name]
+        lines.append(
+            f"{name.replace('_', ' '):>{width}} {avg['precision']:>9.3f} {avg['recall']:>9.3f}"
+            f" {avg['f1']:>9.3f} {report['support']:>9d}"
+        )
+    lines.append("")
+    lines.append("confusion matrix (rows: true, columns: predicted)")
+    cell = max(5, *(len(str(n)) for row in report["confusion_matrix"] for n in row))
+    lines.append(f"{'':>{width}} " + " ".join(f"{label[:cell]:>{cell}}" for label in labels))
+    for label, row in zip(labels, report["confusion_matrix"], strict=True):
+        lines.append(f"{label:>{width}} " + " ".join(f"{n:>{cell}d}" for n in row))
+    return "\n".join(lines)
