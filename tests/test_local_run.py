@@ -48,7 +48,7 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"error: data.train: no file matches '{missing}'" in result.stdout
-    assert f"failed: SpecError: data.train: no file matches '{missing}'" in result.stderr
+    assert f"failed: data.train: no file matches '{missing}'" in result.stderr
     assert not (tmp_path / "runs").exists()
     assert processes_with_marker(marker) == []
 

@@ -7,14 +7,17 @@ Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
@@ -102,6 +105,14 @@ def run(spec: TrainingSpec, dist: Dist) -> None:
     barrier()
 
 
+def record_bad_input(message: str) -> None:
+    """Tell torchrun (and through it `ctl run`) the one-line reason; a traceback would only be noise."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shutdown()
     except SpecError as exc:
-        get_error_handler().record_exception(exc)
+        record_bad_input(str(exc))
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
 

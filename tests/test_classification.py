@@ -1,0 +1,124 @@
+"""GPT-2 document classification: exact distributed report, a plain-transformers final/, bad data."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, run_ctl
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from trainer import stdlib_docstrings
+
+TINY_MODEL = {"nLayer": 1, "nHead": 2, "nEmbd": 64, "blockSize": 64}
+
+
+@pytest.fixture(scope="module")
+def docstrings(tmp_path_factory) -> dict[str, Path]:
+    """Real labelled data: stdlib docstrings, cut small; 7 test documents (uneven over 2 and 3 ranks)."""
+    root = tmp_path_factory.mktemp("docstrings")
+    built = stdlib_docstrings.build(root / "full")
+    sizes = {"train": 240, "val": 20, "test": 7}
+    files = {}
+    for split, size in sizes.items():
+        rows = random.Random(0).sample(built[split].read_text().splitlines(), size)
+        files[split] = root / f"{split}.jsonl"
+        files[split].write_text("\n".join(rows) + "\n")
+    return files
+
+
+def classification_spec(files: dict[str, Path], **training) -> dict:
+    return {
+        "name": "classify",
+        "nodes": 1,
+        "procsPerNode": 1,
+        "training": {
+            "task": "classification",
+            "model": TINY_MODEL,
+            "tokenizer": {"vocabSize": 300},
+            "data": {split: str(path) for split, path in files.items()},
+            "optimizer": {"lr": 0.003},
+            "batchSize": 8,
+            "logEvery": 5,
+        }
+        | training,
+    }
+
+
+def ctl_run(workdir: Path, spec: dict, name: str, *flags: str):
+    spec_file = workdir / f"{name}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec | {"name": name}))
+    return run_ctl("run", str(spec_file), *flags, cwd=workdir)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, docstrings) -> Path:
+    """A classifier trained for a few epochs on 2 processes; returns its run directory."""
+    workdir = tmp_path_factory.mktemp("trained")
+    result = ctl_run(workdir, classification_spec(docstrings, epochs=4) | {"procsPerNode": 2}, "trained")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| val accuracy" in result.stdout and "confusion matrix" in result.stdout
+    return workdir / "runs" / "trained"
+
+
+def test_report_shape_and_it_beats_chance(trained: Path) -> None:
+    report = json.loads((trained / "report.json").read_text())
+    assert report["split"] == "test" and report["support"] == 7 and report["world_size"] == 2
+    assert report["labels"] == sorted(report["per_class"])
+    assert sum(map(sum, report["confusion_matrix"])) == 7
+    assert set(report["macro_avg"]) == {"precision", "recall", "f1"} == set(report["weighted_avg"])
+    for row in report["per_class"].values():
+        assert set(row) == {"precision", "recall", "f1", "support"}
+
+
+def test_the_example_classifier_clearly_beats_the_majority_baseline(tmp_path) -> None:
+    """examples/classification.yaml as users run it (2 processes, the built-in stdlib docstrings)."""
+    result = run_ctl("run", str(REPO / "examples" / "classification.yaml"), "--run-dir", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    train_labels = [
+        json.loads(line)["label"]
+        for line in (tmp_path / "run" / "data" / "stdlib-docstrings" / "train.jsonl").read_text().splitlines()
+    ]
+    majority = max(set(train_labels), key=train_labels.count)
+    baseline = report["per_class"][majority]["support"] / report["support"]
+    assert report["accuracy"] >= 0.6 and report["accuracy"] > 2 * baseline, (report["accuracy"], baseline)
+
+
+def test_final_model_loads_with_plain_transformers_and_predicts_labels_by_name(trained, docstrings) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(trained / "final").eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained / "final")
+    report = json.loads((trained / "report.json").read_text())
+    assert [model.config.id2label[i] for i in range(len(report["labels"]))] == report["labels"]
+    rows = [json.loads(line) for line in docstrings["test"].read_text().splitlines()]
+    correct = 0
+    for row in rows:
+        inputs = tokenizer(row["text"], truncation=True, max_length=TINY_MODEL["blockSize"], return_tensors="pt")
+        with torch.no_grad():
+            predicted = model.config.id2label[model(**inputs).logits.argmax(-1).item()]
+        assert predicted in report["labels"]
+        correct += predicted == row["label"]
+    assert correct / len(rows) == report["accuracy"]
+
+
+@pytest.mark.parametrize("procs", [1, 2, 3])
+def test_report_is_the_same_for_any_number_of_processes(tmp_path, trained, docstrings, procs) -> None:
+    """The trained model re-evaluated (one step at a negligible LR) on 1, 2 and 3 ranks: 7 test documents."""
+    spec = classification_spec(
+        docstrings, model={"pretrained": str(trained / "final"), "blockSize": 64}, maxSteps=1, batchSize=2
+    ) | {"procsPerNode": procs}
+    spec["training"]["optimizer"] = {"lr": 1e-12}
+    spec["training"].pop("tokenizer")
+    result = ctl_run(tmp_path, spec, f"eval-{procs}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "runs" / f"eval-{procs}" / "report.json").read_text())
+    reference = json.loads((trained / "report.json").read_text())
+    for key in ("accuracy", "support", "per_class", "macro_avg", "weighted_avg", "labels", "confusion_matrix"):
+        assert report[key] == reference[key], key
+    assert math.isclose(report["eval_loss"], reference["eval_loss"], rel_tol=1e-5)
+    assert report["world_size"] == procs
