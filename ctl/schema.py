@@ -71,15 +71,21 @@ def _model_lines(model: type[BaseModel], depth: int) -> list[str]:
         if is_model:
             lines += _comment(description, indent)
             inner = _model_lines(annotation, depth + 1)
-            lines += [f"{indent}{key}:", *inner] if inner else [f"{indent}{key}: {{}}"]
+            has_values = any(not line.lstrip().startswith("#") for line in inner)
+            lines += [f"{indent}{key}:" if has_values else f"{indent}{key}: {{}}", *inner]
         elif field.is_required():
             lines += _comment(f"{description} Required: no default.", indent)
             lines.append(f"{indent}# {key}:")
         else:
-            lines += _comment(description, indent)
             default = field.get_default(call_default_factory=True, validated_data={})
             dumped = TypeAdapter(annotation).dump_python(default, mode="json", by_alias=True)
-            lines.append(f"{indent}{key}: {_scalar(dumped)}")
+            if dumped is None:
+                # Helm versions disagree on whether a null default survives the merge; unset is unset.
+                lines += _comment(f"{description} Unset by default.", indent)
+                lines.append(f"{indent}# {key}:")
+            else:
+                lines += _comment(description, indent)
+                lines.append(f"{indent}{key}: {_scalar(dumped)}")
     return lines
 
 

@@ -21,7 +21,16 @@ import yaml
 from conftest import REPO, run_ctl
 
 from ctl.operator_env import replicas
-from ctl.render import Manifest, RenderError, chart_path, chart_values, render, render_chart, split_manifests
+from ctl.render import (
+    Manifest,
+    RenderError,
+    chart_path,
+    chart_values,
+    notes,
+    render,
+    render_chart,
+    split_manifests,
+)
 from ctl.schema import generated_files
 from ctl.spec import JobSpec, load_spec
 from trainer.spec import load_training_spec
@@ -595,3 +604,12 @@ def test_rbac_is_least_privilege() -> None:
         "name": docs["Role"]["metadata"]["name"],
     }
     assert "kubectl apply --server-side" in (REPO / "k8s" / "README.md").read_text()
+
+
+def test_notes_tell_how_to_follow_the_job() -> None:
+    text = notes(spec_of(nodes=2), namespace="ml")
+    assert "kubectl get pytorchjob job -n ml -w" in text
+    assert "kubectl logs -n ml -f job-master-0 -c pytorch" in text
+    assert "/checkpoints/job" in text and "job-checkpoints" in text
+    elastic = notes(spec_of(**VARIANTS["elastic"]), namespace="ml")
+    assert "job-worker-0 -c pytorch" in elastic and "elastic, 1-4 pods" in elastic
