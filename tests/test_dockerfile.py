@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from conftest import REPO
@@ -90,3 +92,35 @@ def test_runs_as_non_root_with_writable_home_and_exec_form_entry() -> None:
 def test_dockerignore_keeps_the_context_small() -> None:
     lines = (REPO / ".dockerignore").read_text().split()
     assert lines[lines.index("*") :] and "!pyproject.toml" in lines and "!trainer/" in lines and "!ctl/" in lines
+
+
+def test_docker_context_builds_the_declared_distribution(tmp_path: Path) -> None:
+    """What `pip install .` sees in the image (only the files the Dockerfile copies) builds the ddpjob wheel with
+    exactly pyproject's dependencies and both packages: the image cannot drift from the project."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for keyword, args in instructions():
+        if keyword == "COPY":
+            *sources, _ = args.split()
+            for source in sources:
+                src = REPO / source
+                if src.is_dir():
+                    shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy(src, context / source)
+    out = tmp_path / "dist"
+    build = "import sys; from setuptools.build_meta import build_wheel; print(build_wheel(sys.argv[1]))"
+    result = subprocess.run(
+        [sys.executable, "-c", build, str(out)], cwd=context, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    with zipfile.ZipFile(out / result.stdout.strip().splitlines()[-1]) as wheel:
+        names = wheel.namelist()
+        metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = {
+        str(Requirement(line.split(":", 1)[1])) for line in metadata.splitlines() if line.startswith("Requires-Dist:")
+    }
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    runtime = {r for r in requires if "extra ==" not in r}
+    assert runtime == {str(Requirement(d)) for d in declared}
+    assert "trainer/__main__.py" in names and "ctl/cli.py" in names
