@@ -67,11 +67,11 @@ def render(
     output: Annotated[
         str, typer.Option("--output", "-o", help="yaml (multi-document, as `helm template`) or json (a List).")
     ] = "yaml",
-    namespace: Annotated[
-        str, typer.Option("--namespace", "-n", help="Namespace the chart's notes name (objects carry none).")
-    ] = "default",
 ) -> None:
-    """Print the Kubernetes objects the job becomes (the Helm chart, rendered in process); no cluster access."""
+    """Print the Kubernetes objects the job becomes (the Helm chart, rendered in process); no cluster access.
+
+    The objects carry no namespace: `kubectl apply -n NS` (or `ctl submit -n NS`) chooses it.
+    """
     if output not in ("yaml", "json"):
         raise fail(f"--output {output!r}: expected yaml or json")
     fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
@@ -83,7 +83,7 @@ def render(
     from ctl.render import render as render_spec
 
     try:
-        manifests = render_spec(job, namespace)
+        manifests = render_spec(job)
     except RenderError as exc:
         raise fail(str(exc), code=1) from None
     typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
