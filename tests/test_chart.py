@@ -16,6 +16,7 @@ from typing import Any
 import helm_python
 import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 from conftest import REPO, run_ctl
@@ -38,7 +39,9 @@ from trainer.spec import load_training_spec
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"
 CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
-KUBERNETES_VERSION = "1.30.0"  # the oldest minor the chart's kubeVersion range is tested against
+KUBERNETES_VERSION = "1.30.0"  # `helm template --kube-version` for a go-installed helm binary
+# Chart.yaml's kubeVersion (>=1.27) up to the newest schemas kubernetes-validate ships.
+KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -187,9 +190,11 @@ def test_core_objects_and_pods_validate_strictly(name: str, spec: JobSpec) -> No
         if manifest.kind == "PyTorchJob":
             for template in pod_templates(manifest.obj).values():
                 pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]}}
-                kubernetes_validate.validate(pod | {"spec": template["spec"]}, KUBERNETES_VERSION, strict=True)
+                for version in KUBERNETES_VERSIONS:
+                    kubernetes_validate.validate(pod | {"spec": template["spec"]}, version, strict=True)
         else:
-            kubernetes_validate.validate(manifest.obj, KUBERNETES_VERSION, strict=True)
+            for version in KUBERNETES_VERSIONS:
+                kubernetes_validate.validate(manifest.obj, version, strict=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -574,7 +579,8 @@ def test_k8s_prerequisites_validate_strictly(name: str) -> None:
     docs = [d for d in yaml.safe_load_all((REPO / "k8s" / name).read_text()) if d]
     assert docs
     for doc in docs:
-        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_rbac_is_least_privilege() -> None:
