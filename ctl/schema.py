@@ -31,9 +31,25 @@ VALUES_HEADER = """\
 """
 
 
+# Path lists the trainer also accepts as a single string (DataSpec's "before" validator, which JSON Schema
+# generation cannot see): `train: data.txt` must pass `helm install` as it passes ctl.
+SINGLE_OR_LIST = {"DataSpec": ("train", "val", "test")}
+
+
+def _accept_single_strings(schema: dict[str, Any]) -> None:
+    for model, keys in SINGLE_OR_LIST.items():
+        properties = schema.get("$defs", {}).get(model, {}).get("properties", {})
+        for key in keys:
+            prop = properties.get(key)
+            if prop and prop.get("type") == "array" and prop.get("items") == {"type": "string"}:
+                meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+                properties[key] = {"anyOf": [{"type": "string"}, prop], **meta}
+
+
 def values_schema() -> dict[str, Any]:
     """JSON Schema of the chart's values: the job spec model by alias (camelCase)."""
     schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    _accept_single_strings(schema)
     return {"title": "ddpjob job spec (the ddpjob chart's values)", **{k: v for k, v in schema.items() if k != "title"}}
 
 

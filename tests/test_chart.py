@@ -228,7 +228,7 @@ def test_elastic_is_worker_only_with_c10d_rendezvous() -> None:
     assert job["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 5}
 
 
-def test_training_config_is_the_spec_training_section() -> None:
+def test_training_config_is_the_spec_training_section(tmp_path: Path) -> None:
     spec = spec_of(**VARIANTS["multi-node-gpu"])
     by_kind = objects(spec)
     config = by_kind["ConfigMap"]
@@ -239,12 +239,9 @@ def test_training_config_is_the_spec_training_section() -> None:
     assert mount["mountPath"] == "/etc/ddpjob" and mount["readOnly"]
     # What the trainer reads in the pod, through its own loader.
     assert set(config["data"]) == {"training.yaml"}
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddpjob-training-{os.getpid()}.yaml"
+    path = tmp_path / "training.yaml"
     path.write_text(config["data"]["training.yaml"])
-    try:
-        training = load_training_spec(path)
-    finally:
-        path.unlink()
+    training = load_training_spec(path)
     assert training.checkpoint.dir == "/checkpoints/job"  # <storage.mountPath>/<name>
     assert training == spec.training.model_copy(update={"checkpoint": training.checkpoint})
 
@@ -619,3 +616,14 @@ def test_notes_tell_how_to_follow_the_job() -> None:
     assert "/checkpoints/job" in text and "job-checkpoints" in text
     elastic = notes(spec_of(**VARIANTS["elastic"]), namespace="ml")
     assert "job-worker-0 -c pytorch" in elastic and "elastic, 1-4 pods" in elastic
+
+
+def test_helm_accepts_what_ctl_accepts_for_a_single_path(tmp_path: Path) -> None:
+    """`train: data.txt` (one path, not a list) passes values.schema.json and reaches the trainer as a list."""
+    values = {"name": "job", "training": {"data": {"train": "/data/train.txt", "val": "/data/val.txt"}}}
+    manifests = split_manifests(render_chart(values, "job"))
+    config = next(m.obj for m in manifests if m.kind == "ConfigMap")
+    path = tmp_path / "training.yaml"
+    path.write_text(config["data"]["training.yaml"])
+    data = load_training_spec(path).data
+    assert (data.train, data.val) == (["/data/train.txt"], ["/data/val.txt"])
