@@ -18,7 +18,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 def test_examples_load(example: Path) -> None:
     spec = load_spec(example)
     assert isinstance(spec, JobSpec)
-    assert spec.training.data.train
+    assert spec.training.data.train or spec.training.data.builtin
 
 
 def test_overrides_are_typed_and_nested() -> None:

@@ -135,13 +135,10 @@ def load_char_corpus(spec: DataSpec, block_size: int) -> CharCorpus:
     return corpus
 
 
-def check_enough_samples(dataset: Dataset, dist: Dist, batch_size: int, key: str) -> None:
+def check_enough_samples(count: int, dist: Dist, batch_size: int, key: str) -> None:
     """Every rank needs at least one full batch, or training would take no step."""
-    needed = dist.world_size * batch_size
-    if len(dataset) < needed:
-        raise SpecError(
-            f"{key}: {len(dataset)} samples, fewer than world size x batchSize = {dist.world_size} x {batch_size}"
-        )
+    if count < dist.world_size * batch_size:
+        raise SpecError(f"{key}: {count} samples, fewer than world size x batchSize = {dist.world_size} x {batch_size}")
 
 
 class ShardSampler(Sampler[int]):

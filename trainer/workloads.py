@@ -76,7 +76,7 @@ def tokenizer_for(spec: TrainingSpec, dist: Dist, run_dir: Path, texts: list[str
 
 def char_gpt(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
     corpus = load_char_corpus(spec.data, spec.model.block_size)
-    check_enough_samples(corpus.train, dist, spec.batch_size, "data.train")
+    check_enough_samples(len(corpus.train), dist, spec.batch_size, "data.train")
     model = build_char_gpt(spec.model, corpus.vocab.size, corpus.vocab.special_id)
     return Workload(model, corpus.vocab.to_hf_tokenizer(), corpus.train, corpus.val, char_vocab=corpus.vocab)
 
@@ -119,7 +119,7 @@ def causal_lm(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
         train_ids, val_ids = train_ids[:cut], train_ids[cut:]
     block = spec.model.block_size
     train_set, val_set = TokenBlocks(train_ids, block), TokenBlocks(val_ids, block)
-    check_enough_samples(train_set, dist, spec.batch_size, "data.train")
+    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
     if not len(val_set):
         raise SpecError(f"data.val: {len(val_ids)} tokens, fewer than one block of {block + 1}")
     return Workload(build_causal_lm(spec.model, tokenizer), tokenizer, train_set, val_set)
@@ -169,6 +169,8 @@ def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
     if len(labels) < 2:
         raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
 
+    check_enough_samples(len(train_rows), dist, spec.batch_size, "data.train")
+
     tokenizer = tokenizer_for(spec, dist, run_dir, [text for text, _ in train_rows])
     label_id = {label: i for i, label in enumerate(labels)}
 
@@ -179,7 +181,6 @@ def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
         return LabelledExamples(encoded, [label_id[label] for _, label in split_rows])
 
     train_set = examples(train_rows)
-    check_enough_samples(train_set, dist, spec.batch_size, "data.train")
     return Workload(
         model=build_classifier(spec.model, tokenizer, labels),
         tokenizer=tokenizer,

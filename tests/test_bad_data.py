@@ -1,0 +1,83 @@
+"""Bad data files: one clear line naming the key and the problem, exit 2, nothing left in the run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_ctl
+
+ROWS = [
+    {"text": f"document number {i} about {'cats' if i % 2 else 'dogs'}", "label": "odd" if i % 2 else "even"}
+    for i in range(40)
+]
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+CASES = {
+    "missing-file": (lambda d: {"train": str(d / "absent.jsonl")}, "data.train: no file matches"),
+    "empty-dataset": (lambda d: {"train": jsonl(d / "empty.jsonl", [])}, "data.train: no examples in"),
+    "row-without-text": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS, {"label": "odd"}])},
+        "t.jsonl:41: no 'text' field",
+    ),
+    "row-without-label": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS[:5], {"text": "x"}, *ROWS[5:]])},
+        "t.jsonl:6: no 'label' field",
+    ),
+    "unseen-label-in-val": (
+        lambda d: {"train": jsonl(d / "t.jsonl", ROWS), "val": jsonl(d / "v.jsonl", [{"text": "a", "label": "prime"}])},
+        "data.val: label 'prime' is not in the training data",
+    ),
+    "unseen-label-in-test": (
+        lambda d: {"train": jsonl(d / "t.jsonl", ROWS), "test": jsonl(d / "s.jsonl", [{"text": "a", "label": "zero"}])},
+        "data.test: label 'zero' is not in the training data",
+    ),
+    "fewer-samples-than-ranks-x-batch": (
+        lambda d: {"train": jsonl(d / "t.jsonl", ROWS[:20]), "valFraction": 0.1},
+        "data.train: 18 samples, fewer than world size x batchSize = 2 x 16",
+    ),
+    "not-utf-8": (
+        lambda d: (
+            (d / "latin1.csv").write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
+            and {"train": str(d / "latin1.csv")}
+        ),
+        "latin1.csv is not UTF-8 text",
+    ),
+    "invalid-json": (
+        lambda d: (
+            (d / "broken.jsonl").write_text('{"text": "a", "label": "b"}\n{"text": \n')
+            and {"train": str(d / "broken.jsonl")}
+        ),
+        "broken.jsonl:2: invalid JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    make_data, message = CASES[case]
+    spec = {
+        "name": "bad",
+        "procsPerNode": 2,
+        "training": {
+            "task": "classification",
+            "model": {"nLayer": 1, "nHead": 2, "nEmbd": 32, "blockSize": 32},
+            "data": make_data(tmp_path),
+            "batchSize": 16,
+        },
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    failure = [line for line in result.stderr.splitlines() if line.startswith("ctl: node")]
+    assert len(failure) == 1 and message in failure[0], result.stderr
+    assert "] error: data." in result.stdout  # every rank says it too, in the job's own output
+    assert "raise SpecError" not in result.stdout + result.stderr  # the trainer's own output has no traceback
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,103 @@
+"""GPT-2 causal LM: a model saved to a directory and loaded back through the production path."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import run_ctl
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from trainer.text import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory, corpus_file) -> Path:
+    """A tiny GPT-2 and a locally trained tokenizer, saved the way users keep models on the shared volume."""
+    path = tmp_path_factory.mktemp("models") / "tiny-gpt2"
+    tokenizer = train_tokenizer([corpus_file.read_text()], vocab_size=400)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", stdout)]
+
+
+def test_pretrained_directory_fine_tunes_and_exports(tmp_path, corpus_file, pretrained_dir) -> None:
+    docs = tmp_path / "docs.jsonl"
+    text = corpus_file.read_text()
+    docs.write_text("\n".join(json.dumps({"body": text[i : i + 2000]}) for i in range(0, len(text), 2000)))
+    spec = {
+        "name": "finetune",
+        "procsPerNode": 2,
+        "training": {
+            "task": "causal-lm",
+            "model": {"pretrained": str(pretrained_dir), "blockSize": 64},
+            "data": {"train": str(docs), "textField": "body", "valFraction": 0.1},
+            "optimizer": {"lr": 0.003},
+            "maxSteps": 30,
+            "batchSize": 4,
+            "logEvery": 5,
+            "sample": {"prompt": "def ", "maxNewTokens": 8},
+        },
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logged = losses(result.stdout)
+    assert len(logged) == 6 and logged[-1] < logged[0] - 0.5, logged
+
+    run_dir = tmp_path / "runs" / "finetune"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["task"] == "causal-lm" and report["world_size"] == 2
+    assert report["perplexity"] == pytest.approx(2.718281828 ** report["eval_loss"])
+    assert list((run_dir / "cache").glob("tokens-*.pt")), "tokenized once and cached in the run directory"
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    assert len(tokenizer) == len(AutoTokenizer.from_pretrained(pretrained_dir))
+    ids = tokenizer("import json", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out.shape[1] == ids.shape[1] + 5 and isinstance(tokenizer.decode(out[0]), str)
+
+
+def test_named_gpt2_sizes_are_built_from_their_configs() -> None:
+    from trainer.models import build_causal_lm
+    from trainer.spec import ModelSpec
+
+    tokenizer = train_tokenizer(["a tiny corpus for a tokenizer"], vocab_size=300)
+    model = build_causal_lm(ModelSpec.model_validate({"size": "gpt2"}), tokenizer)
+    config = model.config
+    assert (config.n_layer, config.n_head, config.n_embd, config.n_positions) == (12, 12, 768, 1024)
+    # GPT-2 124M has 124,439,808 parameters with its 50257-token vocabulary; this one has a tiny vocabulary.
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808 - (50257 - len(tokenizer)) * 768
+
+
+def test_trained_tokenizer_and_model_from_dimensions(tmp_path, corpus_file) -> None:
+    """No model or tokenizer given: a BPE is trained on the data and saved next to the model."""
+    spec = {
+        "name": "scratch",
+        "training": {
+            "task": "causal-lm",
+            "model": {"nLayer": 1, "nHead": 2, "nEmbd": 32, "blockSize": 32},
+            "tokenizer": {"vocabSize": 300},
+            "data": {"train": str(corpus_file)},
+            "maxSteps": 3,
+            "batchSize": 4,
+            "sample": {"maxNewTokens": 0},
+        },
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    result = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "scratch"
+    assert len(AutoTokenizer.from_pretrained(run_dir / "tokenizer")) == 300
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.vocab_size == 300
