@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from ctl.spec import load_spec
+from ctl.spec import JobSpec, load_spec
 from trainer.spec import SpecError
 
 EXIT_BAD_INPUT = 2
@@ -40,6 +40,14 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
     return typer.Exit(code)
 
 
+def load_job(spec: Path, set_values: list[str]) -> JobSpec:
+    """The validated spec, or exit 2 with its one-line problem."""
+    try:
+        return load_spec(spec, set_values)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+
+
 @app.command()
 def run(
     spec: SpecArg,
@@ -49,10 +57,7 @@ def run(
     ] = None,
 ) -> None:
     """Run the job on this machine: one torchrun agent per node, with the operator's env."""
-    try:
-        job = load_spec(spec, set_values)
-    except SpecError as exc:
-        raise fail(str(exc)) from None
+    job = load_job(spec, set_values)
     from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
 
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
@@ -75,10 +80,7 @@ def render(
     if output not in ("yaml", "json"):
         raise fail(f"--output {output!r}: expected yaml or json")
     fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
-    try:
-        job = load_spec(spec, set_values)
-    except SpecError as exc:
-        raise fail(str(exc)) from None
+    job = load_job(spec, set_values)
     from ctl.render import RenderError, to_json, to_yaml
     from ctl.render import render as render_spec
 
