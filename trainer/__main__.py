@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
-from trainer.loop import autocast_dtype, evaluate, predict, train
+from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
 from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
@@ -35,13 +35,15 @@ def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[st
     """Evaluate the trained model: loss (and perplexity) everywhere, the classification report where it applies."""
     split, dataset = ("test", work.test) if work.test is not None else ("val", work.val)
     amp_dtype = autocast_dtype(spec.precision, dist.device)
-    result = evaluate(work.model, eval_loader(dataset, dist, spec.batch_size, work.collate), dist, amp_dtype)
+    pairs: list[tuple[int, int]] | None = None if work.labels is None else []
+    loader = eval_loader(dataset, dist, spec.batch_size, work.collate)
+    result = evaluate(work.model, loader, dist, amp_dtype, predictions=pairs)
     report: dict[str, Any] = {"task": spec.task, "split": split, "eval_loss": result.loss}
     if work.labels is None:
         report |= {"perplexity": math.exp(result.loss), "eval_tokens": result.count, "token_accuracy": result.accuracy}
         log(f"final | {split} loss {result.loss:.4f} | perplexity {math.exp(result.loss):.2f}")
         return report
-    predictions = predict(work.model, dataset, dist, spec.batch_size, work.collate)
+    predictions = gather_predictions(pairs, dist, len(dataset))
     metrics = classification_report(work.labels, dataset.labels, predictions)
     majority = max(metrics["per_class"].values(), key=lambda c: c["support"])["support"] / metrics["support"]
     log(

@@ -79,53 +79,56 @@ def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     return logits.float().flatten(0, -2)
 
 
-def batch_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(summed loss, correct predictions, targets) of one batch."""
+def batch_stats(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(summed loss, correct predictions, targets, predictions) of one batch."""
     logits = forward_logits(model, batch)
     targets = batch["labels"].flatten()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    correct = (logits.detach().argmax(-1) == targets).sum()
-    return loss_sum, correct, targets.numel()
+    predicted = logits.detach().argmax(-1)
+    return loss_sum, (predicted == targets).sum(), targets.numel(), predicted
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, dist: Dist, amp_dtype: torch.dtype | None) -> Evaluation:
-    """Exact loss and accuracy over the whole split: per-rank sums and counts, all-reduced."""
+def evaluate(
+    model: torch.nn.Module,
+    loader: DataLoader,
+    dist: Dist,
+    amp_dtype: torch.dtype | None,
+    predictions: list[tuple[int, int]] | None = None,
+) -> Evaluation:
+    """Exact loss and accuracy over the whole split: per-rank sums and counts, all-reduced.
+
+    With `predictions` (classification), this rank's (example index, predicted class) pairs are appended to it.
+    """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss sum, correct, count
     for batch in loader:
         batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
-            loss_sum, correct, count = batch_stats(model, batch)
+            loss_sum, correct, count, predicted = batch_stats(model, batch)
         totals += torch.stack([loss_sum.double(), correct.double(), torch.tensor(count, device=dist.device)])
+        if predictions is not None:
+            predictions += zip(batch["index"].tolist(), predicted.tolist(), strict=True)
     model.train()
     loss_sum, correct, count = all_reduce_sum(totals).tolist()
     return Evaluation(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), count=int(count))
 
 
-@torch.no_grad()
-def predict(
-    model: torch.nn.Module, dataset: Dataset, dist: Dist, batch_size: int, collate: Collate | None
-) -> list[int]:
-    """Predicted class of every example, in dataset order, gathered from all ranks.
+def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> list[int]:
+    """Every rank's (index, prediction) pairs put back in dataset order.
 
-    Each rank predicts its own shard (no padding duplicates) and sends (index, prediction)
-    pairs; placing them by index makes the result independent of the world size.
+    Each rank predicted its own shard (no padding duplicates); placing the pairs by
+    index makes the result independent of the world size.
     """
-    model.eval()
-    pairs: list[tuple[int, int]] = []
-    for batch in eval_loader(dataset, dist, batch_size, collate):
-        batch = to_device(batch, dist.device)
-        predictions = forward_logits(model, batch).argmax(-1)
-        pairs += zip(batch["index"].tolist(), predictions.tolist(), strict=True)
-    model.train()
     shards = [pairs]
     if dist.is_distributed:
         shards = [None] * dist.world_size
         torch_dist.all_gather_object(shards, pairs)
     by_index = dict(pair for shard in shards for pair in shard)
-    assert sorted(by_index) == list(range(len(dataset))), "every example predicted exactly once"
-    return [by_index[i] for i in range(len(dataset))]
+    assert sorted(by_index) == list(range(size)), "every example predicted exactly once"
+    return [by_index[i] for i in range(size)]
 
 
 def train(
@@ -175,11 +178,12 @@ def train(
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
 
     stream = iter(batches)
+    is_ddp = isinstance(forward_model, DDP)
     # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
     interval = torch.zeros(4, dtype=torch.float64, device=device)
     epoch_totals = torch.zeros(3, dtype=torch.float64, device=device)
     started = interval_start = time.perf_counter()
-    last_logged, tokens, train_loss = 0, 0, float("nan")
+    tokens, train_loss = 0, float("nan")
     for step in range(max_steps):
         lr = lr_at(step, max_steps, spec.optimizer.lr, spec.schedule)
         for group in optimizer.param_groups:
@@ -188,10 +192,9 @@ def train(
             _, batch = next(stream)
             batch = to_device(batch, device)
             last_micro = micro == spec.grad_accum - 1
-            in_ddp = isinstance(forward_model, DDP)
-            with contextlib.nullcontext() if last_micro or not in_ddp else forward_model.no_sync():
+            with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
                 with autocast(device, amp_dtype):
-                    loss_sum, correct, count = batch_stats(forward_model, batch)
+                    loss_sum, correct, count, _ = batch_stats(forward_model, batch)
                     loss = loss_sum / count / spec.grad_accum
                 scaler.scale(loss).backward()
             stats = torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(count, device=device)])
@@ -216,7 +219,7 @@ def train(
                 f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
             )
             interval.zero_()
-            last_logged, interval_start = done, now
+            interval_start = now
         if steps_per_epoch and done % steps_per_epoch == 0:
             epoch = done // steps_per_epoch
             loss_sum_all, correct_all, count_all = all_reduce_sum(epoch_totals).tolist()
@@ -226,7 +229,6 @@ def train(
                 report_eval(f"epoch {epoch}")
         elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
             report_eval(f"step {done}/{max_steps}")
-    assert last_logged == max_steps
     return TrainResult(
         steps=max_steps,
         epochs=max_steps / max(steps_per_epoch, 1),

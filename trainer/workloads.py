@@ -134,7 +134,7 @@ def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
             lambda: (
                 stdlib_docstrings.build(built)
                 if dist.is_main
-                else {s: built / f"{s}.jsonl" for s in ("train", "val", "test")}
+                else {s: built / f"{s}.jsonl" for s in stdlib_docstrings.SPLITS}
             ),
         )
         splits = {split: [path] for split, path in files.items()}
