@@ -1,7 +1,9 @@
 """Entry point: `torchrun -m trainer --config /etc/ddpjob/training.yaml`.
 
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
-(spec or data: one line naming the key and the problem).
+(spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
+saving a checkpoint (128 + 15: what a terminated process reports, and an exit code the
+operator's `ExitCode` restart policy retries); the next start resumes from it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +22,7 @@ import torch
 import transformers
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainer.checkpoint import Checkpointer
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
@@ -29,6 +33,7 @@ from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.workloads import Workload, prepare
 
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
 def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[str, Any]:
@@ -54,7 +59,9 @@ def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[st
     return report | metrics
 
 
-def run(spec: TrainingSpec, dist: Dist) -> None:
+def run(spec: TrainingSpec, dist: Dist) -> int:
+    """Train (or resume), evaluate and export; returns the process exit code."""
+
     def log(message: str) -> None:
         if dist.is_main:
             print(message, flush=True)
@@ -74,7 +81,12 @@ def run(spec: TrainingSpec, dist: Dist) -> None:
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
 
-    result = train(spec, dist, work.model, work.train, work.val, work.collate, log)
+    checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
+    checkpoints.clean()
+    result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
+    if result.preempted:
+        log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
+        return EXIT_PREEMPTED
     report = final_report(spec, dist, work, log) | {
         "train_loss": result.train_loss,
         "steps": result.steps,
@@ -105,6 +117,7 @@ def run(spec: TrainingSpec, dist: Dist) -> None:
             log(f"sample:\n{spec.sample.prompt}{text}\n")
         log(f"run directory: {run_dir}")
     barrier()
+    return 0
 
 
 def record_bad_input(message: str) -> None:
@@ -124,13 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         spec = load_training_spec(args.config)
         dist = init_distributed()
         try:
-            run(spec, dist)
+            code = run(spec, dist)
         finally:
             shutdown()
     except SpecError as exc:
         record_bad_input(str(exc))
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

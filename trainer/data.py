@@ -1,8 +1,10 @@
 """Text in, token blocks out: the char-gpt corpus, its vocabulary and the samplers.
 
-Training shards with `DistributedSampler` (shuffled per epoch, equal shard sizes so
-every rank takes the same number of steps). Evaluation shards with `ShardSampler`,
-which never pads, so no sample is counted twice.
+Training walks one global shuffled order per epoch, `world size x batchSize` samples
+at a time, rank r taking every W-th of them (what `DistributedSampler` does). Its
+position is a count of global samples, so a resumed run continues at the exact batch,
+on any world size. Evaluation shards with `ShardSampler`, which never pads, so no
+sample is counted twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from trainer.dist import Dist
 from trainer.spec import DataSpec, SpecError
@@ -155,32 +157,50 @@ class ShardSampler(Sampler[int]):
 
 
 class TrainBatches:
-    """Endless (epoch, batch) stream; the sampler reshuffles with `set_epoch` each epoch."""
+    """Endless stream of this rank's training batches; `epoch` and `position` say where it stands.
+
+    `position` counts the global samples of the current epoch already handed out (all
+    ranks together), so it means the same thing whatever the world size.
+    """
 
     def __init__(self, dataset: Dataset, dist: Dist, batch_size: int, seed: int, collate: Collate | None) -> None:
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=dist.world_size, rank=dist.rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            drop_last=True,
-            collate_fn=collate,
-            pin_memory=dist.device.type == "cuda",
-        )
+        self.dataset = dataset
+        self.rank, self.world_size = dist.rank, dist.world_size
+        self.global_batch = dist.world_size * batch_size
+        self.seed = seed
+        self.collate = collate or default_collate
+        self.pin_memory = dist.device.type == "cuda"
+        self.epoch = 0
+        self.position = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.loader)
+        """Full global batches per epoch; the remainder of the shuffled order is dropped."""
+        return len(self.dataset) // self.global_batch
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        epoch = 0
+    @property
+    def completed_epochs(self) -> int:
+        """Epochs whose batches have all been handed out."""
+        return self.epoch + (self.position + self.global_batch > len(self.dataset))
+
+    @property
+    def epochs_done(self) -> float:
+        return self.epoch + self.position / max(1, self.batches_per_epoch * self.global_batch)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
-            self.sampler.set_epoch(epoch)
-            for batch in self.loader:
-                yield epoch, batch
-            epoch += 1
+            order = self.epoch_order(self.epoch)
+            while self.position + self.global_batch <= len(order):
+                start = self.position + self.rank
+                indices = order[start : self.position + self.global_batch : self.world_size]
+                self.position += self.global_batch
+                batch = self.collate([self.dataset[i] for i in indices])
+                yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
+            self.epoch, self.position = self.epoch + 1, 0
 
 
 def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, collate: Collate | None) -> DataLoader:
@@ -189,5 +209,7 @@ def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, collate: Collate 
         batch_size=batch_size,
         sampler=ShardSampler(len(dataset), dist),
         collate_fn=collate,
+        # Its own generator: evaluating must not draw from the global RNG that training uses.
+        generator=torch.Generator(),
         pin_memory=dist.device.type == "cuda",
     )

@@ -7,8 +7,10 @@ with no process group; every collective here is then a no-op.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -20,6 +22,8 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
+    # Small CPU-side collectives (stop flag, RNG states): gloo, so they never wait on the GPU stream.
+    control_group: Any = field(default=None, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -47,6 +51,8 @@ def init_distributed() -> Dist:
             timeout=timedelta(minutes=10),
             device_id=device if device.type == "cuda" else None,
         )
+        control_group = torch_dist.new_group(backend="gloo") if backend == "nccl" else None
+        return Dist(rank, local_rank, world_size, device, control_group)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
@@ -65,3 +71,32 @@ def barrier() -> None:
 def shutdown() -> None:
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+
+
+class StopRequest:
+    """SIGTERM (eviction, preemption, `ctl run` interrupted) asks training to stop at a step boundary.
+
+    Ranks receive the signal at slightly different times; `agreed()` all-reduces the
+    flag so that every rank stops after the same step.
+    """
+
+    def __init__(self, dist: Dist) -> None:
+        self.dist = dist
+        self.requested = False
+        self.previous_handler: Any = None
+
+    def __enter__(self) -> StopRequest:
+        self.previous_handler = signal.signal(signal.SIGTERM, self.request)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        signal.signal(signal.SIGTERM, self.previous_handler)
+
+    def request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([float(self.requested)])
+        if torch_dist.is_initialized():
+            torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX, group=self.dist.control_group)
+        return bool(flag.item())

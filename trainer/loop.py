@@ -13,7 +13,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as torch_dist
@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
+from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
 from trainer.data import Collate, TrainBatches, eval_loader
-from trainer.dist import Dist, all_reduce_sum
+from trainer.dist import Dist, StopRequest, all_reduce_sum
 from trainer.models import parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
 
@@ -45,6 +46,7 @@ class TrainResult:
     tokens: int
     train_loss: float
     seconds: float
+    preempted: bool  # stopped by SIGTERM after saving a checkpoint; the run is not finished
 
 
 def lr_at(step: int, max_steps: int, peak: float, schedule: ScheduleSpec) -> float:
@@ -131,6 +133,16 @@ def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> l
     return [by_index[i] for i in range(size)]
 
 
+def planned_steps(spec: TrainingSpec, steps_per_epoch: int, samples_per_step: int, saved: TrainerState | None) -> int:
+    """`maxSteps`, else `epochs` worth of steps; a resume on another global batch keeps the planned samples."""
+    if spec.max_steps:
+        return spec.max_steps
+    if saved is None or saved.samples_per_step == samples_per_step:
+        return max(1, spec.epochs * steps_per_epoch)
+    remaining = (saved.max_steps - saved.step) * saved.samples_per_step
+    return saved.step + math.ceil(remaining / samples_per_step)
+
+
 def train(
     spec: TrainingSpec,
     dist: Dist,
@@ -138,9 +150,13 @@ def train(
     train_set: Dataset,
     val_set: Dataset,
     collate: Collate | None,
+    checkpoints: Checkpointer,
     log: Callable[[str], None],
 ) -> TrainResult:
-    """Train `model` in place (it stays the plain module: no DDP/compile wrapper in its state dict)."""
+    """Train `model` in place (it stays the plain module: no DDP/compile wrapper in its state dict).
+
+    Starts from the newest complete checkpoint in the run directory when there is one.
+    """
     device = dist.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -165,75 +181,140 @@ def train(
 
     batches = TrainBatches(train_set, dist, spec.batch_size, spec.seed, collate)
     steps_per_epoch = batches.batches_per_epoch // spec.grad_accum
-    max_steps = spec.max_steps or max(1, spec.epochs * steps_per_epoch)
-    val_batches = eval_loader(val_set, dist, spec.batch_size, collate)
     samples_per_step = dist.world_size * spec.batch_size * spec.grad_accum
+    resumed = checkpoints.load_latest(model, optimizer, scaler)
+    saved, saved_rng = resumed or (None, None)
+    state = TrainerState(
+        max_steps=planned_steps(spec, steps_per_epoch, samples_per_step, saved),
+        world_size=dist.world_size,
+        samples_per_step=samples_per_step,
+    )
+    if saved is not None:
+        state = replace(saved, max_steps=state.max_steps, world_size=dist.world_size, samples_per_step=samples_per_step)
+        batches.epoch, batches.position = saved.epoch, saved.position
+        log(
+            f"resuming from {step_name(saved.step)}: epoch {saved.epoch}, {saved.position} samples into it,"
+            f" {saved.tokens:,} tokens seen; world size {saved.world_size} then, {dist.world_size} now"
+        )
+    val_batches = eval_loader(val_set, dist, spec.batch_size, collate)
+    to_go = f", {state.max_steps - state.step} to go" if saved is not None else ""
     log(
-        f"training {max_steps} steps ({max_steps / max(steps_per_epoch, 1):.2f} epochs): world size"
-        f" {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
+        f"training {state.max_steps} steps ({state.max_steps / max(steps_per_epoch, 1):.2f} epochs){to_go}: world"
+        f" size {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
     )
 
-    def report_eval(prefix: str) -> None:
+    def report_eval(prefix: str) -> float:
         result = evaluate(model, val_batches, dist, amp_dtype)
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
+        return result.loss
 
+    def save(wait: bool = False) -> None:
+        # Running sums summed over ranks; on resume rank 0 carries them and the other ranks start at zero.
+        state.interval_totals = all_reduce_sum(interval.clone()).tolist()
+        state.epoch_totals = all_reduce_sum(epoch_totals.clone()).tolist()
+        state.epoch, state.position = batches.epoch, batches.position
+        checkpoints.save(model, optimizer, scaler, state, wait=wait)
+
+    # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
+    carried = dist.is_main and saved is not None
+    interval = torch.tensor(state.interval_totals if carried else [0.0] * 4, dtype=torch.float64, device=device)
+    epoch_totals = torch.tensor(state.epoch_totals if carried else [0.0] * 3, dtype=torch.float64, device=device)
     stream = iter(batches)
     is_ddp = isinstance(forward_model, DDP)
-    # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
-    interval = torch.zeros(4, dtype=torch.float64, device=device)
-    epoch_totals = torch.zeros(3, dtype=torch.float64, device=device)
+    train_loss = float("nan")
+    # Each rank draws its own dropout masks; a resume puts back exactly the generator state it saved.
+    torch.manual_seed(spec.seed + dist.rank)
+    if saved_rng is not None:
+        set_rng_state(saved_rng, device)
     started = interval_start = time.perf_counter()
-    tokens, train_loss = 0, float("nan")
-    for step in range(max_steps):
-        lr = lr_at(step, max_steps, spec.optimizer.lr, spec.schedule)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(spec.grad_accum):
-            _, batch = next(stream)
-            batch = to_device(batch, device)
-            last_micro = micro == spec.grad_accum - 1
-            with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
-                with autocast(device, amp_dtype):
-                    loss_sum, correct, count, _ = batch_stats(forward_model, batch)
-                    loss = loss_sum / count / spec.grad_accum
-                scaler.scale(loss).backward()
-            stats = torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(count, device=device)])
-            interval[:3] += stats
-            epoch_totals += stats
-            interval[3] += batch["input_ids"].numel()
-        if spec.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+    with StopRequest(dist) as stop_request:
+        while state.step < state.max_steps:
+            lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            epochs_before = batches.completed_epochs
+            for micro in range(spec.grad_accum):
+                batch = to_device(next(stream), device)
+                last_micro = micro == spec.grad_accum - 1
+                with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
+                    with autocast(device, amp_dtype):
+                        loss_sum, correct, count, _ = batch_stats(forward_model, batch)
+                        loss = loss_sum / count / spec.grad_accum
+                    scaler.scale(loss).backward()
+                stats = torch.stack([loss_sum.detach().double(), correct.double(), torch.tensor(count, device=device)])
+                interval[:3] += stats
+                epoch_totals += stats
+                interval[3] += batch["input_ids"].numel()
+            if spec.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.samples += samples_per_step
+            done, max_steps = state.step, state.max_steps
 
-        done = step + 1
-        if done % spec.log_every == 0 or done == max_steps:
-            loss_sum_all, correct_all, count_all, tokens_all = all_reduce_sum(interval).tolist()
-            train_loss = loss_sum_all / count_all
-            now = time.perf_counter()
-            tokens += int(tokens_all)
-            log(
-                f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
-                f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
-            )
-            interval.zero_()
-            interval_start = now
-        if steps_per_epoch and done % steps_per_epoch == 0:
-            epoch = done // steps_per_epoch
-            loss_sum_all, correct_all, count_all = all_reduce_sum(epoch_totals).tolist()
-            log(f"epoch {epoch} | train loss {loss_sum_all / count_all:.4f} | accuracy {correct_all / count_all:.4f}")
-            epoch_totals.zero_()
-            if done < max_steps:  # the last evaluation is the final one, done by the caller
-                report_eval(f"epoch {epoch}")
-        elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
-            report_eval(f"step {done}/{max_steps}")
+            if done % spec.log_every == 0 or done == max_steps:
+                loss_sum_all, correct_all, count_all, tokens_all = all_reduce_sum(interval).tolist()
+                train_loss = loss_sum_all / count_all
+                now = time.perf_counter()
+                state.tokens += int(tokens_all)
+                log(
+                    f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
+                    f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
+                )
+                if not math.isfinite(train_loss):
+                    raise_non_finite("training loss", train_loss, done, checkpoints)
+                interval.zero_()
+                interval_start = now
+            state.val_loss = None
+            if batches.completed_epochs > epochs_before:
+                epoch = batches.completed_epochs
+                loss_sum_all, correct_all, count_all = all_reduce_sum(epoch_totals).tolist()
+                log(
+                    f"epoch {epoch} | train loss {loss_sum_all / count_all:.4f}"
+                    f" | accuracy {correct_all / count_all:.4f}"
+                )
+                epoch_totals.zero_()
+                if done < max_steps:  # the last evaluation is the final one, done by the caller
+                    state.val_loss = report_eval(f"epoch {epoch}")
+            elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
+                state.val_loss = report_eval(f"step {done}/{max_steps}")
+
+            if stop_request.agreed():
+                save(wait=True)
+                checkpoints.wait()
+                log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
+                return result(state, batches, train_loss, started, preempted=True)
+            if (spec.checkpoint.every and done % spec.checkpoint.every == 0) or done == max_steps:
+                if spec.checkpoint.keep_best and state.val_loss is None:
+                    state.val_loss = report_eval(f"step {done}/{max_steps} (checkpoint)")
+                if state.val_loss is not None and not math.isfinite(state.val_loss):
+                    raise_non_finite("validation loss", state.val_loss, done, checkpoints)
+                if state.val_loss is not None and (state.best_val_loss is None or state.val_loss < state.best_val_loss):
+                    state.best_val_loss, state.best_step = state.val_loss, done
+                save()
+    checkpoints.wait()
+    return result(state, batches, train_loss, started, preempted=False)
+
+
+def raise_non_finite(what: str, value: float, step: int, checkpoints: Checkpointer) -> None:
+    """Stop before a diverged model can be saved over good checkpoints."""
+    newest = checkpoints.committed()
+    kept = f"{newest[-1][1].name} in {checkpoints.run_dir} is the newest checkpoint" if newest else "no checkpoint yet"
+    raise FloatingPointError(f"{what} is {value} at step {step}; {kept} (lower optimizer.lr or set gradClip)")
+
+
+def result(
+    state: TrainerState, batches: TrainBatches, train_loss: float, started: float, preempted: bool
+) -> TrainResult:
     return TrainResult(
-        steps=max_steps,
-        epochs=max_steps / max(steps_per_epoch, 1),
-        samples=max_steps * samples_per_step,
-        tokens=tokens,
+        steps=state.step,
+        epochs=batches.epochs_done,
+        samples=state.samples,
+        tokens=state.tokens,
         train_loss=train_loss,
         seconds=time.perf_counter() - started,
+        preempted=preempted,
     )

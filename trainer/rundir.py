@@ -27,8 +27,15 @@ def prepare_run_dir(path: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SpecError(f"checkpoint.dir: cannot create {path}: {exc.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SpecError(f"checkpoint.dir: {path} is not writable")
+    # A real write: permissions, read-only mounts and full disks all show up here, before any training.
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        with probe.open("wb") as file:
+            file.write(b"ok")
+            os.fsync(file.fileno())
+        probe.unlink()
+    except OSError as exc:
+        raise SpecError(f"checkpoint.dir: {path} is not writable: {exc.strerror}") from None
     return path.resolve()
 
 

@@ -106,11 +106,22 @@ class ScheduleSpec(SpecModel):
 
 
 class CheckpointSpec(SpecModel):
-    """The run directory: final export and report land here."""
+    """The run directory: checkpoints `step-<N>/`, the final export and the report land here."""
 
     dir: str | None = Field(
         None,
         description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster.",
+    )
+    every: int = Field(500, ge=0, description="Save a checkpoint every N steps and at the end; 0: only at the end.")
+    keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones go once a new one is committed.")
+    keep_best: bool = Field(
+        True, description="Also keep the checkpoint with the lowest validation loss (evaluated at each save)."
+    )
+    async_save: bool = Field(
+        False, description="Write checkpoints from a background thread while training goes on (state copied first)."
+    )
+    allow_config_change: bool = Field(
+        False, description="Resume even when training settings differ from the checkpoint's (otherwise an error)."
     )
 
 

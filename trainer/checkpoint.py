@@ -1,0 +1,358 @@
+"""Checkpoints in the run directory: `step-<N>/` folders, committed atomically, resumed exactly.
+
+A save (rank 0 writes, the other ranks wait or, with `asyncSave`, go on):
+
+    .step-<N>.tmp/  model.safetensors, optimizer.pt (optimizer + grad scaler), rng.pt
+                    (the RNG state of every rank), state.json (step, epoch, position in
+                    the epoch, tokens, best metric, config and its hash, world size)
+                    -> every file fsynced, then COMMITTED (names and sizes) written last
+    step-<N>/       <- atomic rename of the temporary folder, the run directory fsynced
+    latest          <- replaced atomically: names the newest committed checkpoint
+
+Only a folder with its marker, and files of the sizes it lists, counts as a checkpoint:
+a save killed at any point leaves the previous one in charge. Old checkpoints are
+renamed away before they are deleted, so a half-deleted one is never mistaken for one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+import torch.distributed as torch_dist
+
+from trainer.dist import Dist, barrier
+from trainer.spec import CheckpointSpec, SpecError
+
+MARKER = "COMMITTED"
+LATEST = "latest"
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.pt"
+STATE = "state.json"
+STEP_DIR = re.compile(r"step-(\d{8})")
+# Settings that do not change what is trained: they may differ between a checkpoint and its resume.
+NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which and why."""
+
+
+@dataclass
+class TrainerState:
+    """Where training stands after `step` steps: everything a resume needs besides tensors."""
+
+    step: int = 0
+    max_steps: int = 0
+    epoch: int = 0
+    position: int = 0  # global samples of `epoch` already trained on (all ranks together)
+    samples: int = 0
+    tokens: int = 0
+    world_size: int = 1
+    samples_per_step: int = 0  # world size x batchSize x gradAccum
+    val_loss: float | None = None  # at this step, when evaluated for the save
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    # Sums since the last log line and since the epoch began (loss, correct, targets[, tokens]), over all ranks.
+    interval_totals: list[float] = field(default_factory=lambda: [0.0] * 4)
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 3)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def config_values(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if key not in NOT_HASHED}
+
+
+def config_hash(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config_values(values), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two spec value trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            key
+            for name in sorted(old.keys() | new.keys())
+            for key in changed_keys(old.get(name), new.get(name), f"{prefix}{name}.")
+        ]
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random generators, in types `torch.load(weights_only=True)` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def to_cpu(value: Any, copy: bool) -> Any:
+    """`value` with every tensor on the CPU; `copy` snapshots tensors that already are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=copy)
+    if isinstance(value, dict):
+        return {key: to_cpu(item, copy) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_cpu(item, copy) for item in value)
+    return value
+
+
+def model_tensors(model: torch.nn.Module, copy: bool) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared storage)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensors[name] = to_cpu(tensor, copy).contiguous()
+    return tensors
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    step: int
+    seconds: float  # writing and committing, not the copy to CPU memory
+    size_bytes: int
+    finished_at: float  # Unix time
+
+
+@dataclass
+class Snapshot:
+    """One checkpoint's content, in CPU memory, ready to be written without touching the model."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: list[dict[str, Any]]
+    state: dict[str, Any]
+
+
+class Checkpointer:
+    """Save, prune and resume `step-<N>/` checkpoints of one run directory."""
+
+    def __init__(self, run_dir: Path, spec: CheckpointSpec, dist: Dist, config: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.spec = spec
+        self.dist = dist
+        self.config = config
+        self.config_hash = config_hash(config)
+        self.pending: threading.Thread | None = None
+        self.pending_error: BaseException | None = None
+        self.last_save: SaveStats | None = None  # of the newest save this process wrote
+
+    # -- finding checkpoints ------------------------------------------------------------------
+
+    def committed(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint, oldest first."""
+        found = []
+        for path in self.run_dir.iterdir() if self.run_dir.is_dir() else ():
+            match = STEP_DIR.fullmatch(path.name)
+            if match and self.is_complete(path):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    @staticmethod
+    def is_complete(path: Path) -> bool:
+        try:
+            files = json.loads((path / MARKER).read_text())["files"]
+            return all((path / name).stat().st_size == size for name, size in files.items())
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def clean(self) -> None:
+        """Rank 0 removes what interrupted saves and prunes left behind; every rank waits for it."""
+        if self.dist.is_main and self.run_dir.is_dir():
+            for path in self.run_dir.iterdir():
+                leftover = path.name.startswith((".step-", ".trash-"))
+                uncommitted = STEP_DIR.fullmatch(path.name) and not self.is_complete(path)
+                if path.is_dir() and (leftover or uncommitted):
+                    shutil.rmtree(path, ignore_errors=True)
+        barrier()
+
+    # -- resuming -----------------------------------------------------------------------------
+
+    def load_latest(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> tuple[TrainerState, dict[str, Any] | None] | None:
+        """Load the newest complete checkpoint into model/optimizer/scaler; None when there is none.
+
+        Returns its trainer state and this rank's RNG state (None when the world size
+        changed and this rank did not exist); restore that just before the first step.
+        """
+        checkpoints = self.committed()
+        if not checkpoints:
+            return None
+        path = checkpoints[-1][1]
+        saved = json.loads((path / STATE).read_text())
+        if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
+            keys = changed_keys(config_values(saved["config"]), config_values(self.config))
+            raise SpecError(
+                f"checkpoint: {path.name} was written with different settings (changed: {', '.join(keys)});"
+                " set checkpoint.allowConfigChange=true to resume anyway, or use a new checkpoint.dir"
+            )
+        safetensors.torch.load_model(model, path / MODEL, strict=True, device=str(self.dist.device))
+        trainer = torch.load(path / OPTIMIZER, map_location=self.dist.device, weights_only=True)
+        optimizer.load_state_dict(trainer["optimizer"])
+        scaler.load_state_dict(trainer["scaler"])
+        rng = torch.load(path / RNG, weights_only=True)
+        state = TrainerState(**saved["trainer"])
+        return state, rng[self.dist.rank] if self.dist.rank < len(rng) else None
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        state: TrainerState,
+        wait: bool = False,
+    ) -> None:
+        """Every rank calls this at a step boundary; rank 0 writes (now, or in the background)."""
+        self.raise_pending_error()
+        background = self.spec.async_save and not wait
+        rngs: list[Any] = [None] * self.dist.world_size
+        if self.dist.is_distributed:
+            torch_dist.gather_object(
+                rng_state(self.dist.device), rngs if self.dist.is_main else None, dst=0, group=self.dist.control_group
+            )
+        else:
+            rngs = [rng_state(self.dist.device)]
+        if self.dist.is_main:
+            self.wait()
+            snapshot = Snapshot(
+                step=state.step,
+                model=model_tensors(model, copy=background),
+                optimizer=to_cpu({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, background),
+                rng=rngs,
+                state={"config_hash": self.config_hash, "config": self.config, "trainer": asdict(state)},
+            )
+            if background:
+                self.pending = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=True)
+                self.pending.start()
+            else:
+                self.write(snapshot)
+        if not background:
+            barrier()
+
+    def write_in_background(self, snapshot: Snapshot) -> None:
+        try:
+            self.write(snapshot)
+        except BaseException as exc:  # surfaced by the training thread at its next save or the end
+            self.pending_error = exc
+
+    def wait(self) -> None:
+        """Block until a background save has finished; re-raise its failure here."""
+        if self.pending is not None:
+            self.pending.join()
+            self.pending = None
+        self.raise_pending_error()
+
+    def raise_pending_error(self) -> None:
+        if self.pending_error is not None:
+            error, self.pending_error = self.pending_error, None
+            raise error
+
+    def write(self, snapshot: Snapshot) -> Path:
+        """Write, commit and publish one checkpoint, then prune; the run directory is never left invalid."""
+        started = time.perf_counter()
+        name = step_name(snapshot.step)
+        target = self.run_dir / name
+        if self.is_complete(target):  # e.g. preempted again right after resuming from it
+            return target
+        staging = self.run_dir / f".{name}.tmp"
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            safetensors.torch.save_file(snapshot.model, staging / MODEL, metadata={"step": str(snapshot.step)})
+            torch.save(snapshot.optimizer, staging / OPTIMIZER)
+            torch.save(snapshot.rng, staging / RNG)
+            (staging / STATE).write_text(json.dumps(snapshot.state, indent=2) + "\n")
+            files = {path.name: path.stat().st_size for path in staging.iterdir()}
+            for path in staging.iterdir():
+                fsync_path(path)
+            (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
+            fsync_path(staging / MARKER)
+            fsync_path(staging)
+            shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover of the same step
+            os.replace(staging, target)
+            fsync_path(self.run_dir)
+            latest = self.run_dir / f".{LATEST}.tmp"
+            latest.write_text(name + "\n")
+            fsync_path(latest)
+            os.replace(latest, self.run_dir / LATEST)
+            fsync_path(self.run_dir)
+        except (OSError, safetensors.SafetensorError) as exc:  # disk full, quota, permissions, I/O errors
+            shutil.rmtree(staging, ignore_errors=True)
+            previous = [path.name for _, path in self.committed()]
+            kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CheckpointError(f"checkpoint.dir: cannot save {name} in {self.run_dir}: {reason}; {kept}") from None
+        self.prune()
+        size = sum(path.stat().st_size for path in target.iterdir())
+        self.last_save = SaveStats(snapshot.step, time.perf_counter() - started, size, time.time())
+        return target
+
+    def prune(self) -> None:
+        """Keep the newest `keepLast` and, with `keepBest`, the lowest validation loss; remove the rest."""
+        checkpoints = self.committed()
+        keep = {path for _, path in checkpoints[-self.spec.keep_last :]}
+        if self.spec.keep_best:
+            scored = [(loss, step, path) for step, path in checkpoints if math.isfinite(loss := self.val_loss(path))]
+            if scored:
+                keep.add(min(scored)[2])
+        for _, path in checkpoints:
+            if path not in keep:
+                trash = path.with_name(f".trash-{path.name}")
+                os.replace(path, trash)  # no longer a checkpoint from here on, even if deletion stops halfway
+                shutil.rmtree(trash, ignore_errors=True)
+
+    @staticmethod
+    def val_loss(path: Path) -> float:
+        """The validation loss saved with a checkpoint; NaN when it was not evaluated."""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            loss = json.loads((path / STATE).read_text())["trainer"]["val_loss"]
+            return math.nan if loss is None else float(loss)
+        return math.nan
