@@ -23,7 +23,7 @@ from typing import TextIO
 
 import yaml
 
-from ctl.operator_env import Replica, operator_env, replicas
+from ctl.operator_env import ELASTIC_ENV, Replica, operator_env, replicas
 from ctl.spec import JobSpec
 
 LOCAL_ADDRESS = "127.0.0.1"
@@ -72,6 +72,8 @@ def agent_env(spec: JobSpec, replica: Replica, port: int, error_file: Path) -> d
     """This process's env, less launcher variables, plus what the operator injects into the pod."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in LAUNCHER_VARIABLES}
     env |= operator_env(spec, replica, address=LOCAL_ADDRESS, port=port)
+    if spec.elastic.enabled:
+        env |= ELASTIC_ENV
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     # Share the machine's cores among all local processes instead of oversubscribing.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))))
@@ -149,7 +151,10 @@ def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextI
             failed = supervise(agents)
         except KeyboardInterrupt:
             stop(agents)
-            print("ctl: interrupted; stopped all nodes", file=err)
+            print(
+                "ctl: interrupted; stopped all nodes (run the same command to resume from the last checkpoint)",
+                file=err,
+            )
             return 130
         finally:
             for thread in pumps:

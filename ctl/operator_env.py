@@ -13,6 +13,10 @@ from typing import Literal
 from ctl.spec import JobSpec
 
 RDZV_BACKEND = "c10d"
+# Set by the chart (not the operator) on elastic pods: a fresh rendezvous store every round.
+# torchrun's shared store keeps the previous round's keys, and restarted workers can then
+# wait forever for peers that are gone.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)

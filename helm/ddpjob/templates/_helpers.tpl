@@ -162,9 +162,17 @@ spec:
         - name: pytorchjob-port
           containerPort: {{ int .Values.masterPort }}
           protocol: TCP
-      {{- with .Values.env }}
+      {{- if or .Values.elastic.enabled .Values.env }}
       env:
+        {{- if .Values.elastic.enabled }}
+        # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
+        # previous round, and restarted workers can wait forever on peers that are gone.
+        - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+          value: "1"
+        {{- end }}
+        {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}
+        {{- end }}
       {{- end }}
       {{- with .Values.envFrom }}
       envFrom:
