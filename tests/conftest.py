@@ -69,6 +69,18 @@ def run_ctl(
     )
 
 
+def start_ctl(*args: str, cwd: Path, env: dict[str, str], merge_stderr: bool = True) -> subprocess.Popen:
+    """`ctl` in the background, its output read as text (stderr into stdout unless `merge_stderr` is off)."""
+    return subprocess.Popen(
+        [*CTL, *args],
+        cwd=cwd,
+        env=env | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+    )
+
+
 def processes_with_marker(marker: str) -> list[int]:
     """PIDs whose environment carries `DDPJOB_TEST_MARKER=marker` (what a run left behind)."""
     needle = f"DDPJOB_TEST_MARKER={marker}".encode()
@@ -81,6 +93,24 @@ def processes_with_marker(marker: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def trainer_pids(marker: str, rank: int) -> list[int]:
+    """Trainer processes (not torchrun agents) of this run with the given global rank."""
+    pids = []
+    for pid in processes_with_marker(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            f"RANK={rank}".encode() in environ
+            and b"LOCAL_RANK=0" in environ
+            and b"torch.distributed.run" not in cmdline
+        ):
+            pids.append(pid)
+    return pids
 
 
 @pytest.fixture

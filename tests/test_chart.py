@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import REPO, run_ctl
 
-from ctl.operator_env import replicas
+from ctl.operator_env import ELASTIC_ENV, replicas
 from ctl.render import (
     Manifest,
     RenderError,
@@ -226,6 +226,8 @@ def test_elastic_is_worker_only_with_c10d_rendezvous() -> None:
     assert list(job["pytorchReplicaSpecs"]) == ["Worker"]
     assert job["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2 == len(replicas(spec))
     assert job["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 5}
+    env = {e["name"]: e["value"] for e in trainer_container(job["pytorchReplicaSpecs"]["Worker"]["template"])["env"]}
+    assert env.items() >= ELASTIC_ENV.items()  # what `ctl run` gives its elastic agents too
 
 
 def test_training_config_is_the_spec_training_section(tmp_path: Path) -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CTL, REPO, processes_with_marker, run_ctl, tiny_spec
+from conftest import processes_with_marker, run_ctl, start_ctl, tiny_spec, trainer_pids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -53,36 +51,11 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
     assert processes_with_marker(marker) == []
 
 
-def trainer_pids(marker: str, rank: int) -> list[int]:
-    """Trainer processes (not torchrun agents) of this run with the given global rank."""
-    pids = []
-    for pid in processes_with_marker(marker):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            f"RANK={rank}".encode() in environ
-            and b"LOCAL_RANK=0" in environ
-            and b"torch.distributed.run" not in cmdline
-        ):
-            pids.append(pid)
-    return pids
-
-
 @pytest.mark.timeout(300)
 def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, marked_env) -> None:
     env, marker = marked_env
     spec = tiny_spec(corpus_file, maxSteps=100_000) | {"nodes": 2, "procsPerNode": 1}
-    ctl = subprocess.Popen(
-        [*CTL, "run", str(write_spec(spec))],
-        cwd=tmp_path,
-        env=env | {"PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
     try:
         assert ctl.stdout is not None
         for line in ctl.stdout:

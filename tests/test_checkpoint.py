@@ -1,0 +1,384 @@
+"""Checkpoints on real runs: SIGKILL and SIGTERM at random steps, torn saves, resumes on another world
+size or with changed settings, elastic restarts, full and unwritable disks.
+
+Runs start the way a pod does (`torchrun -m trainer --config training.yaml`) in their own
+session, so a kill reaches every process of the "pod". Exactness is bitwise: the resumed run's
+final weights equal those of one uninterrupted run with the same spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import yaml
+from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec, trainer_pids
+
+from trainer.checkpoint import MARKER, Checkpointer, CheckpointError, TrainerState, step_name
+from trainer.data import TrainBatches
+from trainer.dist import Dist
+from trainer.spec import CheckpointSpec
+
+STEPS = 24
+EVERY = 4
+PROCS = 2
+STOPPED = re.compile(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/")
+EXIT_PREEMPTED = 143
+
+
+def training(corpus: Path, run_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """Dropout and gradient accumulation on, so RNG state and the position inside a step both matter."""
+    section = tiny_spec(
+        corpus,
+        model={"nLayer": 2, "nHead": 2, "nEmbd": 48, "blockSize": 32, "dropout": 0.1},
+        maxSteps=STEPS,
+        gradAccum=2,
+        evalEvery=6,
+        sample={"maxNewTokens": 0},
+    )["training"]
+    checkpoint = {"dir": str(run_dir), "every": EVERY, "keepLast": 2} | overrides.pop("checkpoint", {})
+    return section | {"checkpoint": checkpoint} | overrides
+
+
+def start(section: dict[str, Any], procs: int = PROCS, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One pod: torchrun over the trainer (`env` may carry a marker that finds all its processes)."""
+    config = Path(section["checkpoint"]["dir"]).with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(section), encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    return subprocess.Popen(
+        [*command, "-m", "trainer", "--config", str(config)],
+        env=(env or os.environ) | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL every process of a run at once, as when its node dies. The pids are collected beforehand,
+    so the kill lands right at the chosen step (torchrun's workers have their own sessions: a process
+    group would not reach them)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        raise AssertionError(f"still running after {timeout} s:\n{output}") from None
+    return output
+
+
+def run(section: dict[str, Any], procs: int = PROCS) -> str:
+    process = start(section, procs)
+    output = finish(process)
+    assert process.returncode == 0, output
+    return output
+
+
+def read_until_step(process: subprocess.Popen, step: int) -> str:
+    """Output up to the log line of `step` (or a later one)."""
+    assert process.stdout is not None
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        match = re.match(r"(?:\[node \d+\] )?step (\d+)/", line)
+        if match and int(match.group(1)) >= step:
+            return "".join(seen)
+    raise AssertionError(f"the run ended before step {step}:\n" + "".join(seen))
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(run_dir / "final" / "model.safetensors")
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"tensors differ from the uninterrupted run: {different}"
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in run_dir.glob("step-*") if (p / MARKER).exists())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    output = run(training(corpus_file, run_dir))
+    assert f"step {STEPS}/{STEPS}" in output and "resuming" not in output
+    assert committed_steps(run_dir) == [STEPS - EVERY, STEPS]  # keepLast 2; the best is among them here
+    assert (run_dir / "latest").read_text().strip() == step_name(STEPS)
+    return weights(run_dir)
+
+
+@pytest.mark.parametrize(("seed", "async_save"), [(1, False), (2, True), (3, False)])
+def test_sigkill_at_a_random_step_then_resume_is_bitwise_exact_and_ignores_torn_saves(
+    tmp_path: Path,
+    corpus_file: Path,
+    uninterrupted: dict[str, torch.Tensor],
+    marked_env: tuple[dict[str, str], str],
+    seed: int,
+    async_save: bool,
+) -> None:
+    env, marker = marked_env
+    run_dir = tmp_path / "run"
+    section = training(corpus_file, run_dir, checkpoint={"asyncSave": async_save})
+    kill_step = random.Random(seed).randint(EVERY + 2, STEPS - 8)
+    process = start(section, env=env)
+    read_until_step(process, 1)
+    pids = processes_with_marker(marker)
+    read_until_step(process, kill_step)
+    kill_all(pids)
+    finish(process)
+    assert process.returncode == -signal.SIGKILL and not (run_dir / "final").exists()
+
+    # A save killed after writing some files but before its marker, and one killed before its rename.
+    last = committed_steps(run_dir)[-1]
+    torn = run_dir / step_name(last + 1)
+    shutil.copytree(run_dir / step_name(last), torn)
+    (torn / MARKER).unlink()
+    staging = run_dir / f".{step_name(last + 2)}.tmp"
+    staging.mkdir()
+    shutil.copy(torn / "model.safetensors", staging)
+
+    output = run(section)
+    assert f"resuming from {step_name(last)}:" in output
+    assert not torn.exists() and not staging.exists()
+    assert_bitwise_equal(weights(run_dir), uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> tuple[Path, int, str]:
+    """A run sent SIGTERM (to torchrun, as the kubelet does to PID 1) mid-run: (run dir, saved step, output)."""
+    run_dir = tmp_path_factory.mktemp("preempted") / "run"
+    process = start(training(corpus_file, run_dir))
+    signal_step = random.Random(4).randint(EVERY + 1, STEPS - 8)
+    before = read_until_step(process, signal_step)
+    os.kill(process.pid, signal.SIGTERM)
+    output = before + finish(process, timeout=60)
+    stopped = STOPPED.search(output)
+    assert stopped, output
+    step = int(stopped.group(2))
+    assert signal_step <= step < STEPS and committed_steps(run_dir)[-1] == step
+    assert f"exiting with code {EXIT_PREEMPTED}" in output and not (run_dir / "final").exists()
+    return run_dir, step, output
+
+
+@pytest.fixture
+def preempted_copy(tmp_path: Path, preempted: tuple[Path, int, str]) -> tuple[Path, int]:
+    """A private copy of the preempted run directory: (run dir, the step it stopped at)."""
+    source, step, _ = preempted
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    return run_dir, step
+
+
+def test_sigterm_saves_at_one_agreed_step_and_the_restart_finishes_exactly(
+    corpus_file: Path,
+    preempted: tuple[Path, int, str],
+    preempted_copy: tuple[Path, int],
+    uninterrupted: dict[str, torch.Tensor],
+) -> None:
+    _, step, output = preempted
+    # Every rank stopped after the same step: it logged once and nothing ran past it.
+    assert f"step {step + 1}/" not in output
+    run_dir, _ = preempted_copy
+    resumed = run(training(corpus_file, run_dir))
+    assert f"resuming from {step_name(step)}: " in resumed and f"step {step + 1}/{STEPS}" in resumed
+    assert_bitwise_equal(weights(run_dir), uninterrupted)
+
+
+def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
+    corpus_file: Path, preempted_copy: tuple[Path, int]
+) -> None:
+    run_dir, step = preempted_copy
+    output = run(training(corpus_file, run_dir), procs=1)
+    assert f"resuming from {step_name(step)}: " in output and f"world size {PROCS} then, 1 now" in output
+    assert f"step {step + 1}/{STEPS}" in output
+    state = json.loads((run_dir / step_name(STEPS) / "state.json").read_text())["trainer"]
+    per_rank_step = 4 * 2  # batchSize x gradAccum
+    assert state["world_size"] == 1 and state["step"] == STEPS
+    assert state["samples"] == step * PROCS * per_rank_step + (STEPS - step) * per_rank_step
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == STEPS and report["world_size"] == 1
+
+
+def test_resume_with_changed_settings_is_refused_unless_allowed(
+    corpus_file: Path, preempted_copy: tuple[Path, int]
+) -> None:
+    run_dir, step = preempted_copy
+    changed = training(corpus_file, run_dir, batchSize=8)
+    changed["optimizer"] = {"lr": 3e-4}
+    process = start(changed)
+    output = finish(process)
+    assert process.returncode != 0
+    assert (
+        f"error: checkpoint: {step_name(step)} was written with different settings (changed: batchSize, optimizer.lr);"
+        in output
+    ), output
+    assert committed_steps(run_dir)[-1] == step and not (run_dir / "final").exists()
+
+    changed["checkpoint"]["allowConfigChange"] = True
+    output = run(changed)
+    assert f"resuming from {step_name(step)}: " in output and f"step {STEPS}/{STEPS}" in output
+
+
+@pytest.mark.timeout(400)
+def test_elastic_group_restarts_after_a_crash_and_finishes_from_the_checkpoint(
+    tmp_path: Path, write_spec, corpus_file: Path, marked_env: tuple[dict[str, str], str]
+) -> None:
+    env, marker = marked_env
+    run_dir = tmp_path / "run"
+    spec = {
+        "name": "elastic",
+        "nodes": 2,
+        "procsPerNode": 1,
+        "elastic": {"enabled": True, "minNodes": 2, "maxNodes": 2, "maxRestarts": 2},
+        "training": training(corpus_file, run_dir),
+    }
+    process = start_ctl("run", str(write_spec(spec)), "--run-dir", str(run_dir), cwd=tmp_path, env=env)
+    try:
+        read_until_step(process, 1)
+        victims = trainer_pids(marker, rank=1)
+        assert victims, "rank 1's trainer process not found"
+        read_until_step(process, EVERY + 2)
+        kill_all(victims)
+        output = finish(process, timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    resumed = re.search(r"resuming from (step-\d{8}):", output)
+    assert resumed and int(resumed.group(1)[5:]) >= EVERY, output
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["steps"] == STEPS and report["world_size"] == 2
+    assert processes_with_marker(marker) == []
+
+
+def test_training_batches_reshard_without_repeating_or_skipping_a_sample() -> None:
+    """4 ranks take two steps, then 3 ranks go on from the same global position to the end of the epoch."""
+    dataset = list(range(103))
+
+    def streams(world_size: int, epoch: int, position: int) -> list[TrainBatches]:
+        batches = [
+            TrainBatches(dataset, Dist(rank, rank, world_size, torch.device("cpu")), 2, seed=7, collate=None)
+            for rank in range(world_size)
+        ]
+        for stream in batches:
+            stream.epoch, stream.position = epoch, position
+        return batches
+
+    def take(batches: list[TrainBatches], steps: int) -> list[int]:
+        iterators = [iter(stream) for stream in batches]
+        return [i for _ in range(steps) for it in iterators for i in next(it).tolist()]
+
+    before = streams(4, epoch=0, position=0)
+    seen = take(before, steps=2)
+    after = streams(3, epoch=before[0].epoch, position=before[0].position)
+    seen += take(after, steps=(len(dataset) - 16) // 6)
+    assert sorted(seen) == sorted(before[0].epoch_order(0)[:100]) and len(set(seen)) == 100
+    assert after[0].completed_epochs == 1 and next(iter(after[0]))[0] in before[0].epoch_order(1)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, async_save: bool) -> None:
+    """A write that fails half-way (here: the file size limit, EFBIG) leaves the last commit in charge;
+    a background save's failure is raised by the next save or the wait at the end of training."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    checkpoints = Checkpointer(tmp_path, CheckpointSpec(keepLast=3, asyncSave=async_save), dist, {"maxSteps": 10})
+    checkpoints.save(model, optimizer, scaler, TrainerState(step=1))
+    checkpoints.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(CheckpointError) as failure:
+            checkpoints.save(model, optimizer, scaler, TrainerState(step=2))
+            checkpoints.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(failure.value)
+    assert message.startswith(f"checkpoint.dir: cannot save step-00000002 in {tmp_path}: ")
+    assert "File too large" in message and message.endswith("; step-00000001 stays the latest checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert [step for step, _ in checkpoints.committed()] == [1]
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(tmp_path: Path, write_spec, corpus_file: Path) -> None:
+    """A read-only directory (permissions, or a read-only mount for root, who ignores permissions)."""
+    run_dir = tmp_path / "readonly"
+    run_dir.mkdir()
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run_dir)], check=True)
+    else:
+        run_dir.chmod(0o555)
+    try:
+        started = time.monotonic()
+        result = run_ctl("run", str(write_spec(tiny_spec(corpus_file))), "--run-dir", str(run_dir), cwd=tmp_path)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(run_dir)], check=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"error: checkpoint.dir: {run_dir} is not writable: Read-only file system" in result.stdout or (
+        f"error: checkpoint.dir: {run_dir} is not writable: Permission denied" in result.stdout
+    )
+    assert "step 1/" not in result.stdout and time.monotonic() - started < 60
+
+
+def test_keeps_the_newest_and_the_best_and_prunes_only_after_a_commit(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    kept = {}
+    for keep_best in (True, False):
+        run_dir = tmp_path / f"best-{keep_best}"
+        run_dir.mkdir()
+        checkpoints = Checkpointer(run_dir, CheckpointSpec(keepLast=2, keepBest=keep_best), dist, {})
+        for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
+            checkpoints.save(model, optimizer, scaler, TrainerState(step=step, val_loss=val_loss))
+            assert checkpoints.committed()[-1][0] == step
+        kept[keep_best] = sorted(p.name for p in run_dir.iterdir())
+    assert kept[True] == ["latest", "step-00000002", "step-00000004", "step-00000005"]
+    assert kept[False] == ["latest", "step-00000004", "step-00000005"]
+
+
+def test_a_diverging_run_stops_with_the_step_and_saves_nothing_non_finite(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    spec = tiny_spec(
+        corpus_file, optimizer={"lr": 1e30}, schedule={"warmupSteps": 0}, maxSteps=20, checkpoint={"every": 2}
+    )
+    result = run_ctl("run", str(write_spec(spec)), "--run-dir", "run", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = re.search(r"ctl: node 0 \(tiny-master-0\) failed: FloatingPointError: (.*)", result.stderr)
+    assert failed and re.fullmatch(
+        r"(training|validation) loss is nan at step \d+; (step-\d{8} in .* is the newest checkpoint|no checkpoint yet)"
+        r" \(lower optimizer.lr or set gradClip\)",
+        failed.group(1),
+    ), result.stderr
+    for step_dir in (tmp_path / "run").glob("step-*"):
+        assert math.isfinite(json.loads((step_dir / "state.json").read_text())["trainer"]["val_loss"])
