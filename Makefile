@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
 
-.PHONY: demo test lint install dev chart k8s
+.PHONY: demo test e2e e2e-binaries lint install dev chart k8s
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,17 @@ dev: $(BIN)/uv
 demo: install
 	$(BIN)/ctl run examples/quickstart.yaml
 
-test: dev
+# The e2e tier's etcd, kube-apiserver and training operator, built from their Go modules into
+# ~/.cache/ddpjob/bin the first time (~30 min on 2 cores), found there afterwards.
+e2e-binaries: dev
+	$(BIN)/python tests/e2e/cluster_binaries.py
+
+test: dev e2e-binaries
 	$(BIN)/python -m pytest
+
+# Only the control-plane tier (tests/e2e).
+e2e: dev e2e-binaries
+	$(BIN)/python -m pytest -m e2e tests/e2e
 
 lint: dev
 	$(BIN)/ruff check .
