@@ -4,7 +4,7 @@ operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing 
     python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
 Every process runs in its own process group with a parent-death signal, and `ControlPlane.stop` (also run at
-exit and on SIGTERM/SIGINT) ends each group, so nothing outlives the harness.
+exit and on SIGTERM) ends each group, so nothing outlives the harness.
 """
 
 from __future__ import annotations
@@ -238,14 +238,22 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
 
 
 def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], dry_run: bool = False) -> Any:
-    """PATCH application/apply-patch+yaml: what `kubectl apply --server-side` sends (field manager ddpjob-e2e)."""
-    api = kubernetes.dynamic.DynamicClient(client).resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
-    namespace = obj["metadata"].get("namespace") if api.namespaced else None
-    kwargs = {"dry_run": "All"} if dry_run else {}
-    return api.server_side_apply(
-        body=obj, name=obj["metadata"]["name"], namespace=namespace, field_manager="ddpjob-e2e", force_conflicts=True,
-        **kwargs,
-    )  # fmt: skip
+    """PATCH application/apply-patch+yaml: what `kubectl apply --server-side` sends (field manager ddpjob-e2e).
+    Returns the object as the API server stored it (or would have, with `dry_run`)."""
+    base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+    discovery = client.call_api(base, "GET", response_type="object", auth_settings=["BearerToken"])[0]
+    (resource,) = [r for r in discovery["resources"] if r["kind"] == obj["kind"] and "/" not in r["name"]]
+    scope = f"/namespaces/{obj['metadata']['namespace']}" if resource["namespaced"] else ""
+    query = [("fieldManager", "ddpjob-e2e"), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+    return client.call_api(
+        f"{base}{scope}/{resource['name']}/{obj['metadata']['name']}",
+        "PATCH",
+        query_params=query,
+        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+        body=obj,
+        response_type="object",
+        auth_settings=["BearerToken"],
+    )[0]
 
 
 def install_crd(plane: ControlPlane, crd_file: Path) -> None:
@@ -321,7 +329,7 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None) -> Con
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
     plane = ControlPlane(work_dir=work_dir, kubeconfig=work_dir / "kubeconfig")
     atexit.register(plane.stop)
-    stop_on_signals(plane)
+    stop_on_sigterm(plane)
     try:
         certs = pki(work_dir / "pki")
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
@@ -334,8 +342,9 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None) -> Con
     return plane
 
 
-def stop_on_signals(plane: ControlPlane) -> None:
-    """SIGTERM/SIGINT stop the control plane, then exit as the signal would have (128 + signal)."""
+def stop_on_sigterm(plane: ControlPlane) -> None:
+    """SIGTERM stops the control plane, then exits as the signal would have. (SIGINT raises KeyboardInterrupt,
+    which runs the fixture's finalizer or, for `up`, the atexit hook.)"""
 
     def handler(signum: int, _frame: Any) -> None:
         plane.stop()
@@ -343,8 +352,6 @@ def stop_on_signals(plane: ControlPlane) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, handler)
 
 
 def main(argv: list[str]) -> int:
@@ -354,7 +361,12 @@ def main(argv: list[str]) -> int:
     plane = start()
     print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
     print(f"# logs and pod directories: {plane.work_dir}; Ctrl-C stops everything", file=sys.stderr, flush=True)
-    signal.pause()
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        plane.stop()
     return 0
 
 

@@ -15,7 +15,8 @@ reconciles PyTorchJobs for real. What a node would provide is stood in for like 
   Security contexts are not applied (processes run as the executor's user).
 - init containers (the operator's wait-for-master-DNS) are reported completed without running: the address they
   wait for is the loopback rewrite above.
-- restarts: restartPolicy OnFailure/Always restarts the container in place (restartCount + 1), as a kubelet does.
+- restarts: restartPolicy OnFailure/Always restarts the container in place after a kubelet's crash-loop back-off
+  (restartCount + 1); the pod stays Running meanwhile.
 - deletion: a deleted pod's process group gets SIGTERM, then SIGKILL after terminationGracePeriodSeconds.
 
 Each container's output is kept in `<work-dir>/pods/<namespace>/<pod>-<uid>/<container>.log`.
@@ -47,7 +48,9 @@ METRICS_PORT_VARIABLE = "DDPJOB_METRICS_PORT"
 METRICS_HOST_VARIABLE = "DDPJOB_METRICS_HOST"
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 START_ERROR_EXIT_CODE = 128  # what a kubelet reports for a container that could not start
-RESTART_DELAY_S = 1.0
+# A kubelet's crash-loop back-off: 10 s, doubled per restart, at most 5 min.
+RESTART_BACKOFF_S = 10.0
+RESTART_BACKOFF_MAX_S = 300.0
 
 
 class PodSetupError(RuntimeError):
@@ -159,8 +162,8 @@ class PodExecutor:
     def run_pod(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> None:
         try:
             command, env, cwd = self.prepare(local, pod)
-        except (PodSetupError, kubernetes.client.ApiException) as error:
-            self.report_terminated(local, START_ERROR_EXIT_CODE, "StartError", str(error))
+        except Exception as error:  # whatever stops the setup (a missing key, a bad subPath) fails the pod, with it
+            self.report_terminated(local, START_ERROR_EXIT_CODE, "StartError", f"{type(error).__name__}: {error}")
             return
         while True:
             local.started_at = now()
@@ -182,8 +185,11 @@ class PodExecutor:
                 self.report_terminated(local, exit_code, "Completed" if exit_code == 0 else "Error", "")
                 return
             local.last_state = {"terminated": terminated_state(exit_code, "Error", "", local.started_at)}
+            self.report(local, "Running", {"waiting": {"reason": "CrashLoopBackOff"}})
+            time.sleep(min(RESTART_BACKOFF_S * 2**local.restart_count, RESTART_BACKOFF_MAX_S))
+            if local.deleted or self.stopping.is_set():
+                return
             local.restart_count += 1
-            time.sleep(RESTART_DELAY_S)
 
     def prepare(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> tuple[list[str], dict[str, str], Path]:
         """The container's command line, environment and working directory, with the volumes materialised."""
@@ -294,11 +300,13 @@ class PodExecutor:
     def report(self, local: LocalPod, phase: str, state: dict[str, Any], message: str = "") -> None:
         if local.deleted:
             return
-        running = phase == "Running"
+        running = "running" in state
         status = {
             "phase": phase,
             "hostIP": LOOPBACK,
+            "hostIPs": [{"ip": LOOPBACK}],
             "podIP": LOOPBACK,
+            "podIPs": [{"ip": LOOPBACK}],
             "startTime": local.started_at or now(),
             "conditions": [{"type": "Ready", "status": str(running), "lastTransitionTime": now()}],
             "containerStatuses": [
