@@ -131,7 +131,7 @@ class ControlPlane:
 
     @property
     def pods_dir(self) -> Path:
-        """The executor's per-pod directories: logs (`<container>.log`), materialised volumes."""
+        """The executor's per-pod directories: logs (`<container>/<restart>.log`), materialised volumes."""
         return self.work_dir / "pods"
 
     def claim_dir(self, namespace: str, claim: str) -> Path:
@@ -179,6 +179,7 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
 
 def start_etcd(plane: ControlPlane, binary: Path) -> str:
     client_url = f"http://{LOOPBACK}:{free_port()}"
+    peer_url = f"http://{LOOPBACK}:{free_port()}"
     log = plane.work_dir / "etcd.log"
     command = [
         str(binary),
@@ -186,7 +187,9 @@ def start_etcd(plane: ControlPlane, binary: Path) -> str:
         f"--data-dir={plane.work_dir / 'etcd'}",
         f"--listen-client-urls={client_url}",
         f"--advertise-client-urls={client_url}",
-        f"--listen-peer-urls=http://{LOOPBACK}:{free_port()}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster=ddpjob-e2e={peer_url}",
         "--log-level=warn",
         # A throwaway store: no fsync on every write (the test machine's disk is shared).
         "--unsafe-no-fsync",
@@ -284,7 +287,7 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
     ensure_namespace(client, OPERATOR_NAMESPACE)
     # The rotator fills the Secret itself, but only an existing one.
     kubernetes.client.CoreV1Api(client).create_namespaced_secret(
-        OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_WEBHOOK_SECRET}, "type": "kubernetes.io/tls"}
+        OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_WEBHOOK_SECRET}}
     )
     OPERATOR_CERT_CHECK_FILE.parent.mkdir(parents=True, exist_ok=True)
     if not OPERATOR_CERT_CHECK_FILE.exists():

@@ -19,7 +19,8 @@ reconciles PyTorchJobs for real. What a node would provide is stood in for like 
   (restartCount + 1); the pod stays Running meanwhile.
 - deletion: a deleted pod's process group gets SIGTERM, then SIGKILL after terminationGracePeriodSeconds.
 
-Each container's output is kept in `<work-dir>/pods/<namespace>/<pod>-<uid>/<container>.log`.
+Each container's output is kept as a kubelet keeps it, one file per (re)start:
+`<work-dir>/pods/<namespace>/<pod>-<uid>/<container>/<restart count>.log`.
 """
 
 from __future__ import annotations
@@ -144,12 +145,13 @@ class PodExecutor:
             if local is None or local.deleted:
                 return
             local.deleted = True
-        if local.process is not None:
-            threading.Thread(target=terminate_group, args=(local.process, local.grace_s), daemon=True).start()
+            process = local.process
+        if process is not None:
+            threading.Thread(target=terminate_group, args=(process, local.grace_s), daemon=True).start()
 
     def stop(self) -> None:
-        self.stopping.set()
         with self.lock:
+            self.stopping.set()
             running = [p.process for p in self.pods.values() if p.process is not None and p.process.poll() is None]
         stopping = [threading.Thread(target=terminate_group, args=(process, 5.0)) for process in running]
         for thread in stopping:
@@ -168,11 +170,14 @@ class PodExecutor:
         while True:
             local.started_at = now()
             try:
-                with (local.directory / f"{local.container}.log").open("ab") as log:
-                    local.process = subprocess.Popen(
-                        command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        start_new_session=True, preexec_fn=die_with_parent,
-                    )  # fmt: skip
+                with self.lock:  # a deletion (or stop) either sees this process or keeps it from starting
+                    if local.deleted or self.stopping.is_set():
+                        return
+                    with (local.directory / local.container / f"{local.restart_count}.log").open("ab") as log:
+                        local.process = subprocess.Popen(
+                            command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=die_with_parent,
+                        )  # fmt: skip
             except OSError as error:
                 self.report_terminated(local, START_ERROR_EXIT_CODE, "StartError", str(error))
                 return
@@ -186,9 +191,7 @@ class PodExecutor:
                 return
             local.last_state = {"terminated": terminated_state(exit_code, "Error", "", local.started_at)}
             self.report(local, "Running", {"waiting": {"reason": "CrashLoopBackOff"}})
-            time.sleep(min(RESTART_BACKOFF_S * 2**local.restart_count, RESTART_BACKOFF_MAX_S))
-            if local.deleted or self.stopping.is_set():
-                return
+            self.stopping.wait(min(RESTART_BACKOFF_S * 2**local.restart_count, RESTART_BACKOFF_MAX_S))
             local.restart_count += 1
 
     def prepare(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> tuple[list[str], dict[str, str], Path]:
@@ -198,7 +201,7 @@ class PodExecutor:
             raise PodSetupError(f"the local executor runs single-container pods; this one has {len(containers)}")
         container = containers[0]
         local.container, local.image = container.name, container.image or ""
-        local.directory.mkdir(parents=True, exist_ok=True)
+        (local.directory / local.container).mkdir(parents=True, exist_ok=True)
         volumes = {v.name: self.volume_dir(local, v) for v in pod.spec.volumes or []}
         mounts = {}
         for mount in container.volume_mounts or []:

@@ -21,7 +21,7 @@ import controlplane
 import kubernetes
 import pytest
 from cluster_binaries import BuildError
-from conftest import REPO, tiny_spec
+from conftest import REPO, processes_with_marker, tiny_spec
 
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
@@ -80,11 +80,30 @@ def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: boo
     ]
 
 
-def job_spec(train: list[str] = STDLIB_TEXT, **values: Any) -> JobSpec:
-    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here)."""
+def job_spec(marker: str, train: list[str] = STDLIB_TEXT, **values: Any) -> JobSpec:
+    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here);
+    every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1})
-    spec |= {"nodes": 2, "masterPort": controlplane.free_port(), "image": image_values()}
+    spec |= {
+        "nodes": 2,
+        "masterPort": controlplane.free_port(),
+        "image": image_values(),
+        "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
+    }
     return JobSpec.model_validate(spec | values)
+
+
+def assert_no_process_left(cluster: Cluster, marker: str) -> None:
+    """Finished or deleted pods leave no local process behind (the executor ends each pod's process group)."""
+    if cluster.plane is None:
+        return
+    deadline = time.monotonic() + 60
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {
+        pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in processes_with_marker(marker)
+    }
+    assert left == {}
 
 
 def image_values() -> dict[str, str]:
@@ -122,8 +141,8 @@ def pods_of(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.
 def pod_logs(cluster: Cluster, namespace: str) -> str:
     """The trainer's output of every pod: from the executor's log files, or the cluster's pods/log."""
     if cluster.plane is not None:
-        logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*.log"))
-        return "\n".join(f"--- {log.parent.name}\n{log.read_text(errors='replace')}" for log in logs)
+        logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*/*.log"))
+        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{log.read_text(errors='replace')}" for log in logs)
     core = kubernetes.client.CoreV1Api(cluster.client())
     return "\n".join(
         f"--- {pod.metadata.name}\n{core.read_namespaced_pod_log(pod.metadata.name, namespace, container='pytorch')}"
@@ -170,7 +189,8 @@ def test_kubectl_server_side_apply_accepts_the_rendered_examples(cluster: Cluste
 def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: str) -> None:
     """The operator creates the pods with its env (as ctl.operator_env says), they train through torchrun, the
     job ends Succeeded, and the run directory on the claim holds a committed checkpoint and the report."""
-    spec = job_spec()
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker)
     apply_rendered(cluster, spec, namespace)
     job = wait_for_job(cluster, namespace, spec.name)
     assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
@@ -183,6 +203,7 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: st
         assert container_env(pod).items() >= operator_env(spec, replica).items()
         assert pod.status.phase == "Succeeded" and terminated(pod).exit_code == 0
     assert job["status"]["replicaStatuses"]["Master"].get("succeeded") == 1
+    assert_no_process_left(cluster, marker)
 
     if cluster.plane is None:  # the claim is out of reach: the trainer's last words name the run directory
         assert f"run directory: {spec.storage.mount_path}/{spec.name}" in pod_logs(cluster, namespace)
@@ -196,26 +217,38 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: st
 
 @pytest.mark.parametrize(
     ("restart_policy", "run_policy"),
-    [("Never", {}), ("ExitCode", {}), ("OnFailure", {"backoffLimit": 1})],
+    [("Never", {}), ("ExitCode", {}), ("OnFailure", {"backoffLimit": 1, "cleanPodPolicy": "All"})],
     ids=["Never", "ExitCode", "OnFailure-backoffLimit-1"],
 )
 def test_a_failing_trainer_fails_the_job(
     cluster: Cluster, namespace: str, restart_policy: str, run_policy: dict[str, Any]
 ) -> None:
-    """A trainer that exits on bad input fails the job. Never: at the first exit. ExitCode: torchrun's exit
-    code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the container is restarted in
-    place until the restarts reach runPolicy.backoffLimit."""
-    spec = job_spec(["/nonexistent/ddpjob-e2e/train.txt"], restartPolicy=restart_policy, runPolicy=run_policy)
+    """A trainer that exits on bad input fails the job, as the restart policy says. Never: at the first exit.
+    ExitCode: torchrun's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
+    container is restarted in place until the restarts reach runPolicy.backoffLimit; with cleanPodPolicy All the
+    operator then deletes the pods, and their processes end. (With None it may still delete them, or recreate
+    them in a reconcile that has not seen the Failed condition yet: the operator's own race.)"""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], restartPolicy=restart_policy, runPolicy=run_policy)
     apply_rendered(cluster, spec, namespace)
     job = wait_for_job(cluster, namespace, spec.name)
     assert finished_as(job) == "Failed", pod_logs(cluster, namespace)
-    master = pods_of(cluster, namespace, spec.name)[Replica("master", 0).pod_name(spec.name)]
-    (status,) = master.status.container_statuses
-    if restart_policy == "OnFailure":
-        assert status.restart_count >= 1
-        assert status.last_state.terminated.exit_code == 1
-        assert "backoff limit" in next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Failed")
-    else:
-        assert master.status.phase == "Failed" and terminated(master).exit_code == 1
-        assert status.restart_count == 0
     assert "data.train" in pod_logs(cluster, namespace)
+    pods = pods_of(cluster, namespace, spec.name)
+    if restart_policy == "OnFailure":
+        assert "backoff limit" in next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Failed")
+        wait_for_deletion(cluster, namespace, spec.name)
+        if cluster.plane is not None:  # the log files, one per start of a container: some pod's was restarted
+            assert list((cluster.plane.pods_dir / namespace).glob("*/pytorch/1.log"))
+    else:
+        master = pods[Replica("master", 0).pod_name(spec.name)]
+        assert master.status.phase == "Failed" and terminated(master).exit_code == 1
+        assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
+    assert_no_process_left(cluster, marker)
+
+
+def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
+    deadline = time.monotonic() + 60
+    while pods_of(cluster, namespace, job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pods_of(cluster, namespace, job) == {}
