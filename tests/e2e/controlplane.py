@@ -96,7 +96,11 @@ def write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
 
 
 def issue_certificate(
-    directory: Path, name: str, common_name: str, sans: list[x509.GeneralName], ca: tuple[x509.Certificate, Any] | None
+    directory: Path,
+    name: str,
+    common_name: str,
+    sans: list[x509.GeneralName],
+    ca: tuple[x509.Certificate, rsa.RSAPrivateKey] | None,
 ) -> tuple[x509.Certificate, rsa.RSAPrivateKey, KeyPair]:
     """A certificate valid for a day: self-signed CA when `ca` is None, else a server certificate signed by it."""
     key = new_key()

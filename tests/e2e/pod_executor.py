@@ -10,6 +10,7 @@ reconciles PyTorchJobs for real. What a node would provide is stood in for like 
   (training.yaml names the checkpoint directory under the claim's mount path).
 - networking: pods share loopback. The host part of MASTER_ADDR, PET_MASTER_ADDR and PET_RDZV_ENDPOINT, when it
   names a Service of the pod's namespace (as the operator sets it), becomes 127.0.0.1; nothing else is rewritten.
+  The pod starts once that Service exists (as the operator's init container waits for the master's DNS name).
   The metrics port (DDPJOB_METRICS_PORT) gets a free port per pod, and PROMETHEUS_MULTIPROC_DIR a per-pod dir.
 - images: the command runs from this Python environment (its bin directory, with torchrun, first on PATH).
   Security contexts are not applied (processes run as the executor's user).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import ipaddress
 import os
 import re
 import signal
@@ -49,6 +51,8 @@ METRICS_PORT_VARIABLE = "DDPJOB_METRICS_PORT"
 METRICS_HOST_VARIABLE = "DDPJOB_METRICS_HOST"
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 START_ERROR_EXIT_CODE = 128  # what a kubelet reports for a container that could not start
+# How long a pod's start waits for the Service its master address names (the operator creates it after the pods).
+SERVICE_WAIT_S = 60.0
 # A kubelet's crash-loop back-off: 10 s, doubled per restart, at most 5 min.
 RESTART_BACKOFF_S = 10.0
 RESTART_BACKOFF_MAX_S = 300.0
@@ -280,18 +284,23 @@ class PodExecutor:
         return env
 
     def loopback_if_service(self, value: str, namespace: str) -> str:
-        """`host[:port]` with host 127.0.0.1 when host is a Service of the namespace (`name[.namespace[.svc...]]`)."""
+        """`host[:port]` with host 127.0.0.1 when host is a Service of the namespace (`name[.namespace[.svc...]]`).
+        The operator creates a job's Services just after its pods, so this waits for the Service a while, as the
+        worker's init container waits for the master's DNS name."""
         host, colon, port = value.partition(":")
         name, _, rest = host.partition(".")
-        if rest and not rest.startswith(namespace):
+        if (rest and not rest.startswith(namespace)) or is_ip_address(host):
             return value
-        try:
-            self.core.read_namespaced_service(name, namespace)
-        except kubernetes.client.ApiException as error:
-            if error.status == 404:
+        deadline = time.monotonic() + SERVICE_WAIT_S
+        while True:
+            try:
+                self.core.read_namespaced_service(name, namespace)
+                return f"{LOOPBACK}{colon}{port}"
+            except kubernetes.client.ApiException as error:
+                if error.status != 404:
+                    raise
+            if time.monotonic() > deadline or self.stopping.wait(0.5):
                 return value
-            raise
-        return f"{LOOPBACK}{colon}{port}"
 
     # -- status ---------------------------------------------------------------------------------------------------
 
@@ -347,6 +356,14 @@ class PodExecutor:
         except kubernetes.client.ApiException as error:
             if error.status != 404:  # a pod deleted meanwhile has no status to report
                 raise
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def terminated_state(exit_code: int, reason: str, message: str, started_at: str) -> dict[str, Any]:
