@@ -1,7 +1,7 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, the Kubeflow training
 operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for kubelets.
 
-    python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
+    .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
 Every process runs in its own process group with a parent-death signal, and `ControlPlane.stop` (also run at
 exit and on SIGTERM) ends each group, so nothing outlives the harness.
@@ -363,7 +363,7 @@ def stop_on_sigterm(plane: ControlPlane) -> None:
 
 def main(argv: list[str]) -> int:
     if argv != ["up"]:
-        print("usage: python tests/e2e/controlplane.py up", file=sys.stderr)
+        print("usage: .venv/bin/python tests/e2e/controlplane.py up", file=sys.stderr)
         return 2
     plane = start()
     print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)

@@ -67,6 +67,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     client = cluster.client()
     controlplane.ensure_namespace(client, name)
     yield name
+    # Locally no namespace controller finishes this (it stays Terminating); a real cluster cleans up.
     kubernetes.client.CoreV1Api(client).delete_namespace(name)
 
 
