@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,10 +81,12 @@ def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: boo
     ]
 
 
-def job_spec(marker: str, train: list[str] = STDLIB_TEXT, **values: Any) -> JobSpec:
+def job_spec(
+    marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
+) -> JobSpec:
     """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here);
     every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
-    spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1})
+    spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
         "masterPort": controlplane.free_port(),
@@ -253,3 +255,57 @@ def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
     while pods_of(cluster, namespace, job) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pods_of(cluster, namespace, job) == {}
+
+
+def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str) -> None:
+    """Deleting a running pod (as `kubectl delete pod`, or the operator on a restart, does) ends its processes;
+    the operator creates the pod again and it runs."""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, training={"maxSteps": 1_000_000})
+    apply_rendered(cluster, spec, namespace)
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    worker = Replica("worker", 0).pod_name(spec.name)
+    first = wait_for_pod(cluster, namespace, worker, lambda pod: pod.status.phase == "Running")
+    core.delete_namespaced_pod(worker, namespace)
+    again = wait_for_pod(cluster, namespace, worker, lambda p: p.metadata.uid != first.metadata.uid)
+    assert (
+        wait_for_pod(cluster, namespace, worker, lambda p: p.status.phase == "Running").metadata.uid
+        == again.metadata.uid
+    )
+    if cluster.plane is not None:
+        old_pod_dir = f"{worker}-{first.metadata.uid[:8]}".encode()
+        deadline = time.monotonic() + 60
+        while any(old_pod_dir in environ(pid) for pid in processes_with_marker(marker)):
+            assert time.monotonic() < deadline, "the deleted pod's processes are still running"
+            time.sleep(0.5)
+    # No garbage collector runs locally: delete the job, then its pods, which ends their processes.
+    kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs", spec.name
+    )
+    for pod in pods_of(cluster, namespace, spec.name):
+        core.delete_namespaced_pod(pod, namespace)
+    assert_no_process_left(cluster, marker)
+
+
+def wait_for_pod(
+    cluster: Cluster, namespace: str, name: str, condition: Callable[[kubernetes.client.V1Pod], bool]
+) -> kubernetes.client.V1Pod:
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            pod = core.read_namespaced_pod(name, namespace)
+            if condition(pod):
+                return pod
+        except kubernetes.client.ApiException as error:
+            if error.status != 404:
+                raise
+        time.sleep(0.5)
+    raise AssertionError(f"pod {name}: condition not met in {JOB_TIMEOUT_S} s\n{pod_logs(cluster, namespace)}")
+
+
+def environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
