@@ -81,7 +81,7 @@ def go_toolchain() -> str:
 
 
 def go_env() -> dict[str, str]:
-    # GOWORK off: the wrapper modules stand alone; GOFLAGS cleared so a caller's -mod=vendor cannot leak in.
+    # GOWORK off: the wrapper modules stand alone; GOFLAGS replaced so a caller's -mod=vendor cannot leak in.
     return os.environ | {"GOWORK": "off", "GO111MODULE": "on", "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
 
 
@@ -97,10 +97,7 @@ def run_go(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
 
 def download_module(module: str, version: str) -> Path:
     """The module's extracted source directory in the Go module cache."""
-    info = json.loads(run_go("mod", "download", "-json", f"{module}@{version}", cwd=CACHE))
-    if "Error" in info:
-        raise BuildError(f"go mod download {module}@{version}: {info['Error']}")
-    return Path(info["Dir"])
+    return Path(json.loads(run_go("mod", "download", "-json", f"{module}@{version}", cwd=CACHE))["Dir"])
 
 
 def cached(name: str, version: str) -> Path:
