@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/ctl run examples/quickstart.yaml
 
 # The e2e tier's etcd, kube-apiserver and training operator, built from their Go modules into
-# ~/.cache/ddpjob/bin the first time (~30 min on 2 cores), found there afterwards.
+# ~/.cache/ddpjob/bin the first time (minutes: ~5 of compiling on 2 cores, plus downloads), found there afterwards.
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
 

@@ -5,8 +5,9 @@
   Kubernetes release itself depends on.
 - the Kubeflow training operator: `go install ...training-operator.v1@<version>`.
 
-The first build takes tens of minutes on two cores; later calls find `~/.cache/ddpjob/bin/<name>-<version>`
-and return at once. `python tests/e2e/cluster_binaries.py` builds everything (the `make e2e` prerequisite).
+The first build takes minutes (about 5 of compiling on two cores, plus the module downloads); later calls find
+`~/.cache/ddpjob/bin/<name>-<version>` and return at once. `python tests/e2e/cluster_binaries.py` builds
+everything (`make e2e-binaries`, a prerequisite of `make test` and `make e2e`).
 """
 
 from __future__ import annotations
