@@ -46,7 +46,8 @@ class Cluster:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
 
-@pytest.fixture(scope="session")
+# Module scope: the control plane stops when this tier is done, not at the end of the whole suite.
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if EXTERNAL_KUBECONFIG:
         yield Cluster(Path(EXTERNAL_KUBECONFIG), None)
