@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.data import Collate, TrainBatches, eval_loader
 from trainer.dist import Dist, all_reduce_sum
+from trainer.metrics import TrainingMetrics
 from trainer.models import parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
 
@@ -173,18 +174,23 @@ def train(
         f" {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
     )
 
+    metrics = TrainingMetrics(spec, dist, model)
+
     def report_eval(prefix: str) -> None:
         result = evaluate(model, val_batches, dist, amp_dtype)
+        metrics.evaluated(result.loss, result.accuracy)
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
 
-    stream = iter(batches)
+    stream = metrics.timed(iter(batches))  # measures the data wait
     is_ddp = isinstance(forward_model, DDP)
     # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
     interval = torch.zeros(4, dtype=torch.float64, device=device)
     epoch_totals = torch.zeros(3, dtype=torch.float64, device=device)
     started = interval_start = time.perf_counter()
     tokens, train_loss = 0, float("nan")
+    grad_norm: torch.Tensor | None = None  # measured by clipping
     for step in range(max_steps):
+        step_started, step_tokens = time.perf_counter(), 0
         lr = lr_at(step, max_steps, spec.optimizer.lr, spec.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -201,12 +207,14 @@ def train(
             interval[:3] += stats
             epoch_totals += stats
             interval[3] += batch["input_ids"].numel()
+            step_tokens += batch["input_ids"].numel()
         if spec.grad_clip > 0:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        metrics.step_done(time.perf_counter() - step_started, spec.batch_size * spec.grad_accum, step_tokens)
 
         done = step + 1
         if done % spec.log_every == 0 or done == max_steps:
@@ -214,9 +222,12 @@ def train(
             train_loss = loss_sum_all / count_all
             now = time.perf_counter()
             tokens += int(tokens_all)
+            tokens_per_second = tokens_all / (now - interval_start)
+            # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
+            metrics.logged(train_loss, lr, None if grad_norm is None else grad_norm.item(), tokens_per_second)
             log(
                 f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
-                f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
+                f" | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s"
             )
             interval.zero_()
             interval_start = now
