@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
 
-.PHONY: demo test lint install dev chart k8s
+.PHONY: demo test lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ dev: $(BIN)/uv
 demo: install
 	$(BIN)/ctl run examples/quickstart.yaml
 
-test: dev
+# The test tier's Prometheus and promtool (the distribution's package, when missing).
+prometheus:
+	.ci/install-prometheus
+
+test: dev prometheus
 	$(BIN)/python -m pytest
 
 lint: dev

@@ -111,8 +111,8 @@ class TrainingMetrics:
         if directory:
             # Every attempt starts empty; the other local ranks create their files after the barrier.
             if dist.local_rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)
-                Path(directory).mkdir(parents=True)
+                shutil.rmtree(directory, ignore_errors=True)  # a mount point (the chart's emptyDir) stays, emptied
+                Path(directory).mkdir(parents=True, exist_ok=True)
             barrier()
         self.registry = CollectorRegistry()
         self.rank = str(dist.rank)
