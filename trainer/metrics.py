@@ -85,13 +85,17 @@ def model_name(spec: TrainingSpec) -> str:
     return model.pretrained or model.size or f"gpt2-{model.n_layer}l-{model.n_head}h-{model.n_embd}d"
 
 
-def metrics_port() -> int:
+def metrics_endpoint() -> tuple[int, str | None]:
+    """(port, shared directory) from the environment; 0: no endpoint, None: values kept in this process."""
     raw = os.environ.get(METRICS_PORT_ENV, "")
-    if not raw:
-        return 0
-    if not raw.isdigit() or int(raw) > 65535:
+    if raw and (not raw.isdigit() or int(raw) > 65535):
         raise SpecError(f"{METRICS_PORT_ENV}: expected a port number (0 for none), got {raw!r}")
-    return int(raw)
+    port, directory = int(raw or 0), os.environ.get(METRICS_DIR_ENV) or None
+    if port and not directory and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise SpecError(
+            f"{METRICS_PORT_ENV} is set but {METRICS_DIR_ENV} is not: the pod's processes need a shared directory"
+        )
+    return port, directory
 
 
 class TrainingMetrics:
@@ -102,12 +106,7 @@ class TrainingMetrics:
     """
 
     def __init__(self, spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> None:
-        port = metrics_port()
-        directory = os.environ.get(METRICS_DIR_ENV)
-        if port and not directory and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-            raise SpecError(
-                f"{METRICS_PORT_ENV} is set but {METRICS_DIR_ENV} is not: the pod's processes need a shared directory"
-            )
+        port, directory = metrics_endpoint()
         if directory:
             # Every attempt starts empty; the other local ranks create their files after the barrier.
             if dist.local_rank == 0:
@@ -122,18 +121,21 @@ class TrainingMetrics:
         peak = peak_flops(dist.device)
         self.flops_per_peak = flops / peak if flops and peak else None
 
-        self.gauge(
-            "info",
-            "The run: task, model, world size and job name (always 1).",
-            job_name=os.environ.get(JOB_NAME_ENV, ""),
-            task=spec.task,
-            model=model_name(spec),
-            world_size=str(dist.world_size),
+        info = {
+            "job_name": os.environ.get(JOB_NAME_ENV, ""),
+            "task": spec.task,
+            "model": model_name(spec),
+            "world_size": str(dist.world_size),
+        }
+        self.gauge("info", "The run: task, model, world size and job name (always 1).", *info).labels(
+            self.rank, *info.values()
         ).set(1)
-        self.gauge("restarts", "Restarts of this torchrun worker group (TORCHELASTIC_RESTART_COUNT).").set(
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.gauge("restarts", "Restarts of this torchrun worker group (TORCHELASTIC_RESTART_COUNT).").labels(
+            self.rank
+        ).set(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self.gauge("start_timestamp_seconds", "Unix time this trainer process started training.").labels(self.rank).set(
+            time.time()
         )
-        self.gauge("start_timestamp_seconds", "Unix time this trainer process started training.").set(time.time())
         self.steps = self.counter("steps", "Optimizer steps completed by this rank.")
         self.samples = self.counter("samples", "Training examples (sequences) this rank processed.")
         self.tokens = self.counter("tokens", "Training tokens this rank processed (padding included).")
@@ -153,25 +155,24 @@ class TrainingMetrics:
         self.eval_accuracy = self.gauge(
             "eval_accuracy_ratio", "Validation accuracy (tokens or examples), last evaluation."
         )
-        # Exported only where they mean something: a GPU (memory), a GPU with a known peak (MFU).
-        self.mfu = self.gauge(
-            "mfu_ratio", "Model FLOPs utilisation of this rank's GPU against its bf16 peak.", bind=False
-        )
+        # Gauges appear with their first value: a 0 before that would read as a measurement.
+        # MFU and memory only where they mean something: a GPU with a known peak, a GPU.
+        self.mfu = self.gauge("mfu_ratio", "Model FLOPs utilisation of this rank's GPU against its bf16 peak.")
         self.gpu_memory = {
-            kind: self.gauge(f"gpu_memory_{kind}_bytes", documentation, bind=False)
+            kind: self.gauge(f"gpu_memory_{kind}_bytes", documentation)
             for kind, documentation in (
                 ("allocated", "GPU memory held by tensors on this rank."),
                 ("reserved", "GPU memory reserved by PyTorch's caching allocator on this rank."),
                 ("peak", "Most GPU memory held by tensors on this rank since it started."),
             )
         }
-        # Exported from the first checkpoint on: before that there is no save to describe.
+        # From the first checkpoint on: before that there is no save to describe.
         self.checkpoint_duration = self.histogram(
             "checkpoint_save_duration_seconds", "Time to write one checkpoint.", CHECKPOINT_BUCKETS
         )
-        self.checkpoint_size = self.gauge("checkpoint_size_bytes", "Size of the last checkpoint.", bind=False)
+        self.checkpoint_size = self.gauge("checkpoint_size_bytes", "Size of the last checkpoint.")
         self.checkpoint_time = self.gauge(
-            "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint was committed.", bind=False
+            "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint was committed."
         )
         self._step_data_wait = 0.0
         if port and dist.local_rank == 0:
@@ -180,17 +181,12 @@ class TrainingMetrics:
     def counter(self, name: str, documentation: str) -> Counter:
         return Counter(PREFIX + name, documentation, ["rank"], registry=self.registry).labels(self.rank)
 
-    def gauge(self, name: str, documentation: str, bind: bool = True, **labels: str) -> Gauge:
-        """A gauge with a `rank` label (and `labels`); bound to this rank unless `bind` is False."""
+    def gauge(self, name: str, documentation: str, *labels: str) -> Gauge:
+        """A gauge with a `rank` label (and `labels`)."""
         # mostrecent: a rank's value is the one its process set last, with no `pid` label added.
-        metric = Gauge(
-            PREFIX + name,
-            documentation,
-            ["rank", *labels],
-            registry=self.registry,
-            multiprocess_mode="mostrecent",
+        return Gauge(
+            PREFIX + name, documentation, ["rank", *labels], registry=self.registry, multiprocess_mode="mostrecent"
         )
-        return metric.labels(self.rank, *labels.values()) if bind else metric
 
     def histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, documentation, ["rank"], registry=self.registry, buckets=buckets)
@@ -227,11 +223,11 @@ class TrainingMetrics:
 
     def logged(self, loss: float, lr: float, grad_norm: float | None, tokens_per_second: float) -> None:
         """Values the loop has already reduced and read at a log step; GPU memory and MFU with them."""
-        self.train_loss.set(loss)
-        self.learning_rate.set(lr)
+        self.train_loss.labels(self.rank).set(loss)
+        self.learning_rate.labels(self.rank).set(lr)
         if grad_norm is not None:
-            self.grad_norm.set(grad_norm)
-        self.tokens_per_second.set(tokens_per_second)
+            self.grad_norm.labels(self.rank).set(grad_norm)
+        self.tokens_per_second.labels(self.rank).set(tokens_per_second)
         if self.flops_per_peak:
             self.mfu.labels(self.rank).set(tokens_per_second / self.world_size * self.flops_per_peak)
         if self.device.type == "cuda":
@@ -243,8 +239,8 @@ class TrainingMetrics:
                 self.gpu_memory[kind].labels(self.rank).set(value)
 
     def evaluated(self, loss: float, accuracy: float) -> None:
-        self.eval_loss.set(loss)
-        self.eval_accuracy.set(accuracy)
+        self.eval_loss.labels(self.rank).set(loss)
+        self.eval_accuracy.labels(self.rank).set(accuracy)
 
     def checkpoint_saved(self, seconds: float, size_bytes: int) -> None:
         """A checkpoint was committed: how long it took and how large it is."""
