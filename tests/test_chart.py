@@ -776,6 +776,12 @@ def test_dashboard_configmap_is_the_dashboard_file_with_the_chart_defaults() -> 
     assert custom[DASHBOARDS]["metadata"]["labels"]["dashboards"] == "ml"
 
 
+def test_helm_lint_is_clean_with_every_monitoring_object() -> None:
+    report = helm_python.lint(chart_path(), values=chart_values(MONITORING), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
 def test_dashboard_is_importable_as_is() -> None:
     """Stable uid, a datasource variable every panel uses, namespace and job variables, no __inputs."""
     dashboard = json.loads((chart_path() / "dashboards" / "training.json").read_text())
