@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
 
-.PHONY: demo test lint install dev chart k8s
+.PHONY: demo test bench lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,16 @@ dev: $(BIN)/uv
 demo: install
 	$(BIN)/ctl run examples/quickstart.yaml
 
-test: dev
+# The test tier's Prometheus and promtool (the distribution's package, when missing).
+prometheus:
+	.ci/install-prometheus
+
+test: dev prometheus
 	$(BIN)/python -m pytest
+
+# What the metrics cost a training step (printed as a share of the step, measured in the same run).
+bench: install
+	$(BIN)/python bench/metrics_overhead.py
 
 lint: dev
 	$(BIN)/ruff check .

@@ -26,6 +26,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
+from trainer.metrics import metrics_endpoint
 from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         spec = load_training_spec(args.config)
+        metrics_endpoint()  # a bad metrics environment fails here, before any work
         dist = init_distributed()
         try:
             code = run(spec, dist)
