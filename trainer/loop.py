@@ -298,8 +298,7 @@ def train(
                 state.val_loss = report_eval(f"step {done}/{max_steps}")
 
             if stop_request.agreed():
-                save(wait=True)
-                checkpoints.wait()
+                save(wait=True)  # synchronous, after any background save still running
                 log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
                 return result(state, batches, train_loss, started, preempted=True)
             if (spec.checkpoint.every and done % spec.checkpoint.every == 0) or done == max_steps:
