@@ -6,12 +6,12 @@ Exit codes: 0 ok, 1 error, 2 usage or bad input.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from ctl.spec import JobSpec, load_spec
-from trainer.spec import SpecError
+if TYPE_CHECKING:
+    from ctl.spec import JobSpec
 
 EXIT_BAD_INPUT = 2
 
@@ -21,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help, as kubectl's; and rich's import would double `ctl --help`'s time
 )
 
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm chart's values).", show_default=False)]
@@ -42,6 +43,10 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
 
 def load_job(spec: Path, set_values: list[str]) -> JobSpec:
     """The validated spec, or exit 2 with its one-line problem."""
+    # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
+    from ctl.spec import load_spec
+    from trainer.spec import SpecError
+
     try:
         return load_spec(spec, set_values)
     except SpecError as exc:

@@ -4,6 +4,7 @@ would notice (layout, volumes, security, names, bad values)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -588,6 +589,15 @@ def test_ctl_render_does_not_import_torch() -> None:
     code = "import sys, ctl.cli, ctl.render, ctl.schema; sys.exit('torch' in sys.modules)"
     result = subprocess.run([os.sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "ctl imported torch"
+
+
+def test_ctl_help_imports_neither_pydantic_nor_rich() -> None:
+    """`ctl --help` stays quick: the spec model and rich's help formatting are loaded only when needed."""
+    code = "import sys, ctl.cli; ctl.cli.app(['--help'], standalone_mode=False); print(sorted(sys.modules))"
+    result = subprocess.run([os.sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0 and "Commands:" in result.stdout, result.stderr
+    modules = set(ast.literal_eval(result.stdout.splitlines()[-1]))
+    assert not modules & {"pydantic", "rich", "torch"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
