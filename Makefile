@@ -28,8 +28,13 @@ prometheus:
 test: dev prometheus
 	$(BIN)/python -m pytest
 
-# What the metrics cost a training step (printed as a share of the step, measured in the same run).
-bench: install
+# Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
+# transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step.
+bench: $(BIN)/uv
+	$(INSTALL) -e '.[bench]'
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/cli.py
 	$(BIN)/python bench/metrics_overhead.py
 
 lint: dev
