@@ -637,26 +637,38 @@ def test_k8s_prerequisites_validate_strictly(name: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_rbac_is_least_privilege() -> None:
+def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> None:
     docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()) if d}
     assert set(docs) == {"Role", "RoleBinding"}  # namespaced: no cluster-wide rights
     rules = docs["Role"]["rules"]
-    granted = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
-    assert granted == {
-        ("kubeflow.org", "pytorchjobs"),
+    writable = {
+        (group, resource)
+        for r in rules
+        if {"create", "patch", "delete"} <= set(r["verbs"])
+        for group in r["apiGroups"]
+        for resource in r["resources"]
+    }
+    everything = spec_of(
+        serviceAccount={"create": True},
+        metrics={"podMonitor": {"enabled": True}, "alerts": {"enabled": True}, "dashboard": {"enabled": True}},
+    )
+    rendered = {(m.obj["apiVersion"].rpartition("/")[0], m.kind.lower() + "s") for m in render(everything)}
+    assert rendered <= writable, rendered - writable
+    readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
+    # ctl status/logs: pods, their logs, the operator's Services and events, nothing more.
+    assert readable - writable == {
         ("kubeflow.org", "pytorchjobs/status"),
         ("", "pods"),
         ("", "pods/log"),
         ("", "services"),
-        ("", "configmaps"),
-        ("", "persistentvolumeclaims"),
         ("", "events"),
         ("events.k8s.io", "events"),
     }
+    assert writable == rendered
     for rule in rules:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
-        if rule["resources"] != ["pytorchjobs"] and rule["resources"] != ["configmaps", "persistentvolumeclaims"]:
+        if not {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= writable:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # read-only beyond what ctl creates
     assert docs["RoleBinding"]["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
