@@ -2,8 +2,8 @@
 
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
-saving a checkpoint (128 + 15: what a terminated process reports, and an exit code the
-operator's `ExitCode` restart policy retries); the next start resumes from it.
+saving a checkpoint (128 + 15: what a terminated process reports); the next start
+resumes from it.
 """
 
 from __future__ import annotations
