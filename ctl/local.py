@@ -99,12 +99,37 @@ def pump(agent: Agent, out: TextIO, lock: threading.Lock) -> None:
             out.flush()
 
 
+def descendants(pids: list[int]) -> set[int]:
+    """Every process below `pids`, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    pending = list(pids)
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
 def stop(agents: list[Agent]) -> None:
-    """SIGTERM every agent's process group, then SIGKILL what is left after the grace period."""
+    """SIGTERM every agent's process group (torchrun passes it on to its workers, which save and
+    exit), then SIGKILL what is left after the grace period: the agents' groups and their workers,
+    which torchrun starts in sessions of their own (killing an agent alone would orphan them)."""
+    workers: set[int] = set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        workers |= descendants([agent.process.pid for agent in agents])
         for agent in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.process.pid, sig)
+        if sig == signal.SIGKILL:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for agent in agents:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -83,3 +83,27 @@ def test_spec_values_reach_the_trainer_unchanged(tmp_path, write_spec, corpus_fi
     report = json.loads((tmp_path / "elsewhere" / "report.json").read_text())
     assert report["steps"] == 2 and report["world_size"] == 1
     assert yaml.safe_load(spec_file.read_text())["training"]["maxSteps"] == 5
+
+
+@pytest.mark.timeout(300)
+def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    """Ctrl-C while rank 1 hangs (SIGSTOP): SIGTERM cannot finish the run, so after the grace period
+    ctl kills the agents and the workers torchrun started in sessions of their own."""
+    env, marker = marked_env
+    spec = tiny_spec(corpus_file, maxSteps=100_000) | {"nodes": 2, "procsPerNode": 1}
+    ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
+    try:
+        assert ctl.stdout is not None
+        for line in ctl.stdout:
+            if "| loss " in line:
+                break
+        (hung,) = trainer_pids(marker, rank=1)
+        os.kill(hung, signal.SIGSTOP)  # rank 0 now waits for it in its next collective
+        time.sleep(1)
+        ctl.send_signal(signal.SIGINT)
+        _, stderr = ctl.communicate(timeout=120)
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+    assert ctl.returncode == 130 and "ctl: interrupted; stopped all nodes" in stderr
+    assert processes_with_marker(marker) == []
