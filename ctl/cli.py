@@ -6,9 +6,10 @@ Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -118,10 +119,21 @@ OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or j
 
 
 def cluster_target(kubeconfig: str | None, context: str | None, namespace: str | None):  # -> ctl.cluster.Target
-    from ctl.cluster import ClusterError, connect
+    from ctl.cluster import connect
+
+    with cluster_errors():
+        return connect(kubeconfig, context, namespace)
+
+
+@contextlib.contextmanager
+def cluster_errors() -> Iterator[None]:
+    """A cluster failure -> its one line and exit 1; a job that does not exist -> exit 102."""
+    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound
 
     try:
-        return connect(kubeconfig, context, namespace)
+        yield
+    except JobNotFound as exc:
+        raise fail(str(exc), code=EXIT_NOT_FOUND) from None
     except ClusterError as exc:
         raise fail(str(exc), code=1) from None
 
@@ -167,14 +179,12 @@ def submit(
     if dry_run == "client":
         typer.echo(to_yaml(manifests), nl=False)
         return
-    from ctl.cluster import ClusterError, wait
     from ctl.cluster import submit as submit_objects
+    from ctl.cluster import wait
 
     target = cluster_target(kubeconfig, context, namespace)
-    try:
+    with cluster_errors():
         submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace)
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
     ns = target.namespace
     typer.echo(f"pytorchjob.kubeflow.org/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":
@@ -185,7 +195,9 @@ def submit(
         err=True,
     )
     if wait_for:
-        raise typer.Exit(wait(target, job.name, "succeeded", timeout, progress=lambda s: typer.echo(s, err=True)))
+        with cluster_errors():
+            code = wait(target, job.name, "succeeded", timeout, progress=lambda s: typer.echo(s, err=True))
+        raise typer.Exit(code)
 
 
 @app.command("wait")
@@ -200,13 +212,11 @@ def wait_command(
     """Wait for a job's state; the exit code says how it ended (0: reached; 100, 101, 102: see below)."""
     if state not in ("succeeded", "failed", "running"):
         raise fail(f"--for {state!r}: expected succeeded, failed or running")
-    from ctl.cluster import ClusterError, wait
+    from ctl.cluster import wait
 
     target = cluster_target(kubeconfig, context, namespace)
-    try:
+    with cluster_errors():
         code = wait(target, name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
     raise typer.Exit(code)
 
 
@@ -219,16 +229,11 @@ def status(
     namespace: NamespaceOpt = None,
 ) -> None:
     """A job's state: conditions, replicas, each pod's phase, restarts and exit code, recent events."""
-    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound
     from ctl.cluster import status as job_status
 
     target = cluster_target(kubeconfig, context, namespace)
-    try:
+    with cluster_errors():
         data = job_status(target, name)
-    except JobNotFound as exc:
-        raise fail(str(exc), code=EXIT_NOT_FOUND) from None
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
 
     def table() -> str:
         lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
@@ -256,13 +261,11 @@ def list_command(
     namespace: NamespaceOpt = None,
 ) -> None:
     """The PyTorchJobs of the namespace: state, nodes x processes per node, age."""
-    from ctl.cluster import ClusterError, list_jobs
+    from ctl.cluster import list_jobs
 
     target = cluster_target(kubeconfig, context, namespace)
-    try:
+    with cluster_errors():
         rows = list_jobs(target, all_namespaces)
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
 
     def table() -> str:
         lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'STATE':<11} {'NODES x PROCS':<14} AGE"]
@@ -286,7 +289,6 @@ def delete(
     namespace: NamespaceOpt = None,
 ) -> None:
     """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
-    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound
     from ctl.cluster import delete as delete_objects
 
     target = cluster_target(kubeconfig, context, namespace)
@@ -295,12 +297,8 @@ def delete(
             raise fail("delete: confirm with --yes (stdin is not a terminal)")
         if not typer.confirm(f"delete pytorchjob {name} in namespace {target.namespace}?", err=True):
             raise typer.Exit(1)
-    try:
+    with cluster_errors():
         removed = delete_objects(target, name, purge)
-    except JobNotFound as exc:
-        raise fail(str(exc), code=EXIT_NOT_FOUND) from None
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
     for item in removed:
         typer.echo(f"{item} deleted")
 

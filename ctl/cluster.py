@@ -36,8 +36,12 @@ class ClusterError(RuntimeError):
     """Talking to the cluster failed; the message is the one line `ctl` prints."""
 
 
-class JobNotFound(ClusterError):
-    pass
+class NotFound(ClusterError):
+    """The API server answered 404."""
+
+
+class JobNotFound(NotFound):
+    """The PyTorchJob a command names does not exist."""
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Target:
             )
         except ApiException as exc:
             if exc.status == 404:
-                raise JobNotFound(f"not found: {path}") from None
+                raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
             raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
         except OSError as exc:  # connection refused, DNS, TLS
             raise ClusterError(f"cannot reach the API server: {exc}") from None
@@ -107,7 +111,7 @@ def resource_path(target: Target, obj: dict[str, Any]) -> str:
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     try:
         resources = target.call(base)["resources"]
-    except JobNotFound:
+    except NotFound:
         raise ClusterError(f"the cluster does not serve {api_version} (for {kind})") from None
     (resource,) = [r for r in resources if r["kind"] == kind and "/" not in r["name"]]
     scope = f"/namespaces/{target.namespace}" if resource["namespaced"] else ""
@@ -133,14 +137,14 @@ def job_path(target: Target, name: str) -> str:
 def get_job(target: Target, name: str) -> dict[str, Any]:
     try:
         return target.call(job_path(target, name))
-    except JobNotFound:
+    except NotFound:
         raise JobNotFound(f"pytorchjob {name} not found in namespace {target.namespace}") from None
 
 
 def require_operator(target: Target) -> None:
     try:
         resources = target.call(f"/apis/{GROUP}/{VERSION}")["resources"]
-    except JobNotFound:
+    except NotFound:
         resources = []
     if not any(r["name"] == PLURAL for r in resources):
         raise ClusterError(
@@ -265,7 +269,7 @@ def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
     path = f"/apis/{GROUP}/{VERSION}/" + ("" if all_namespaces else f"namespaces/{target.namespace}/") + PLURAL
     try:
         items = target.call(path)["items"]
-    except JobNotFound:
+    except NotFound:
         require_operator(target)
         raise
     return [job_row(job) for job in items]
@@ -299,7 +303,7 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
         collection = f"{base}/namespaces/{target.namespace}/{plural}"
         try:
             items = target.call(collection, query_params=[("labelSelector", selector)])["items"]
-        except JobNotFound:  # e.g. no prometheus-operator CRDs in this cluster
+        except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
             continue
         for item in items:
             target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
