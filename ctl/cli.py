@@ -1,26 +1,38 @@
 """The `ctl` command (Typer). Thin: each command parses, delegates, maps errors to exit codes.
 
-Exit codes: 0 ok, 1 error, 2 usage or bad input.
+Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait`)
+100 failed, 101 not finished (timeout), 102 not found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from ctl.spec import JobSpec, load_spec
-from trainer.spec import SpecError
+if TYPE_CHECKING:
+    from ctl.spec import JobSpec
 
 EXIT_BAD_INPUT = 2
+
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait):"
+    " 100 failed, 101 not finished, 102 not found."
+)
 
 app = typer.Typer(
     name="ctl",
     help="Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob.",
+    epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help, as kubectl's; and rich's import would double `ctl --help`'s time
 )
 
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm chart's values).", show_default=False)]
@@ -42,6 +54,10 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
 
 def load_job(spec: Path, set_values: list[str]) -> JobSpec:
     """The validated spec, or exit 2 with its one-line problem."""
+    # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
+    from ctl.spec import load_spec
+    from trainer.spec import SpecError
+
     try:
         return load_spec(spec, set_values)
     except SpecError as exc:
@@ -89,6 +105,202 @@ def render(
     except RenderError as exc:
         raise fail(str(exc), code=1) from None
     typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
+
+
+KubeconfigOpt = Annotated[
+    str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).")
+]
+ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the context's).", show_default=False)
+]
+NameArg = Annotated[str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False)]
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or json.")]
+
+
+def cluster_target(kubeconfig: str | None, context: str | None, namespace: str | None):  # -> ctl.cluster.Target
+    from ctl.cluster import connect
+
+    with cluster_errors():
+        return connect(kubeconfig, context, namespace)
+
+
+@contextlib.contextmanager
+def cluster_errors() -> Iterator[None]:
+    """A cluster failure -> its one line and exit 1; a job that does not exist -> exit 102."""
+    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound
+
+    try:
+        yield
+    except JobNotFound as exc:
+        raise fail(str(exc), code=EXIT_NOT_FOUND) from None
+    except ClusterError as exc:
+        raise fail(str(exc), code=1) from None
+
+
+def print_data(data: object, output: str, table: Callable[[], str]) -> None:
+    """Machine output on stdout in a stable shape (json/yaml), or a table for people."""
+    if output == "json":
+        typer.echo(json.dumps(data, indent=2))
+    elif output == "yaml":
+        import yaml
+
+        typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+    elif output == "table":
+        typer.echo(table())
+    else:
+        raise fail(f"--output {output!r}: expected table, yaml or json")
+
+
+@app.command()
+def submit(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    dry_run: Annotated[
+        str, typer.Option("--dry-run", help="none; client (print the objects); server (the API server validates).")
+    ] = "none",
+    replace: Annotated[bool, typer.Option("--replace", help="Delete and recreate a job of the same name.")] = False,
+    wait_for: Annotated[bool, typer.Option("--wait", help="Wait until the job succeeds or fails.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait waits.")] = 86_400,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
+    if dry_run not in ("none", "client", "server"):
+        raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
+    job = load_job(spec, set_values)
+    from ctl.render import RenderError, render, to_yaml
+
+    try:
+        manifests = render(job)
+    except RenderError as exc:
+        raise fail(str(exc), code=1) from None
+    if dry_run == "client":
+        typer.echo(to_yaml(manifests), nl=False)
+        return
+    from ctl.cluster import submit as submit_objects
+    from ctl.cluster import wait
+
+    target = cluster_target(kubeconfig, context, namespace)
+    with cluster_errors():
+        submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace)
+    ns = target.namespace
+    typer.echo(f"pytorchjob.kubeflow.org/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
+    if dry_run == "server":
+        return
+    typer.echo(
+        f"next: ctl status {job.name} -n {ns}  |  ctl wait {job.name} -n {ns} --for succeeded"
+        f"  |  ctl delete {job.name} -n {ns}",
+        err=True,
+    )
+    if wait_for:
+        with cluster_errors():
+            code = wait(target, job.name, "succeeded", timeout, progress=lambda s: typer.echo(s, err=True))
+        raise typer.Exit(code)
+
+
+@app.command("wait")
+def wait_command(
+    name: NameArg,
+    state: Annotated[str, typer.Option("--for", help="succeeded, failed or running.")] = "succeeded",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 86_400,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Wait for a job's state; the exit code says how it ended (0: reached; 100, 101, 102: see below)."""
+    if state not in ("succeeded", "failed", "running"):
+        raise fail(f"--for {state!r}: expected succeeded, failed or running")
+    from ctl.cluster import wait
+
+    target = cluster_target(kubeconfig, context, namespace)
+    with cluster_errors():
+        code = wait(target, name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    name: NameArg,
+    output: OutputOpt = "table",
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """A job's state: conditions, replicas, each pod's phase, restarts and exit code, recent events."""
+    from ctl.cluster import status as job_status
+
+    target = cluster_target(kubeconfig, context, namespace)
+    with cluster_errors():
+        data = job_status(target, name)
+
+    def table() -> str:
+        lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
+        lines += [
+            f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
+        ]
+        lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
+        lines += [
+            f"  {p['name']:<32} {p['phase']:<10} {p['restarts']:>8} {'' if p['exitCode'] is None else p['exitCode']:>5}"
+            f"  {p['reason'] or ''}"
+            for p in data["pods"]
+        ]
+        lines += [f"  event: {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
+        return "\n".join(lines)
+
+    print_data(data, output, table)
+
+
+@app.command("list")
+def list_command(
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Jobs of every namespace.")] = False,
+    output: OutputOpt = "table",
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """The PyTorchJobs of the namespace: state, nodes x processes per node, age."""
+    from ctl.cluster import list_jobs
+
+    target = cluster_target(kubeconfig, context, namespace)
+    with cluster_errors():
+        rows = list_jobs(target, all_namespaces)
+
+    def table() -> str:
+        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'STATE':<11} {'NODES x PROCS':<14} AGE"]
+        lines += [
+            f"{r['namespace']:<20} {r['name']:<32} {r['state']:<11} {r['nodes']} x {r['procsPerNode']:<10}"
+            f" {r['ageSeconds']}s"
+            for r in rows
+        ]
+        return "\n".join(lines)
+
+    print_data(rows, output, table)
+
+
+@app.command()
+def delete(
+    name: NameArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    purge: Annotated[bool, typer.Option("--purge", help="Also delete the run directory's volume claim.")] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
+    from ctl.cluster import delete as delete_objects
+
+    target = cluster_target(kubeconfig, context, namespace)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise fail("delete: confirm with --yes (stdin is not a terminal)")
+        if not typer.confirm(f"delete pytorchjob {name} in namespace {target.namespace}?", err=True):
+            raise typer.Exit(1)
+    with cluster_errors():
+        removed = delete_objects(target, name, purge)
+    for item in removed:
+        typer.echo(f"{item} deleted")
 
 
 def main() -> None:

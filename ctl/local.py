@@ -25,6 +25,7 @@ import yaml
 
 from ctl.operator_env import ELASTIC_ENV, Replica, operator_env, replicas
 from ctl.spec import JobSpec
+from trainer.spec import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 
 LOCAL_ADDRESS = "127.0.0.1"
 STOP_GRACE_SECONDS = 15
@@ -68,13 +69,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def agent_env(spec: JobSpec, replica: Replica, port: int, error_file: Path) -> dict[str, str]:
-    """This process's env, less launcher variables, plus what the operator injects into the pod."""
+def agent_env(
+    spec: JobSpec, replica: Replica, port: int, error_file: Path, metrics_port: int, metrics_dir: Path
+) -> dict[str, str]:
+    """This process's env, less launcher variables, plus what the operator and the chart give the pod."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in LAUNCHER_VARIABLES}
     env |= operator_env(spec, replica, address=LOCAL_ADDRESS, port=port)
     if spec.elastic.enabled:
         env |= ELASTIC_ENV
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    # The pod's metrics endpoint, on loopback: one port and one shared metrics directory per simulated pod.
+    env |= {
+        JOB_NAME_ENV: spec.name,
+        METRICS_PORT_ENV: str(metrics_port),
+        METRICS_HOST_ENV: LOCAL_ADDRESS,
+        METRICS_DIR_ENV: str(metrics_dir),
+    }
     # Share the machine's cores among all local processes instead of oversubscribing.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))))
     return env
@@ -89,12 +99,37 @@ def pump(agent: Agent, out: TextIO, lock: threading.Lock) -> None:
             out.flush()
 
 
+def descendants(pids: list[int]) -> set[int]:
+    """Every process below `pids`, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    pending = list(pids)
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
 def stop(agents: list[Agent]) -> None:
-    """SIGTERM every agent's process group, then SIGKILL what is left after the grace period."""
+    """SIGTERM every agent's process group (torchrun passes it on to its workers, which save and
+    exit), then SIGKILL what is left after the grace period: the agents' groups and their workers,
+    which torchrun starts in sessions of their own (killing an agent alone would orphan them)."""
+    workers: set[int] = set()
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        workers |= descendants([agent.process.pid for agent in agents])
         for agent in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.process.pid, sig)
+        if sig == signal.SIGKILL:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for agent in agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -128,10 +163,12 @@ def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextI
         config.write_text(yaml.safe_dump(training, sort_keys=False), encoding="utf-8")
         agents: list[Agent] = []
         for node, replica in enumerate(replicas(spec)):
-            error_file = Path(tmp) / f"error-{replica.pod_name(spec.name)}.json"
+            pod = replica.pod_name(spec.name)
+            error_file = Path(tmp) / f"error-{pod}.json"
+            metrics_port = free_port()
             process = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "-m", "trainer", "--config", str(config)],
-                env=agent_env(spec, replica, port, error_file),
+                env=agent_env(spec, replica, port, error_file, metrics_port, Path(tmp) / f"metrics-{pod}"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -140,6 +177,7 @@ def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextI
                 start_new_session=True,  # its own process group, so stop() reaches its workers too
             )
             agents.append(Agent(node, replica, process, error_file))
+            print(f"ctl: metrics of node {node} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics", file=err)
         print(
             f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}",
             file=err,

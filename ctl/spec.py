@@ -18,6 +18,8 @@ from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_LABEL_MAX = 63
+PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
+PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 
 
 class ImageSpec(SpecModel):
@@ -113,6 +115,68 @@ class PodSecuritySpec(SpecModel):
     fs_group: int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
 
 
+class PodMonitorSpec(SpecModel):
+    """A prometheus-operator PodMonitor scraping every pod's `metrics` port (needs the operator's CRDs)."""
+
+    enabled: bool = Field(False, description="Create the PodMonitor.")
+    interval: str = Field(
+        "15s", pattern=PROMETHEUS_DURATION, description="Scrape interval, a Prometheus duration (e.g. 15s, 1m)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels the Prometheus selects monitors by, e.g. {release: kube-prometheus-stack}.",
+    )
+
+
+class DashboardSpec(SpecModel):
+    """The Grafana dashboard (helm/ddpjob/dashboards/) as a ConfigMap for Grafana's dashboard sidecar."""
+
+    enabled: bool = Field(False, description="Create the dashboard ConfigMap (one per cluster is enough: same uid).")
+    label_key: str = Field("grafana_dashboard", min_length=1, description="Label the sidecar watches for.")
+    label_value: str = Field("1", description="Value of that label.")
+    dcgm_pod_label: str = Field(
+        "exported_pod",
+        pattern=PROMETHEUS_LABEL,
+        description="Label naming the pod on NVIDIA DCGM exporter series (pod when the exporter's honorLabels is on).",
+    )
+    dcgm_namespace_label: str = Field(
+        "exported_namespace", pattern=PROMETHEUS_LABEL, description="Label naming the namespace on DCGM series."
+    )
+
+
+class AlertsSpec(SpecModel):
+    """A PrometheusRule with this job's alerts (needs the prometheus-operator CRDs)."""
+
+    enabled: bool = Field(False, description="Create the PrometheusRule.")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels the Prometheus selects rules by, e.g. {release: kube-prometheus-stack}.",
+    )
+    stalled_seconds: int = Field(900, ge=60, description="TrainingStalled: no optimizer step for this long.")
+    loss_explosion_factor: float = Field(
+        3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
+    )
+    checkpoint_max_age_seconds: int = Field(
+        7200, ge=0, description="CheckpointTooOld: no checkpoint committed for this long; 0 disables the alert."
+    )
+    restart_window_seconds: int = Field(1800, ge=60, description="TrainingRestarted: a restart within this window.")
+    slow_rank_factor: float = Field(
+        1.5, gt=1.0, description="SlowRank: a rank's mean step time above this many times the job's median."
+    )
+
+
+class MetricsSpec(SpecModel):
+    """Prometheus metrics: every pod serves its ranks' metrics on the container port named `metrics`."""
+
+    port: int = Field(9402, ge=1, le=65535, description="Container port of the metrics endpoint (/metrics).")
+    annotations: bool = Field(
+        False, description="Add prometheus.io/scrape, port and path pod annotations (annotation-based scraping)."
+    )
+    pod_monitor: PodMonitorSpec = Field(default_factory=PodMonitorSpec)
+    dashboard: DashboardSpec = Field(default_factory=DashboardSpec)
+    alerts: AlertsSpec = Field(default_factory=AlertsSpec)
+
+
 class JobSpec(SpecModel):
     """A whole training job."""
 
@@ -153,6 +217,7 @@ class JobSpec(SpecModel):
     )
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every pod.")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     training: TrainingSpec
 
     @field_validator("name")
@@ -189,6 +254,8 @@ class JobSpec(SpecModel):
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
             )
+        if self.metrics.port == self.master_port:
+            raise ValueError(f"metrics.port: {self.metrics.port} is already masterPort, the rendezvous port")
         # The longest pod/Service name the operator derives: <name>-master-0 or <name>-worker-<last>.
         workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
         longest = f"{self.name}-worker-{workers - 1}" if workers else f"{self.name}-master-0"

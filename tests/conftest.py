@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -54,6 +55,14 @@ def write_spec(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
         return path
 
     return write
+
+
+def prometheus_tool(name: str) -> str:
+    """`prometheus` or `promtool` from PATH; `make test` installs them (.ci/install-prometheus)."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run .ci/install-prometheus (a prerequisite of `make test`)")
+    return path
 
 
 def run_ctl(

@@ -4,6 +4,7 @@ would notice (layout, volumes, security, names, bad values)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from conftest import REPO, run_ctl
+from conftest import REPO, prometheus_tool, run_ctl
 
 from ctl.operator_env import ELASTIC_ENV, replicas
 from ctl.render import (
@@ -46,16 +47,21 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 TRAIN = {"data": {"train": ["/data/train.txt"]}}
+PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator@v0.76.0"
+MONITORING_API = "monitoring.coreos.com/v1"
 
 
 def spec_of(**values: Any) -> JobSpec:
     return JobSpec.model_validate({"name": "job", "training": TRAIN} | values)
 
 
+DASHBOARDS = "Dashboards"  # the key of the dashboards' ConfigMap in objects()
+
+
 def objects(spec: JobSpec) -> dict[str, dict[str, Any]]:
-    """kind -> object (the chart renders at most one object of each kind)."""
+    """kind -> object (the chart renders at most one object of each kind, and the dashboards' ConfigMap)."""
     rendered = render(spec)
-    by_kind = {m.kind: m.obj for m in rendered}
+    by_kind = {DASHBOARDS if m.source.endswith("/dashboards.yaml") else m.kind: m.obj for m in rendered}
     assert len(by_kind) == len(rendered), [m.kind for m in rendered]
     return by_kind
 
@@ -84,6 +90,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "nodes": 3,
         "queue": {"volcano": "research"},
         "runPolicy": {"schedulingPolicy": {"minAvailable": 3, "priorityClass": "high", "scheduleTimeoutSeconds": 600}},
+    },
+    "monitoring": {
+        "nodes": 2,
+        "metrics": {
+            "port": 9500,
+            "annotations": True,
+            "podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "kube-prometheus-stack"}},
+            "dashboard": {"enabled": True, "dcgmPodLabel": "pod", "dcgmNamespaceLabel": "namespace"},
+            "alerts": {
+                "enabled": True,
+                "labels": {"release": "kube-prometheus-stack"},
+                "checkpointMaxAgeSeconds": 3600,
+            },
+        },
+    },
+    "elastic-monitoring": {
+        "nodes": 2,
+        "elastic": {"enabled": True, "maxNodes": 3},
+        "metrics": {"podMonitor": {"enabled": True}, "alerts": {"enabled": True, "checkpointMaxAgeSeconds": 0}},
     },
     "everything": {
         "nodes": 2,
@@ -148,13 +173,13 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
-@pytest.fixture(scope="session")
-def pytorchjob_schema() -> dict[str, Any]:
+def crd_schema(module: str, path_in_module: str, kind: str) -> dict[str, Any]:
+    """The strict v1 schema of `kind` from a CRD file of a published Go module (downloaded at test time)."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
     if not Path(go).exists():
-        pytest.fail("the Go toolchain is needed to download the training operator's CRD (go mod download)")
+        pytest.fail(f"the Go toolchain is needed to download the {kind} CRD (go mod download {module})")
     result = subprocess.run(
-        [go, "mod", "download", "-json", TRAINING_OPERATOR],
+        [go, "mod", "download", "-json", module],
         capture_output=True,
         text=True,
         timeout=300,
@@ -162,10 +187,25 @@ def pytorchjob_schema() -> dict[str, Any]:
         env=os.environ | {"GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
     )
     assert result.returncode == 0, f"go mod download failed: {result.stdout}{result.stderr}"
-    crd = yaml.safe_load((Path(json.loads(result.stdout)["Dir"]) / CRD_IN_MODULE).read_text())
-    assert crd["spec"]["names"]["kind"] == "PyTorchJob"
+    crd = yaml.safe_load((Path(json.loads(result.stdout)["Dir"]) / path_in_module).read_text())
+    assert crd["spec"]["names"]["kind"] == kind
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return _strict(v1["schema"]["openAPIV3Schema"])
+
+
+@pytest.fixture(scope="session")
+def pytorchjob_schema() -> dict[str, Any]:
+    return crd_schema(TRAINING_OPERATOR, CRD_IN_MODULE, "PyTorchJob")
+
+
+@pytest.fixture(scope="session")
+def monitoring_schemas() -> dict[str, dict[str, Any]]:
+    """kind -> schema, from the prometheus-operator's own CRDs (what kube-prometheus-stack installs)."""
+    crds = "example/prometheus-operator-crd/monitoring.coreos.com_{}.yaml"
+    return {
+        kind: crd_schema(PROMETHEUS_OPERATOR, crds.format(plural), kind)
+        for kind, plural in (("PodMonitor", "podmonitors"), ("PrometheusRule", "prometheusrules"))
+    }
 
 
 def test_strict_crd_schema_catches_unknown_fields(pytorchjob_schema: dict[str, Any]) -> None:
@@ -192,7 +232,7 @@ def test_core_objects_and_pods_validate_strictly(name: str, spec: JobSpec) -> No
                 pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]}}
                 for version in KUBERNETES_VERSIONS:
                     kubernetes_validate.validate(pod | {"spec": template["spec"]}, version, strict=True)
-        else:
+        elif manifest.obj["apiVersion"] != MONITORING_API:  # custom resources: validated against their CRDs below
             for version in KUBERNETES_VERSIONS:
                 kubernetes_validate.validate(manifest.obj, version, strict=True)
 
@@ -212,7 +252,10 @@ def test_master_and_workers() -> None:
         assert rep["restartPolicy"] == "OnFailure"
         container = trainer_container(rep["template"])
         assert container["command"] == ["torchrun", "-m", "trainer", "--config", "/etc/ddpjob/training.yaml"]
-        assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"}]
+        assert container["ports"] == [
+            {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": 9402, "protocol": "TCP"},
+        ]
 
 
 def test_one_node_has_no_workers() -> None:
@@ -335,7 +378,7 @@ def test_scheduling_env_and_identity_knobs() -> None:
         container = trainer_container(rep["template"])
         assert container["image"] == "registry.example.com/ml/ddpjob:0.1.0"
         assert container["imagePullPolicy"] == "Always"
-        assert container["env"] == values["env"] and container["envFrom"] == values["envFrom"]
+        assert container["env"][-2:] == values["env"] and container["envFrom"] == values["envFrom"]
         assert rep["template"]["metadata"]["labels"]["team"] == "ml"
         assert rep["template"]["metadata"]["annotations"]["example.com/team"] == "ml"
     assert by_kind["ServiceAccount"]["metadata"]["annotations"] == {"iam.example.com/role": "trainer"}
@@ -423,6 +466,9 @@ BAD = [
     ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
     ("serviceAccount.craete=true", "serviceAccount.craete: unknown key"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
+    ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
+    ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: String should match pattern"),
+    ("metrics.alerts.slowRankFactor=1", "metrics.alerts.slowRankFactor: Input should be greater than 1"),
 ]
 
 
@@ -545,6 +591,15 @@ def test_ctl_render_does_not_import_torch() -> None:
     assert result.returncode == 0, result.stderr or "ctl imported torch"
 
 
+def test_ctl_help_imports_neither_pydantic_nor_rich() -> None:
+    """`ctl --help` stays quick: the spec model and rich's help formatting are loaded only when needed."""
+    code = "import sys, ctl.cli; ctl.cli.app(['--help'], standalone_mode=False); print(sorted(sys.modules))"
+    result = subprocess.run([os.sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0 and "Commands:" in result.stdout, result.stderr
+    modules = set(ast.literal_eval(result.stdout.splitlines()[-1]))
+    assert not modules & {"pydantic", "rich", "torch"}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # k8s/: prerequisites and rendered examples.
 
@@ -582,26 +637,38 @@ def test_k8s_prerequisites_validate_strictly(name: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_rbac_is_least_privilege() -> None:
+def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> None:
     docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()) if d}
     assert set(docs) == {"Role", "RoleBinding"}  # namespaced: no cluster-wide rights
     rules = docs["Role"]["rules"]
-    granted = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
-    assert granted == {
-        ("kubeflow.org", "pytorchjobs"),
+    writable = {
+        (group, resource)
+        for r in rules
+        if {"create", "patch", "delete"} <= set(r["verbs"])
+        for group in r["apiGroups"]
+        for resource in r["resources"]
+    }
+    everything = spec_of(
+        serviceAccount={"create": True},
+        metrics={"podMonitor": {"enabled": True}, "alerts": {"enabled": True}, "dashboard": {"enabled": True}},
+    )
+    rendered = {(m.obj["apiVersion"].rpartition("/")[0], m.kind.lower() + "s") for m in render(everything)}
+    assert rendered <= writable, rendered - writable
+    readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
+    # ctl status/logs: pods, their logs, the operator's Services and events, nothing more.
+    assert readable - writable == {
         ("kubeflow.org", "pytorchjobs/status"),
         ("", "pods"),
         ("", "pods/log"),
         ("", "services"),
-        ("", "configmaps"),
-        ("", "persistentvolumeclaims"),
         ("", "events"),
         ("events.k8s.io", "events"),
     }
+    assert writable == rendered
     for rule in rules:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
-        if rule["resources"] != ["pytorchjobs"] and rule["resources"] != ["configmaps", "persistentvolumeclaims"]:
+        if not {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= writable:
             assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # read-only beyond what ctl creates
     assert docs["RoleBinding"]["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -616,6 +683,8 @@ def test_notes_tell_how_to_follow_the_job() -> None:
     assert "kubectl get pytorchjob job -n ml -w" in text
     assert "kubectl logs -n ml -f job-master-0 -c pytorch" in text
     assert "/checkpoints/job" in text and "job-checkpoints" in text
+    assert "container port `metrics` (9402, /metrics)." in text
+    assert "scraped through PodMonitor job." in notes(spec_of(metrics={"podMonitor": {"enabled": True}}))
     elastic = notes(spec_of(**VARIANTS["elastic"]), namespace="ml")
     assert "job-worker-0 -c pytorch" in elastic and "elastic, 1-4 pods" in elastic
 
@@ -629,3 +698,126 @@ def test_helm_accepts_what_ctl_accepts_for_a_single_path(tmp_path: Path) -> None
     path.write_text(config["data"]["training.yaml"])
     data = load_training_spec(path).data
     assert (data.train, data.val) == (["/data/train.txt"], ["/data/val.txt"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Monitoring: metrics port and env, PodMonitor, PrometheusRule, dashboard.
+
+MONITORING = spec_of(**VARIANTS["monitoring"])
+
+
+@pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
+def test_monitoring_objects_validate_against_the_real_crds(
+    name: str, spec: JobSpec, monitoring_schemas: dict[str, dict[str, Any]]
+) -> None:
+    for manifest in render(spec):
+        if manifest.obj["apiVersion"] == MONITORING_API:
+            # Not jsonschema.validate: its schema check rejects the CRD's Go-only regex `^(?i)(abort|warn)?$`.
+            jsonschema.Draft7Validator(monitoring_schemas[manifest.kind]).validate(manifest.obj)
+
+
+def test_strict_monitoring_schemas_catch_unknown_fields(monitoring_schemas: dict[str, dict[str, Any]]) -> None:
+    monitor = objects(MONITORING)["PodMonitor"]
+    monitor["spec"]["podMetricEndpoints"] = monitor["spec"].pop("podMetricsEndpoints")
+    with pytest.raises(jsonschema.ValidationError, match="podMetricEndpoints"):
+        jsonschema.Draft7Validator(monitoring_schemas["PodMonitor"]).validate(monitor)
+
+
+def test_every_pod_serves_metrics_on_the_port_named_metrics() -> None:
+    by_kind = objects(MONITORING)
+    assert not {"PodMonitor", "PrometheusRule", DASHBOARDS} - set(by_kind)
+    for template in pod_templates(by_kind["PyTorchJob"]).values():
+        container = trainer_container(template)
+        assert {"name": "metrics", "containerPort": 9500, "protocol": "TCP"} in container["ports"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["DDPJOB_METRICS_PORT"] == "9500" and env["DDPJOB_JOB_NAME"] == "job"
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["PROMETHEUS_MULTIPROC_DIR"]]
+        assert {"name": mount["name"], "emptyDir": {"sizeLimit": "64Mi"}} in template["spec"]["volumes"]
+        annotations = template["metadata"]["annotations"]
+        assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9500")
+    plain = pod_templates(objects(spec_of())["PyTorchJob"])["Master"]
+    assert not [key for key in plain["metadata"]["annotations"] if key.startswith("prometheus.io/")]
+    assert not {"PodMonitor", "PrometheusRule", DASHBOARDS} & set(objects(spec_of()))
+
+
+@pytest.mark.parametrize("variant", ["monitoring", "elastic-monitoring"])
+def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
+    by_kind = objects(spec_of(**VARIANTS[variant]))
+    monitor = by_kind["PodMonitor"]["spec"]
+    assert monitor["jobLabel"] == "training.kubeflow.org/job-name"
+    assert monitor["podTargetLabels"] == ["training.kubeflow.org/replica-type", "training.kubeflow.org/replica-index"]
+    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
+    for template in pod_templates(by_kind["PyTorchJob"]).values():
+        assert monitor["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    other_job = objects(spec_of(name="other"))["PyTorchJob"]
+    for template in pod_templates(other_job).values():
+        assert not monitor["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_monitors_and_rules_carry_the_stack_selector_labels() -> None:
+    by_kind = objects(MONITORING)
+    assert by_kind["PodMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert by_kind["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+    assert by_kind["PrometheusRule"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+@pytest.mark.parametrize("variant", ["monitoring", "elastic-monitoring"])
+def test_alert_rules_pass_promtool(variant: str, tmp_path: Path) -> None:
+    """The PrometheusRule's groups are a valid Prometheus rule file: every expression parses, every template too."""
+    rule = objects(spec_of(**VARIANTS[variant]))["PrometheusRule"]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    result = subprocess.run([prometheus_tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    expected = {"TrainingStalled", "TrainingLossNotFinite", "TrainingLossExploding", "TrainingRestarted", "SlowRank"}
+    assert set(alerts) == expected | ({"CheckpointTooOld"} if variant == "monitoring" else set())
+    for alert in alerts.values():
+        assert alert["annotations"]["summary"] and alert["annotations"]["runbook"]
+        assert alert["labels"]["severity"] in ("critical", "warning")
+        assert 'job="job"' in alert["expr"]  # scoped to this job's series
+    if variant == "monitoring":
+        assert "> 3600" in alerts["CheckpointTooOld"]["expr"]
+    else:
+        assert "job-worker-0" in alerts["TrainingStalled"]["annotations"]["runbook"]
+
+
+def test_dashboard_configmap_is_the_dashboard_file_with_the_chart_defaults() -> None:
+    config_map = objects(MONITORING)[DASHBOARDS]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted((chart_path() / "dashboards").glob("*.json"))
+    assert sorted(config_map["data"]) == [f.name for f in files] and files
+    shipped = json.loads((chart_path() / "dashboards" / "training.json").read_text())
+    dashboard = json.loads(config_map["data"]["training.json"])
+    defaults = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "textbox"}
+    assert defaults == {"dcgm_pod_label": "pod", "dcgm_namespace_label": "namespace"}
+    for variable in shipped["templating"]["list"]:
+        if variable["type"] == "textbox":
+            variable["query"] = defaults[variable["name"]]
+            variable["current"] = {"text": variable["query"], "value": variable["query"]}
+    assert dashboard == shipped
+    custom = objects(spec_of(metrics={"dashboard": {"enabled": True, "labelKey": "dashboards", "labelValue": "ml"}}))
+    assert custom[DASHBOARDS]["metadata"]["labels"]["dashboards"] == "ml"
+
+
+def test_helm_lint_is_clean_with_every_monitoring_object() -> None:
+    report = helm_python.lint(chart_path(), values=chart_values(MONITORING), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
+def test_dashboard_is_importable_as_is() -> None:
+    """Stable uid, a datasource variable every panel uses, namespace and job variables, no __inputs."""
+    dashboard = json.loads((chart_path() / "dashboards" / "training.json").read_text())
+    assert dashboard["uid"] == "ddpjob-training" and "__inputs" not in dashboard
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"namespace", "job", "dcgm_pod_label"} <= set(variables)
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    for metric in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"):
+        assert metric in exprs

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -51,9 +55,11 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
     assert processes_with_marker(marker) == []
 
 
-@pytest.mark.timeout(300)
-def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, marked_env) -> None:
-    env, marker = marked_env
+@contextlib.contextmanager
+def two_nodes_training(
+    tmp_path: Path, write_spec, corpus_file: Path, env: dict[str, str], marker: str
+) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A long 2-node `ctl run` once it trains: (ctl, rank 1's trainer pid); ctl is killed if still running after."""
     spec = tiny_spec(corpus_file, maxSteps=100_000) | {"nodes": 2, "procsPerNode": 1}
     ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
     try:
@@ -62,14 +68,21 @@ def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, m
             if "| loss " in line:
                 break
         deadline = time.monotonic() + 30
-        while not (victims := trainer_pids(marker, rank=1)) and time.monotonic() < deadline:
+        while not (rank1 := trainer_pids(marker, rank=1)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert victims, "rank 1's trainer process not found"
-        os.kill(victims[0], signal.SIGKILL)
-        _, stderr = ctl.communicate(timeout=120)
+        assert rank1, "rank 1's trainer process not found"
+        yield ctl, rank1[0]
     finally:
         if ctl.poll() is None:
             ctl.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    env, marker = marked_env
+    with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
+        os.kill(rank1, signal.SIGKILL)
+        _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == 1
     assert "ctl: node 1 (tiny-worker-0) failed" in stderr
     assert processes_with_marker(marker) == []
@@ -83,3 +96,17 @@ def test_spec_values_reach_the_trainer_unchanged(tmp_path, write_spec, corpus_fi
     report = json.loads((tmp_path / "elsewhere" / "report.json").read_text())
     assert report["steps"] == 2 and report["world_size"] == 1
     assert yaml.safe_load(spec_file.read_text())["training"]["maxSteps"] == 5
+
+
+@pytest.mark.timeout(300)
+def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    """Ctrl-C while rank 1 hangs (SIGSTOP): SIGTERM cannot finish the run, so after the grace period
+    ctl kills the agents and the workers torchrun started in sessions of their own."""
+    env, marker = marked_env
+    with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
+        os.kill(rank1, signal.SIGSTOP)  # rank 0 now waits for it in its next collective
+        time.sleep(1)
+        ctl.send_signal(signal.SIGINT)
+        _, stderr = ctl.communicate(timeout=120)
+    assert ctl.returncode == 130 and "ctl: interrupted; stopped all nodes" in stderr
+    assert processes_with_marker(marker) == []

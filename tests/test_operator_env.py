@@ -62,9 +62,12 @@ def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path,
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("PET_RDZV_ID", "outer")
     spec = job(corpus_file, nodes=2, procsPerNode=2)
-    env = agent_env(spec, Replica("worker", 0), 40123, tmp_path / "error.json")
+    env = agent_env(spec, Replica("worker", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
     injected = operator_env(spec, Replica("worker", 0), address="127.0.0.1", port=40123)
     assert {k: env[k] for k in injected} == injected
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_MASTER_PORT"] == "40123" and env["RANK"] == "1"
     assert "PET_RDZV_ID" not in env
     assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "error.json")
+    # The chart's metrics env, with the simulated pod's own port and directory.
+    assert env["DDPJOB_METRICS_PORT"] == "40124" and env["DDPJOB_METRICS_HOST"] == "127.0.0.1"
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "metrics") and env["DDPJOB_JOB_NAME"] == spec.name

@@ -2,8 +2,8 @@
 
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
-saving a checkpoint (128 + 15: what a terminated process reports, and an exit code the
-operator's `ExitCode` restart policy retries); the next start resumes from it.
+saving a checkpoint (128 + 15: what a terminated process reports); the next start
+resumes from it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
+from trainer.metrics import metrics_endpoint
 from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         spec = load_training_spec(args.config)
+        metrics_endpoint()  # a bad metrics environment fails here, before any work
         dist = init_distributed()
         try:
             code = run(spec, dist)

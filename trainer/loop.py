@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
 from trainer.data import Collate, TrainBatches, eval_loader
 from trainer.dist import Dist, StopRequest, all_reduce_sum
+from trainer.metrics import TrainingMetrics
 from trainer.models import parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
 
@@ -203,8 +204,11 @@ def train(
         f" size {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
     )
 
+    metrics = TrainingMetrics(spec, dist, model)
+
     def report_eval(prefix: str) -> float:
         result = evaluate(model, val_batches, dist, amp_dtype)
+        metrics.evaluated(result.loss, result.accuracy)
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
         return result.loss
 
@@ -214,14 +218,16 @@ def train(
         state.epoch_totals = all_reduce_sum(epoch_totals.clone()).tolist()
         state.epoch, state.position = batches.epoch, batches.position
         checkpoints.save(model, optimizer, scaler, state, wait=wait)
+        metrics.checkpoint_saved(checkpoints.last_save)
 
     # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
     carried = dist.is_main and saved is not None
     interval = torch.tensor(state.interval_totals if carried else [0.0] * 4, dtype=torch.float64, device=device)
     epoch_totals = torch.tensor(state.epoch_totals if carried else [0.0] * 3, dtype=torch.float64, device=device)
-    stream = iter(batches)
+    stream = metrics.timed(iter(batches))  # measures the data wait
     is_ddp = isinstance(forward_model, DDP)
     train_loss = float("nan")
+    grad_norm: torch.Tensor | None = None  # measured by clipping
     # Each rank draws its own dropout masks; a resume puts back exactly the generator state it saved.
     torch.manual_seed(spec.seed + dist.rank)
     if saved_rng is not None:
@@ -229,6 +235,7 @@ def train(
     started = interval_start = time.perf_counter()
     with StopRequest(dist) as stop_request:
         while state.step < state.max_steps:
+            step_started, step_tokens = time.perf_counter(), 0
             lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -245,14 +252,18 @@ def train(
                 interval[:3] += stats
                 epoch_totals += stats
                 interval[3] += batch["input_ids"].numel()
+                step_tokens += batch["input_ids"].numel()
             if spec.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples += samples_per_step
+            metrics.step_done(
+                state.step, time.perf_counter() - step_started, spec.batch_size * spec.grad_accum, step_tokens
+            )
             done, max_steps = state.step, state.max_steps
 
             if done % spec.log_every == 0 or done == max_steps:
@@ -260,9 +271,13 @@ def train(
                 train_loss = loss_sum_all / count_all
                 now = time.perf_counter()
                 state.tokens += int(tokens_all)
+                tokens_per_second = tokens_all / (now - interval_start)
+                # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
+                metrics.logged(train_loss, lr, None if grad_norm is None else grad_norm.item(), tokens_per_second)
+                metrics.checkpoint_saved(checkpoints.last_save)  # a background save may have finished since
                 log(
                     f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
-                    f" | lr {lr:.2e} | {tokens_all / (now - interval_start):,.0f} tok/s"
+                    f" | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s"
                 )
                 if not math.isfinite(train_loss):
                     raise_non_finite("training loss", train_loss, done, checkpoints)
@@ -283,8 +298,7 @@ def train(
                 state.val_loss = report_eval(f"step {done}/{max_steps}")
 
             if stop_request.agreed():
-                save(wait=True)
-                checkpoints.wait()
+                save(wait=True)  # synchronous, after any background save still running
                 log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
                 return result(state, batches, train_loss, started, preempted=True)
             if (spec.checkpoint.every and done % spec.checkpoint.every == 0) or done == max_steps:
@@ -296,6 +310,7 @@ def train(
                     state.best_val_loss, state.best_step = state.val_loss, done
                 save()
     checkpoints.wait()
+    metrics.checkpoint_saved(checkpoints.last_save)
     return result(state, batches, train_loss, started, preempted=False)
 
 

@@ -13,6 +13,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+# The environment the chart (and `ctl run`, per simulated pod) gives the trainer besides training.yaml.
+JOB_NAME_ENV = "DDPJOB_JOB_NAME"  # the job's name, for the metrics' info series
+METRICS_PORT_ENV = "DDPJOB_METRICS_PORT"  # local rank 0 serves the pod's metrics here; unset: no endpoint
+METRICS_HOST_ENV = "DDPJOB_METRICS_HOST"  # address it binds (default: every interface, as a pod needs)
+# prometheus_client's own variable: the directory where a pod's trainer processes keep their metric files.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 
 class SpecError(ValueError):
     """Bad input: one line naming the key (or file) and the problem."""

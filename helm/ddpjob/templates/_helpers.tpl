@@ -87,6 +87,43 @@ Where training.yaml is mounted; the container command reads it.
 {{- end }}
 
 {{/*
+Where the trainer processes of a pod keep their metric files (prometheus_client's multiprocess mode).
+*/}}
+{{- define "ddpjob.metricsDir" -}}
+/run/ddpjob-metrics
+{{- end }}
+
+{{/*
+Labels of the job's pods (selectorLabels + component): the PodMonitor selects pods by them.
+*/}}
+{{- define "ddpjob.podSelectorLabels" -}}
+{{ include "ddpjob.selectorLabels" . }}
+app.kubernetes.io/component: trainer
+{{- end }}
+
+{{/*
+A PromQL selector for this job's series: Prometheus' `job` label is the PyTorchJob's name (the PodMonitor's jobLabel).
+*/}}
+{{- define "ddpjob.jobSelector" -}}
+{{- printf "job=%q" (include "ddpjob.fullname" .) -}}
+{{- end }}
+
+{{/*
+A dashboard JSON file with the chart's defaults for its DCGM label variables. Takes (dict "json" TEXT "values" .Values.metrics.dashboard).
+*/}}
+{{- define "ddpjob.dashboard" -}}
+{{- $dashboard := fromJson .json -}}
+{{- $defaults := dict "dcgm_pod_label" .values.dcgmPodLabel "dcgm_namespace_label" .values.dcgmNamespaceLabel -}}
+{{- range $variable := $dashboard.templating.list -}}
+{{- with get $defaults $variable.name -}}
+{{- $_ := set $variable "query" . -}}
+{{- $_ := set $variable "current" (dict "text" . "value" .) -}}
+{{- end -}}
+{{- end -}}
+{{- toPrettyJson $dashboard -}}
+{{- end }}
+
+{{/*
 Container resources: requests equal limits (extended resources such as GPUs require it); empty when none are set.
 */}}
 {{- define "ddpjob.resources" -}}
@@ -108,13 +145,17 @@ The pod template shared by Master and Worker replicas.
 {{- define "ddpjob.podTemplate" -}}
 metadata:
   labels:
-    {{- include "ddpjob.selectorLabels" . | nindent 4 }}
-    app.kubernetes.io/component: trainer
+    {{- include "ddpjob.podSelectorLabels" . | nindent 4 }}
     {{- with .Values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
     kubectl.kubernetes.io/default-container: pytorch
+    {{- if .Values.metrics.annotations }}
+    prometheus.io/scrape: "true"
+    prometheus.io/port: {{ .Values.metrics.port | int | toString | quote }}
+    prometheus.io/path: /metrics
+    {{- end }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -162,8 +203,17 @@ spec:
         - name: pytorchjob-port
           containerPort: {{ int .Values.masterPort }}
           protocol: TCP
-      {{- if or .Values.elastic.enabled .Values.env }}
+        # Local rank 0 serves the metrics of all the pod's processes here.
+        - name: metrics
+          containerPort: {{ int .Values.metrics.port }}
+          protocol: TCP
       env:
+        - name: DDPJOB_JOB_NAME
+          value: {{ include "ddpjob.fullname" . | quote }}
+        - name: DDPJOB_METRICS_PORT
+          value: {{ .Values.metrics.port | int | toString | quote }}
+        - name: PROMETHEUS_MULTIPROC_DIR
+          value: {{ include "ddpjob.metricsDir" . | quote }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.
@@ -173,7 +223,6 @@ spec:
         {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- end }}
       {{- with .Values.envFrom }}
       envFrom:
         {{- toYaml . | nindent 8 }}
@@ -199,6 +248,8 @@ spec:
           mountPath: {{ .Values.storage.mountPath | quote }}
         - name: dshm
           mountPath: /dev/shm
+        - name: metrics
+          mountPath: {{ include "ddpjob.metricsDir" . }}
   volumes:
     - name: training-config
       configMap:
@@ -211,4 +262,8 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ .Values.resources.shm | quote }}
+    # The metric files of the pod's trainer processes (a few MB); emptied by each new attempt.
+    - name: metrics
+      emptyDir:
+        sizeLimit: 64Mi
 {{- end }}

@@ -1,0 +1,264 @@
+"""Training throughput of this project's trainer against a bare DDP loop and transformers' Trainer.
+
+One workload, three ways, in one invocation, interleaved A/B/C/A/B/C so that machine drift
+hits all three alike: GPT-2 causal LM from a config on Python's standard library sources,
+the same tokenizer, blocks, global batch, optimizer (AdamW, no weight decay, clip 1.0) and
+step count.
+
+- ddpjob:     `ctl run` of a job spec, as users start it (its final evaluation, checkpoint and
+              export included in the wall time: that is what a run costs);
+- reference:  a minimal DDP loop under torchrun (`bench/peers.py reference`);
+- hf-trainer: transformers' `Trainer` under torchrun (`bench/peers.py hf-trainer`).
+
+Every runner prints one line per optimizer step from rank 0; this driver timestamps the lines
+as they arrive. Steady-state tokens/s leaves out the first `--warmup` steps; the wall time is
+from process start to exit. Peak RSS is the largest sum over the run's processes.
+
+    python bench/throughput.py                     # CPU: 2 processes, gloo, 4 x 256 GPT-2, block 256
+    python bench/throughput.py --device cuda       # every GPU, NCCL, GPT-2 124M shape, block 1024,
+                                                   # bf16 + fused AdamW + torch.compile, MFU reported
+
+Prints a table, the ratios, and one JSON line (keys include ratio_vs_reference, ratio_vs_hf_trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.peers import gpt2  # noqa: E402
+from trainer.metrics import BF16_PEAK_FLOPS, flops_per_token  # noqa: E402
+from trainer.text import expand_paths, read_documents, train_tokenizer  # noqa: E402
+
+CORPUS = ["{stdlib}/json/*.py", "{stdlib}/email/*.py", "{stdlib}/http/*.py", "{stdlib}/logging/*.py"]
+GPU_CORPUS = ["{stdlib}/**/*.py"]
+SHAPES = {
+    "cpu": {"layers": 4, "heads": 4, "embd": 256, "block": 256, "batch": 4, "vocab_size": 2048},
+    "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 32768},
+}
+STEP_LINE = re.compile(r"^(?:\[node 0\] )?step (\d+)\b")
+PEAK_MEMORY_LINE = re.compile(r"peak memory (\d+)")
+
+
+@dataclass
+class Run:
+    runner: str
+    step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds since start
+    wall: float = 0.0
+    peak_rss: int = 0
+    peak_gpu_memory: int | None = None
+    output: list[str] = field(default_factory=list)
+
+    def tokens_per_second(self, tokens_per_step: int, warmup: int) -> float:
+        steps = sorted(step for step in self.step_times if step > warmup)
+        if len(steps) < 2:
+            raise RuntimeError(f"{self.runner}: too few steps after warm-up:\n" + "".join(self.output[-30:]))
+        return tokens_per_step * (steps[-1] - steps[0]) / (self.step_times[steps[-1]] - self.step_times[steps[0]])
+
+
+def rss_of_marked_processes(marker: bytes) -> int:
+    """Resident memory of every process whose environment carries `marker`, summed."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes():
+                status = (entry / "status").read_text()
+                total += int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+        except (OSError, AttributeError):
+            continue
+    return total
+
+
+def measure(runner: str, command: list[str], cwd: Path) -> Run:
+    marker = f"DDPJOB_BENCH={uuid.uuid4().hex}"
+    env = os.environ | {"PYTHONPATH": str(REPO), "DDPJOB_BENCH": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
+    run = Run(runner)
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = threading.Event()
+
+    def poll_rss() -> None:
+        while not done.wait(0.5):
+            run.peak_rss = max(run.peak_rss, rss_of_marked_processes(marker.encode()))
+
+    poller = threading.Thread(target=poll_rss, daemon=True)
+    poller.start()
+    assert process.stdout is not None
+    for line in process.stdout:
+        run.output.append(line)
+        if match := STEP_LINE.match(line):
+            run.step_times[int(match.group(1))] = time.perf_counter() - started
+        elif match := PEAK_MEMORY_LINE.search(line):
+            run.peak_gpu_memory = int(match.group(1))
+    process.wait()
+    run.wall = time.perf_counter() - started
+    done.set()
+    poller.join()
+    if process.returncode != 0:
+        raise RuntimeError(f"{runner} failed with exit code {process.returncode}:\n" + "".join(run.output[-40:]))
+    return run
+
+
+def prepare(workdir: Path, device: str, procs: int, steps: int, warmup: int) -> tuple[dict, dict]:
+    """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer."""
+    shape = SHAPES[device]
+    corpus = GPU_CORPUS if device == "cuda" else CORPUS
+    documents = read_documents(expand_paths(corpus, "data.train"), "text", "data.train")
+    tokenizer = train_tokenizer(documents, shape["vocab_size"])
+    tokenizer.save_pretrained(workdir / "tokenizer")
+    fast = device == "cuda"
+    settings = {
+        "device": device,
+        "procs": procs,
+        "train": corpus,
+        "tokenizer": str(workdir / "tokenizer"),
+        "vocab": len(tokenizer),
+        "layers": shape["layers"],
+        "heads": shape["heads"],
+        "embd": shape["embd"],
+        "block": shape["block"],
+        "batch": shape["batch"],
+        "steps": steps,
+        "warmup": warmup,
+        "lr": 1e-3,
+        "seed": 1337,
+        "compile": fast,
+    }
+    (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
+    spec = {
+        "name": "bench",
+        "nodes": 1,
+        "procsPerNode": procs,
+        "training": {
+            "task": "causal-lm",
+            "model": {
+                "nLayer": shape["layers"],
+                "nHead": shape["heads"],
+                "nEmbd": shape["embd"],
+                "blockSize": shape["block"],
+            },
+            "tokenizer": {"path": settings["tokenizer"]},
+            "data": {"train": corpus, "valFraction": 0.002},
+            "optimizer": {"lr": settings["lr"], "weightDecay": 0.0},
+            "schedule": {"warmupSteps": warmup},
+            "precision": "bf16" if fast else "fp32",
+            "compile": fast,
+            "maxSteps": steps,
+            "batchSize": shape["batch"],
+            "gradClip": 1.0,
+            "logEvery": 1,
+            "seed": settings["seed"],
+            "checkpoint": {"every": 0, "keepBest": False},
+            "sample": {"maxNewTokens": 0},
+        },
+    }
+    (workdir / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return settings, spec
+
+
+def commands(workdir: Path, procs: int) -> dict[str, list[str]]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    peers = str(REPO / "bench" / "peers.py")
+    return {
+        "ddpjob": [sys.executable, "-m", "ctl", "run", str(workdir / "spec.yaml"), "--run-dir", "RUN_DIR"],
+        "reference": [*torchrun, peers, "reference", "--workdir", str(workdir)],
+        "hf-trainer": [*torchrun, peers, "hf-trainer", "--workdir", str(workdir)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--procs", type=int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 CPU, 120 CUDA)")
+    parser.add_argument("--warmup", type=int, default=None, help="first steps left out (default: 5 CPU, 30 CUDA)")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B/C rounds; the median of each runner is reported")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    procs = args.procs or (torch.cuda.device_count() if cuda else 2)
+    steps = args.steps or (120 if cuda else 40)
+    warmup = args.warmup or (30 if cuda else 5)
+
+    with tempfile.TemporaryDirectory(prefix="ddpjob-bench-") as tmp:
+        workdir = Path(tmp)
+        settings, _ = prepare(workdir, args.device, procs, steps, warmup)
+        tokens_per_step = procs * settings["batch"] * settings["block"]
+        runs: dict[str, list[Run]] = {}
+        for round_index in range(args.rounds):
+            for runner, command in commands(workdir, procs).items():
+                command = [c.replace("RUN_DIR", str(workdir / f"run-{round_index}")) for c in command]
+                run = measure(runner, command, cwd=workdir)
+                runs.setdefault(runner, []).append(run)
+                print(
+                    f"round {round_index + 1} {runner:>10}: {run.tokens_per_second(tokens_per_step, warmup):9,.0f}"
+                    f" tok/s, {run.wall:6.1f} s wall",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    tokens_per_second = {
+        r: statistics.median(run.tokens_per_second(tokens_per_step, warmup) for run in rs) for r, rs in runs.items()
+    }
+    wall = {r: statistics.median(run.wall for run in rs) for r, rs in runs.items()}
+    peak_rss = {r: max(run.peak_rss for run in rs) for r, rs in runs.items()}
+    result = {
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)",
+        "processes": procs,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_second": {r: round(v, 1) for r, v in tokens_per_second.items()},
+        "wall_seconds": {r: round(v, 2) for r, v in wall.items()},
+        "peak_rss_mib": {r: round(v / 2**20) for r, v in peak_rss.items()},
+        "ratio_vs_reference": round(tokens_per_second["ddpjob"] / tokens_per_second["reference"], 3),
+        "ratio_vs_hf_trainer": round(tokens_per_second["ddpjob"] / tokens_per_second["hf-trainer"], 3),
+        "wall_ratio_vs_hf_trainer": round(wall["ddpjob"] / wall["hf-trainer"], 3),
+    }
+    if cuda:
+        model_flops = flops_per_token_of(settings)
+        peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in result["device"]), None)
+        result["tokens_per_second_per_gpu"] = {r: round(v / procs, 1) for r, v in tokens_per_second.items()}
+        if peak:
+            result["mfu"] = {r: round(v / procs * model_flops / peak, 3) for r, v in tokens_per_second.items()}
+        result["peak_gpu_memory_gib"] = {
+            r: round(max(run.peak_gpu_memory or 0 for run in rs) / 2**30, 2) for r, rs in runs.items()
+        }
+
+    print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13}")
+    for runner in runs:
+        print(f"{runner:>12} {tokens_per_second[runner]:10,.0f} {wall[runner]:8.1f} {peak_rss[runner] / 2**20:13,.0f}")
+    print(
+        f"ddpjob / reference: {result['ratio_vs_reference']:.3f}x tokens/s;"
+        f" ddpjob / hf-trainer: {result['ratio_vs_hf_trainer']:.3f}x tokens/s,"
+        f" {result['wall_ratio_vs_hf_trainer']:.3f}x wall time"
+    )
+    print(json.dumps(result))
+
+
+def flops_per_token_of(settings: dict) -> float:
+    """nanoGPT's 6N + 12·L·H·Q·T for the benchmark's model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return flops_per_token(gpt2(settings), settings["block"])
+
+
+if __name__ == "__main__":
+    main()

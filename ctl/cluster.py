@@ -1,0 +1,311 @@
+"""ctl against a cluster: targeting like kubectl, server-side apply, and a PyTorchJob's state in training terms.
+
+Only the Kubernetes API is used (the `kubernetes` client, no kubectl). Every failure that is
+not the job's own outcome is a `ClusterError` with one line for the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+FIELD_MANAGER = "ctl"
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# `wait` and `submit --wait`: the job's outcome as the exit code (0 is the awaited state).
+EXIT_JOB_FAILED = 100
+EXIT_NOT_FINISHED = 101
+EXIT_NOT_FOUND = 102
+OPERATOR_INSTALL = (
+    "kubectl apply --server-side -k"
+    " 'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.0'"
+)
+
+
+class ClusterError(RuntimeError):
+    """Talking to the cluster failed; the message is the one line `ctl` prints."""
+
+
+class NotFound(ClusterError):
+    """The API server answered 404."""
+
+
+class JobNotFound(NotFound):
+    """The PyTorchJob a command names does not exist."""
+
+
+@dataclass
+class Target:
+    """An API client and the namespace commands work in."""
+
+    api: ApiClient
+    namespace: str
+
+    def call(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
+        """One API request; the parsed JSON body. API errors become one-line ClusterErrors."""
+        try:
+            return self.api.call_api(
+                path,
+                method,
+                response_type="object",
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                **kwargs,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
+            raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
+        except OSError as exc:  # connection refused, DNS, TLS
+            raise ClusterError(f"cannot reach the API server: {exc}") from None
+
+
+def api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(exc.body or "").strip()
+
+
+def connect(kubeconfig: str | None, context: str | None, namespace: str | None) -> Target:
+    """Like kubectl: --kubeconfig, else $KUBECONFIG (a list of files), else ~/.kube/config, else in-cluster;
+    the namespace from -n, else the context's, else `default` (in a pod: the pod's)."""
+    config = kubernetes.config
+    in_cluster = (
+        kubeconfig is None
+        and "KUBECONFIG" not in os.environ
+        and not Path("~/.kube/config").expanduser().exists()
+        and "KUBERNETES_SERVICE_HOST" in os.environ
+    )
+    try:
+        if in_cluster:
+            configuration = kubernetes.client.Configuration()
+            config.load_incluster_config(client_configuration=configuration)
+            default_namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+            return Target(ApiClient(configuration), namespace or default_namespace)
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c["name"] == context), None) if context else active
+        if chosen is None:
+            raise ClusterError(f"--context {context!r}: no such context in the kubeconfig")
+        api = config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+    except config.ConfigException as exc:
+        raise ClusterError(f"kubeconfig: {exc}") from None
+    except OSError as exc:
+        raise ClusterError(f"kubeconfig: {exc}") from None
+    return Target(api, namespace or chosen["context"].get("namespace") or "default")
+
+
+def resource_path(target: Target, obj: dict[str, Any]) -> str:
+    """The object's URL, its resource name found through discovery (as kubectl does)."""
+    api_version, kind = obj["apiVersion"], obj["kind"]
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    try:
+        resources = target.call(base)["resources"]
+    except NotFound:
+        raise ClusterError(f"the cluster does not serve {api_version} (for {kind})") from None
+    (resource,) = [r for r in resources if r["kind"] == kind and "/" not in r["name"]]
+    scope = f"/namespaces/{target.namespace}" if resource["namespaced"] else ""
+    return f"{base}{scope}/{resource['name']}/{obj['metadata']['name']}"
+
+
+def apply(target: Target, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+    """Server-side apply (field manager `ctl`), in the target namespace; the object as stored."""
+    query = [("fieldManager", FIELD_MANAGER), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+    return target.call(
+        resource_path(target, obj),
+        "PATCH",
+        query_params=query,
+        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+        body=obj,
+    )
+
+
+def job_path(target: Target, name: str) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{target.namespace}/{PLURAL}/{name}"
+
+
+def get_job(target: Target, name: str) -> dict[str, Any]:
+    try:
+        return target.call(job_path(target, name))
+    except NotFound:
+        raise JobNotFound(f"pytorchjob {name} not found in namespace {target.namespace}") from None
+
+
+def require_operator(target: Target) -> None:
+    try:
+        resources = target.call(f"/apis/{GROUP}/{VERSION}")["resources"]
+    except NotFound:
+        resources = []
+    if not any(r["name"] == PLURAL for r in resources):
+        raise ClusterError(
+            f"the cluster has no PyTorchJob resource ({PLURAL}.{GROUP}): install the Kubeflow training"
+            f" operator v1.9 first, e.g. {OPERATOR_INSTALL}"
+        )
+
+
+def delete_job(target: Target, name: str) -> None:
+    """Delete the PyTorchJob and wait until it is gone; the garbage collector removes its pods and Services."""
+    target.call(job_path(target, name), "DELETE", body={"propagationPolicy": "Background"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            get_job(target, name)
+        except JobNotFound:
+            return
+        time.sleep(0.5)
+    raise ClusterError(f"pytorchjob {name} still exists 120 s after its deletion")
+
+
+def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace: bool) -> dict[str, Any]:
+    """Apply the rendered objects in install order (volume claim and config before the job)."""
+    require_operator(target)
+    (job,) = [obj for obj in objects if obj["kind"] == "PyTorchJob"]
+    name = job["metadata"]["name"]
+    try:
+        get_job(target, name)
+        exists = True
+    except JobNotFound:
+        exists = False
+    if exists and not replace:
+        raise ClusterError(
+            f"pytorchjob {name} already exists in namespace {target.namespace}:"
+            " --replace deletes and recreates it (the run directory and its checkpoints stay)"
+        )
+    if exists and not dry_run:
+        delete_job(target, name)
+    for obj in objects:
+        if obj is not job:
+            apply(target, obj, dry_run=dry_run)
+    return apply(target, job, dry_run=dry_run)
+
+
+def condition(job: dict[str, Any]) -> str:
+    """The job's state: its newest true condition (Created, Running, Restarting, Succeeded, Failed...)."""
+    true = [c for c in job.get("status", {}).get("conditions") or [] if c.get("status") == "True"]
+    return true[-1]["type"] if true else "Pending"
+
+
+def wait(target: Target, name: str, state: str, timeout: float, progress: Callable[[str], None] | None = None) -> int:
+    """Block until the job reaches `state` (succeeded, failed or running); the exit code for `ctl wait`."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        try:
+            current = condition(get_job(target, name))
+        except JobNotFound:
+            return EXIT_NOT_FOUND
+        if current != last and progress:
+            progress(current)
+        last = current
+        reached = {"succeeded": current == "Succeeded", "failed": current == "Failed"}
+        reached["running"] = current in ("Running", "Succeeded")
+        if reached[state]:
+            return 0
+        if current == "Failed":
+            return EXIT_JOB_FAILED
+        if current == "Succeeded":  # finished otherwise than awaited (--for failed): it never will be
+            return EXIT_NOT_FINISHED
+        if time.monotonic() >= deadline:
+            return EXIT_NOT_FINISHED
+        time.sleep(1)
+
+
+def job_pods(target: Target, name: str) -> list[dict[str, Any]]:
+    selector = f"training.kubeflow.org/job-name={name}"
+    return target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])[
+        "items"
+    ]
+
+
+def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = pod.get("status", {}).get("containerStatuses") or []
+    trainer = next((s for s in statuses if s["name"] == "pytorch"), {})
+    terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+    return {
+        "name": pod["metadata"]["name"],
+        "replicaType": pod["metadata"].get("labels", {}).get("training.kubeflow.org/replica-type", ""),
+        "phase": pod.get("status", {}).get("phase", "Unknown"),
+        "restarts": trainer.get("restartCount", 0),
+        "exitCode": terminated.get("exitCode") if terminated else None,
+        "reason": (terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
+    }
+
+
+def status(target: Target, name: str) -> dict[str, Any]:
+    """The job in one stable shape: state, conditions, replica counts, pods, recent events."""
+    job = get_job(target, name)
+    events = target.call(
+        f"/api/v1/namespaces/{target.namespace}/events",
+        query_params=[("fieldSelector", f"involvedObject.name={name}")],
+    )["items"]
+    return {
+        "name": name,
+        "namespace": target.namespace,
+        "state": condition(job),
+        "conditions": [
+            {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
+            for c in job.get("status", {}).get("conditions") or []
+        ],
+        "replicas": job.get("status", {}).get("replicaStatuses") or {},
+        "pods": [pod_summary(pod) for pod in job_pods(target, name)],
+        "events": [
+            {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
+            for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-10:]
+        ],
+    }
+
+
+def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
+    path = f"/apis/{GROUP}/{VERSION}/" + ("" if all_namespaces else f"namespaces/{target.namespace}/") + PLURAL
+    try:
+        items = target.call(path)["items"]
+    except NotFound:
+        require_operator(target)
+        raise
+    return [job_row(job) for job in items]
+
+
+def job_row(job: dict[str, Any]) -> dict[str, Any]:
+    specs = job["spec"].get("pytorchReplicaSpecs", {})
+    nodes = sum(int(s.get("replicas", 1)) for s in specs.values())
+    created = datetime.fromisoformat(job["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+    return {
+        "name": job["metadata"]["name"],
+        "namespace": job["metadata"]["namespace"],
+        "state": condition(job),
+        "nodes": nodes,
+        "procsPerNode": str(job["spec"].get("nprocPerNode", "1")),
+        "ageSeconds": int((datetime.now(timezone.utc) - created).total_seconds()),
+    }
+
+
+def delete(target: Target, name: str, purge: bool) -> list[str]:
+    """The job, and the objects rendered with it (config, monitoring); its claim only with `purge`."""
+    get_job(target, name)
+    delete_job(target, name)
+    removed = [f"pytorchjob/{name}"]
+    selector = f"app.kubernetes.io/instance={name}"
+    kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
+    kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
+    if purge:
+        kinds.append(("/api/v1", "persistentvolumeclaims"))
+    for base, plural in kinds:
+        collection = f"{base}/namespaces/{target.namespace}/{plural}"
+        try:
+            items = target.call(collection, query_params=[("labelSelector", selector)])["items"]
+        except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
+            continue
+        for item in items:
+            target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
+            removed.append(f"{plural[:-1]}/{item['metadata']['name']}")
+    return removed
