@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
 
-.PHONY: demo test bench lint install dev chart k8s prometheus
+.PHONY: demo test e2e e2e-binaries bench lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,17 @@ demo: install
 prometheus:
 	.ci/install-prometheus
 
-test: dev prometheus
+# The e2e tier's etcd, kube-apiserver and training operator, built from their Go modules into
+# ~/.cache/ddpjob/bin the first time (minutes: ~5 of compiling on 2 cores, plus downloads), found there afterwards.
+e2e-binaries: dev
+	$(BIN)/python tests/e2e/cluster_binaries.py
+
+test: dev prometheus e2e-binaries
 	$(BIN)/python -m pytest
+
+# Only the control-plane tier (tests/e2e).
+e2e: dev e2e-binaries
+	$(BIN)/python -m pytest -m e2e tests/e2e
 
 # Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
 # transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step.

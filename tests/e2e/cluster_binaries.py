@@ -1,0 +1,176 @@
+"""The control plane's binaries, built from their Go modules once and cached by version outside the repo.
+
+- kube-apiserver and etcd: one generated wrapper module requiring `k8s.io/kubernetes` (its staging modules
+  replaced by their published v0 releases, read from upstream's own go.mod) and the etcd server version that
+  Kubernetes release itself depends on.
+- the Kubeflow training operator: `go install ...training-operator.v1@<version>`.
+
+The first build takes minutes (about 5 of compiling on two cores, plus the module downloads); later calls find
+`~/.cache/ddpjob/bin/<name>-<version>` and return at once. `python tests/e2e/cluster_binaries.py` builds
+everything (`make e2e-binaries`, a prerequisite of `make test` and `make e2e`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.31.3"
+# The etcd server k8s.io/kubernetes v1.31.3 itself requires (its go.mod), so the pair is one upstream tested.
+ETCD_VERSION = "v3.5.13"
+TRAINING_OPERATOR_VERSION = "v1.9.0"
+TRAINING_OPERATOR_MODULE = "github.com/kubeflow/training-operator"
+PYTORCHJOB_CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
+# Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
+BUILD_PARALLELISM = "2"
+BUILD_TIMEOUT_S = 3 * 3600
+
+STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/src/k8s\.io/[\w.-]+\s*$", re.MULTILINE)
+
+APISERVER_MAIN = """package main
+
+import (
+\t"os"
+
+\t"k8s.io/component-base/cli"
+\t"k8s.io/kubernetes/cmd/kube-apiserver/app"
+)
+
+func main() {
+\tos.Exit(cli.Run(app.NewAPIServerCommand()))
+}
+"""
+
+ETCD_MAIN = """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() {
+\tetcdmain.Main(os.Args)
+}
+"""
+
+
+class BuildError(RuntimeError):
+    """A binary could not be built; the message says which step failed and why."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    etcd: Path
+    kube_apiserver: Path
+    training_operator: Path
+    pytorchjob_crd: Path
+
+
+def go_toolchain() -> str:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).exists():
+        raise BuildError("no Go toolchain (go on PATH or /usr/local/go/bin/go): needed to build the control plane")
+    return go
+
+
+def go_env() -> dict[str, str]:
+    # GOWORK off: the wrapper modules stand alone; GOFLAGS replaced so a caller's -mod=vendor cannot leak in.
+    return os.environ | {"GOWORK": "off", "GO111MODULE": "on", "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
+
+
+def run_go(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    command = [go_toolchain(), *args]
+    result = subprocess.run(
+        command, cwd=cwd, env=env or go_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
+    if result.returncode != 0:
+        raise BuildError(f"`go {' '.join(args)}` failed in {cwd}:\n{result.stdout}{result.stderr}")
+    return result.stdout
+
+
+def download_module(module: str, version: str) -> Path:
+    """The module's extracted source directory in the Go module cache."""
+    return Path(json.loads(run_go("mod", "download", "-json", f"{module}@{version}", cwd=CACHE))["Dir"])
+
+
+def cached(name: str, version: str) -> Path:
+    return CACHE / "bin" / f"{name}-{version}"
+
+
+def install(built: Path, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp")
+    shutil.copy2(built, staging)
+    staging.replace(target)  # atomic: a concurrent run never sees half a binary
+    return target
+
+
+def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
+    """The generated module that builds kube-apiserver and etcd."""
+    upstream = (download_module("k8s.io/kubernetes", version) / "go.mod").read_text()
+    staging = STAGING_REPLACE.findall(upstream)
+    if not staging:
+        raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no replace block for the staging modules")
+    staging_version = "v0." + version.removeprefix("v1.")
+    module = CACHE / "build" / f"control-plane-{version}"
+    for name, main in {"kube-apiserver": APISERVER_MAIN, "etcd": ETCD_MAIN}.items():
+        (module / "cmd" / name).mkdir(parents=True, exist_ok=True)
+        (module / "cmd" / name / "main.go").write_text(main)
+    replaces = "\n".join(f"\t{path} => {path} {staging_version}" for path in staging)
+    (module / "go.mod").write_text(
+        "module ddpjob.local/control-plane\n\ngo 1.22.0\n\n"
+        f"require (\n\tk8s.io/kubernetes {version}\n\tgo.etcd.io/etcd/server/v3 {etcd_version}\n)\n\n"
+        f"replace (\n{replaces}\n)\n"
+    )
+    return module
+
+
+def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> tuple[Path, Path]:
+    """(etcd, kube-apiserver), built on the first call."""
+    apiserver = cached("kube-apiserver", version)
+    etcd = cached("etcd", etcd_version)
+    if apiserver.exists() and etcd.exists():
+        return etcd, apiserver
+    module = kubernetes_wrapper_module(version, etcd_version)
+    run_go("mod", "tidy", cwd=module)
+    out = module / "out"
+    build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o"]
+    run_go(*build, str(out / "kube-apiserver"), "./cmd/kube-apiserver", cwd=module)
+    run_go(*build, str(out / "etcd"), "./cmd/etcd", cwd=module)
+    return install(out / "etcd", etcd), install(out / "kube-apiserver", apiserver)
+
+
+def build_training_operator(version: str = TRAINING_OPERATOR_VERSION) -> Path:
+    operator = cached("training-operator", version)
+    if operator.exists():
+        return operator
+    gobin = CACHE / "build" / f"training-operator-{version}"
+    env = go_env() | {"GOBIN": str(gobin), "GOFLAGS": "-trimpath"}
+    package = f"{TRAINING_OPERATOR_MODULE}/cmd/training-operator.v1@{version}"
+    run_go("install", "-p", BUILD_PARALLELISM, "-ldflags=-s -w", package, cwd=CACHE, env=env)
+    return install(gobin / "training-operator.v1", operator)
+
+
+def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
+    return download_module(TRAINING_OPERATOR_MODULE, version) / PYTORCHJOB_CRD_IN_MODULE
+
+
+def ensure_binaries() -> Binaries:
+    (CACHE / "build").mkdir(parents=True, exist_ok=True)
+    etcd, apiserver = build_kubernetes()
+    return Binaries(etcd, apiserver, build_training_operator(), pytorchjob_crd())
+
+
+if __name__ == "__main__":
+    try:
+        print(ensure_binaries())
+    except BuildError as error:
+        sys.exit(f"cluster_binaries: {error}")

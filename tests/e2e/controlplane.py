@@ -1,0 +1,381 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, the Kubeflow training
+operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for kubelets.
+
+    .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
+
+Every process runs in its own process group with a parent-death signal, and `ControlPlane.stop` (also run at
+exit and on SIGTERM) ends each group, so nothing outlives the harness.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import ipaddress
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import yaml
+from cluster_binaries import Binaries, ensure_binaries
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
+from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
+
+ADMIN_USER = "ddpjob-e2e-admin"
+OPERATOR_NAMESPACE = "kubeflow"
+# cmd/training-operator.v1 defaults: the Secret its cert rotator fills and the Service name in its certificate.
+OPERATOR_WEBHOOK_SECRET = "training-operator-webhook-cert"
+OPERATOR_WEBHOOK_DNS = f"training-operator.{OPERATOR_NAMESPACE}.svc"
+# The operator's cert rotator only checks that this file exists (in a cluster the Secret is mounted there); the
+# path is fixed in pkg/cert, so it is shared by every run on the machine and left in place (a public cert only).
+OPERATOR_CERT_CHECK_FILE = Path("/tmp/k8s-webhook-server/serving-certs/tls.crt")
+STARTUP_TIMEOUT_S = 120
+STOP_GRACE_S = 10
+
+
+def start_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what}: exited with {process.returncode}; its log {log}:\n{tail(log)}")
+        try:
+            if check():
+                return
+        except Exception:  # not up yet: connection refused, 5xx, TLS handshake during startup
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{what}: not ready after {timeout_s:.0f} s; its log {log}:\n{tail(log)}")
+
+
+def tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    cert: Path
+    key: Path
+
+
+def new_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+
+
+def issue_certificate(
+    directory: Path,
+    name: str,
+    common_name: str,
+    sans: list[x509.GeneralName],
+    ca: tuple[x509.Certificate, rsa.RSAPrivateKey] | None,
+) -> tuple[x509.Certificate, rsa.RSAPrivateKey, KeyPair]:
+    """A certificate valid for a day: self-signed CA when `ca` is None, else a server certificate signed by it."""
+    key = new_key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca[0].subject if ca else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), critical=True)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca[1] if ca else key, hashes.SHA256())
+    pair = KeyPair(directory / f"{name}.crt", directory / f"{name}.key")
+    pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    write_key(key, pair.key)
+    return cert, key, pair
+
+
+@dataclass
+class ControlPlane:
+    """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it."""
+
+    work_dir: Path
+    kubeconfig: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def pods_dir(self) -> Path:
+        """The executor's per-pod directories: logs (`<container>/<restart>.log`), materialised volumes."""
+        return self.work_dir / "pods"
+
+    def claim_dir(self, namespace: str, claim: str) -> Path:
+        """The local directory that stands in for a PersistentVolumeClaim (shared by all pods, like RWX)."""
+        return self.work_dir / "volumes" / namespace / claim
+
+    def api_client(self) -> kubernetes.client.ApiClient:
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def stop(self) -> None:
+        # The executor first (it ends the pods' processes), then the operator, the apiserver, etcd.
+        for name in reversed(list(self.processes)):
+            terminate_group(self.processes.pop(name), STOP_GRACE_S)
+
+
+def pki(directory: Path) -> dict[str, KeyPair]:
+    directory.mkdir(parents=True)
+    ca_cert, ca_key, ca = issue_certificate(directory, "ca", "ddpjob-e2e-ca", [], None)
+    loopback = [x509.IPAddress(ipaddress.ip_address(LOOPBACK)), x509.DNSName("localhost")]
+    _, _, serving = issue_certificate(directory, "apiserver", "kube-apiserver", loopback, (ca_cert, ca_key))
+    _, _, webhook = issue_certificate(
+        directory, "webhook", OPERATOR_WEBHOOK_DNS, [x509.DNSName(OPERATOR_WEBHOOK_DNS)], (ca_cert, ca_key)
+    )
+    service_accounts = KeyPair(directory / "sa.pub", directory / "sa.key")
+    sa_key = new_key()
+    write_key(sa_key, service_accounts.key)
+    service_accounts.cert.write_bytes(
+        sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return {"ca": ca, "apiserver": serving, "webhook": webhook, "service-accounts": service_accounts}
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "ddpjob-e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": ADMIN_USER, "user": {"token": token}}],
+        "contexts": [{"name": "ddpjob-e2e", "context": {"cluster": "ddpjob-e2e", "user": ADMIN_USER}}],
+        "current-context": "ddpjob-e2e",
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+
+
+def start_etcd(plane: ControlPlane, binary: Path) -> str:
+    client_url = f"http://{LOOPBACK}:{free_port()}"
+    peer_url = f"http://{LOOPBACK}:{free_port()}"
+    log = plane.work_dir / "etcd.log"
+    command = [
+        str(binary),
+        "--name=ddpjob-e2e",
+        f"--data-dir={plane.work_dir / 'etcd'}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster=ddpjob-e2e={peer_url}",
+        "--log-level=warn",
+        # A throwaway store: no fsync on every write (the test machine's disk is shared).
+        "--unsafe-no-fsync",
+    ]
+    plane.processes["etcd"] = process = start_process(command, log)
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"{client_url}/health", timeout=2) as response:
+            return b'"true"' in response.read()
+
+    wait_until(healthy, "etcd", STARTUP_TIMEOUT_S, process, log)
+    return client_url
+
+
+def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dict[str, KeyPair]) -> None:
+    port = free_port()
+    token = secrets.token_hex(16)
+    tokens = plane.work_dir / "tokens.csv"
+    tokens.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+    tokens.chmod(0o600)
+    log = plane.work_dir / "kube-apiserver.log"
+    command = [
+        str(binary),
+        f"--etcd-servers={etcd_url}",
+        f"--bind-address={LOOPBACK}",
+        f"--advertise-address={LOOPBACK}",
+        f"--secure-port={port}",
+        f"--tls-cert-file={certs['apiserver'].cert}",
+        f"--tls-private-key-file={certs['apiserver'].key}",
+        f"--token-auth-file={tokens}",
+        "--authorization-mode=RBAC",
+        f"--service-account-key-file={certs['service-accounts'].cert}",
+        f"--service-account-signing-key-file={certs['service-accounts'].key}",
+        "--service-account-issuer=https://kubernetes.default.svc",
+        "--service-cluster-ip-range=10.96.0.0/16",
+        # No kubelets answer for a loopback address; nothing here needs the `kubernetes` Service's endpoints.
+        "--endpoint-reconciler-type=none",
+        "--profiling=false",
+        "--v=1",
+    ]
+    plane.processes["kube-apiserver"] = process = start_process(command, log)
+    write_kubeconfig(plane.kubeconfig, f"https://{LOOPBACK}:{port}", certs["ca"].cert, token)
+    client = plane.api_client()
+
+    def ready() -> bool:
+        return client.call_api("/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False)[1] == 200
+
+    wait_until(ready, "kube-apiserver", STARTUP_TIMEOUT_S, process, log)
+
+
+def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], dry_run: bool = False) -> Any:
+    """PATCH application/apply-patch+yaml: what `kubectl apply --server-side` sends (field manager ddpjob-e2e).
+    Returns the object as the API server stored it (or would have, with `dry_run`)."""
+    base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+    discovery = client.call_api(base, "GET", response_type="object", auth_settings=["BearerToken"])[0]
+    (resource,) = [r for r in discovery["resources"] if r["kind"] == obj["kind"] and "/" not in r["name"]]
+    scope = f"/namespaces/{obj['metadata']['namespace']}" if resource["namespaced"] else ""
+    query = [("fieldManager", "ddpjob-e2e"), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+    return client.call_api(
+        f"{base}{scope}/{resource['name']}/{obj['metadata']['name']}",
+        "PATCH",
+        query_params=query,
+        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+        body=obj,
+        response_type="object",
+        auth_settings=["BearerToken"],
+    )[0]
+
+
+def install_crd(plane: ControlPlane, crd_file: Path) -> None:
+    crd = yaml.safe_load(crd_file.read_text())
+    client = plane.api_client()
+    server_side_apply(client, crd)
+    extensions = kubernetes.client.ApiextensionsV1Api(client)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = extensions.read_custom_resource_definition(crd["metadata"]["name"]).status
+        if any(c.type == "Established" and c.status == "True" for c in (status.conditions or [])):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"CRD {crd['metadata']['name']} not established after {STARTUP_TIMEOUT_S} s")
+
+
+def ensure_namespace(client: kubernetes.client.ApiClient, namespace: str) -> None:
+    """The namespace and its `default` ServiceAccount (no controller-manager runs here to create the latter)."""
+    for obj in (
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": namespace}},
+    ):
+        server_side_apply(client, obj)
+
+
+def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> None:
+    client = plane.api_client()
+    ensure_namespace(client, OPERATOR_NAMESPACE)
+    # The rotator fills the Secret itself, but only an existing one.
+    kubernetes.client.CoreV1Api(client).create_namespaced_secret(
+        OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_WEBHOOK_SECRET}}
+    )
+    OPERATOR_CERT_CHECK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    if not OPERATOR_CERT_CHECK_FILE.exists():
+        OPERATOR_CERT_CHECK_FILE.write_bytes(certs["webhook"].cert.read_bytes())
+    # The webhook server reads its pair from $TMPDIR/k8s-webhook-server/serving-certs (controller-runtime).
+    operator_tmp = plane.work_dir / "operator-tmp"
+    serving = operator_tmp / "k8s-webhook-server" / "serving-certs"
+    serving.mkdir(parents=True)
+    (serving / "tls.crt").write_bytes(certs["webhook"].cert.read_bytes())
+    (serving / "tls.key").write_bytes(certs["webhook"].key.read_bytes())
+    probe = f"{LOOPBACK}:{free_port()}"
+    log = plane.work_dir / "training-operator.log"
+    command = [
+        str(binary),
+        "--enable-scheme=pytorchjob",
+        "--metrics-bind-address=0",  # off
+        f"--health-probe-bind-address={probe}",
+        f"--webhook-server-port={free_port()}",
+        "--leader-elect=false",
+    ]
+    env = os.environ | {"KUBECONFIG": str(plane.kubeconfig), "MY_POD_NAMESPACE": OPERATOR_NAMESPACE}
+    plane.processes["training-operator"] = process = start_process(command, log, env | {"TMPDIR": str(operator_tmp)})
+
+    def ready() -> bool:  # readyz: certificates ready and the webhook server listening, i.e. controllers set up
+        with urllib.request.urlopen(f"http://{probe}/readyz", timeout=2) as response:
+            return response.status == 200
+
+    wait_until(ready, "training operator", STARTUP_TIMEOUT_S, process, log)
+
+
+def start_pod_executor(plane: ControlPlane) -> None:
+    log = plane.work_dir / "pod-executor.log"
+    executor = Path(__file__).with_name("pod_executor.py")
+    command = [sys.executable, str(executor), "--kubeconfig", str(plane.kubeconfig), "--work-dir", str(plane.work_dir)]
+    plane.processes["pod-executor"] = process = start_process(command, log)
+    wait_until(lambda: (plane.work_dir / "pod-executor.ready").exists(), "pod executor", 60, process, log)
+
+
+def start(work_dir: Path | None = None, binaries: Binaries | None = None) -> ControlPlane:
+    """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`."""
+    binaries = binaries or ensure_binaries()
+    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
+    plane = ControlPlane(work_dir=work_dir, kubeconfig=work_dir / "kubeconfig")
+    atexit.register(plane.stop)
+    stop_on_sigterm(plane)
+    try:
+        certs = pki(work_dir / "pki")
+        start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
+        install_crd(plane, binaries.pytorchjob_crd)
+        start_operator(plane, binaries.training_operator, certs)
+        start_pod_executor(plane)
+    except BaseException:
+        plane.stop()
+        raise
+    return plane
+
+
+def stop_on_sigterm(plane: ControlPlane) -> None:
+    """SIGTERM stops the control plane, then exits as the signal would have. (SIGINT raises KeyboardInterrupt,
+    which runs the fixture's finalizer or, for `up`, the atexit hook.)"""
+
+    def handler(signum: int, _frame: Any) -> None:
+        plane.stop()
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["up"]:
+        print("usage: .venv/bin/python tests/e2e/controlplane.py up", file=sys.stderr)
+        return 2
+    plane = start()
+    print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
+    print(f"# logs and pod directories: {plane.work_dir}; Ctrl-C stops everything", file=sys.stderr, flush=True)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        plane.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

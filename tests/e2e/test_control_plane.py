@@ -1,0 +1,312 @@
+"""The control-plane tier: the chart's objects against a real kube-apiserver with the real PyTorchJob CRD, and jobs
+reconciled by the real Kubeflow training operator (v1.9), their pods run by the local pod executor.
+
+With DDPJOB_E2E_KUBECONFIG set, the same tests run against that cluster (kind or any cluster with the operator
+v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull (default ddpjob:latest).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import controlplane
+import kubernetes
+import pytest
+from cluster_binaries import BuildError
+from conftest import REPO, processes_with_marker, tiny_spec
+
+from ctl.operator_env import Replica, operator_env, replicas
+from ctl.render import render
+from ctl.spec import JobSpec, load_spec
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
+IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", "ddpjob:latest")
+JOB_TIMEOUT_S = 400
+# Real text that is in the image as much as on this machine: the standard library's json package.
+STDLIB_TEXT = ["{stdlib}/json/*.py"]
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    plane: controlplane.ControlPlane | None  # None: an external cluster (its own kubelets run the pods)
+
+    def client(self) -> kubernetes.client.ApiClient:
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+# Module scope: the control plane stops when this tier is done, not at the end of the whole suite.
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if EXTERNAL_KUBECONFIG:
+        yield Cluster(Path(EXTERNAL_KUBECONFIG), None)
+        return
+    try:
+        plane = controlplane.start(tmp_path_factory.mktemp("control-plane"))
+    except BuildError as error:
+        pytest.fail(f"the control plane's binaries could not be built: {error}", pytrace=False)
+    try:
+        yield Cluster(plane.kubeconfig, plane)
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    client = cluster.client()
+    controlplane.ensure_namespace(client, name)
+    yield name
+    # Locally no namespace controller finishes this (it stays Terminating); a real cluster cleans up.
+    kubernetes.client.CoreV1Api(client).delete_namespace(name)
+
+
+def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: bool = False) -> list[Any]:
+    client = cluster.client()
+    return [
+        controlplane.server_side_apply(
+            client, m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}}, dry_run
+        )
+        for m in render(spec, namespace=namespace)
+    ]
+
+
+def job_spec(
+    marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
+) -> JobSpec:
+    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here);
+    every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
+    spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
+    spec |= {
+        "nodes": 2,
+        "masterPort": controlplane.free_port(),
+        "image": image_values(),
+        "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
+    }
+    return JobSpec.model_validate(spec | values)
+
+
+def assert_no_process_left(cluster: Cluster, marker: str) -> None:
+    """Finished or deleted pods leave no local process behind (the executor ends each pod's process group)."""
+    if cluster.plane is None:
+        return
+    deadline = time.monotonic() + 60
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {
+        pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in processes_with_marker(marker)
+    }
+    assert left == {}
+
+
+def image_values() -> dict[str, str]:
+    repository, _, tag = IMAGE.rpartition(":")
+    return {"repository": repository, "tag": tag}
+
+
+def wait_for_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """The PyTorchJob once it has a true Succeeded or Failed condition."""
+    api = kubernetes.client.CustomObjectsApi(cluster.client())
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        job = api.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+        conditions = {c["type"]: c for c in job.get("status", {}).get("conditions", []) if c["status"] == "True"}
+        if "Succeeded" in conditions or "Failed" in conditions:
+            return job
+        time.sleep(1)
+    raise AssertionError(
+        f"{name} did not finish in {JOB_TIMEOUT_S} s: {job.get('status')}\n{pod_logs(cluster, namespace)}"
+    )
+
+
+def finished_as(job: dict[str, Any]) -> str:
+    return next(
+        c["type"] for c in job["status"]["conditions"] if c["type"] in ("Succeeded", "Failed") and c["status"] == "True"
+    )
+
+
+def pods_of(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.client.V1Pod]:
+    selector = f"training.kubeflow.org/job-name={job}"
+    pods = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_pod(namespace, label_selector=selector)
+    return {p.metadata.name: p for p in pods.items}
+
+
+def pod_logs(cluster: Cluster, namespace: str) -> str:
+    """The trainer's output of every pod: from the executor's log files, or the cluster's pods/log."""
+    if cluster.plane is not None:
+        logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*/*.log"))
+        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{log.read_text(errors='replace')}" for log in logs)
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    return "\n".join(
+        f"--- {pod.metadata.name}\n{core.read_namespaced_pod_log(pod.metadata.name, namespace, container='pytorch')}"
+        for pod in core.list_namespaced_pod(namespace).items
+    )
+
+
+def container_env(pod: kubernetes.client.V1Pod) -> dict[str, str]:
+    (container,) = [c for c in pod.spec.containers if c.name == "pytorch"]
+    return {e.name: e.value for e in container.env or [] if e.value is not None}
+
+
+def terminated(pod: kubernetes.client.V1Pod) -> kubernetes.client.V1ContainerStateTerminated:
+    (status,) = [s for s in pod.status.container_statuses if s.name == "pytorch"]
+    return status.state.terminated
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_examples_are_accepted_by_the_api_server(cluster: Cluster, namespace: str, example: Path) -> None:
+    """Every object the chart renders passes the API server's own validation (server-side dry run), the
+    PyTorchJob against the installed CRD's structural schema."""
+    applied = apply_rendered(cluster, load_spec(example), namespace, dry_run=True)
+    kinds = {obj["kind"] for obj in applied}
+    assert "PyTorchJob" in kinds and "ConfigMap" in kinds
+    jobs = kubernetes.client.CustomObjectsApi(cluster.client())
+    assert jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"] == []
+
+
+def test_kubectl_server_side_apply_accepts_the_rendered_examples(cluster: Cluster, namespace: str) -> None:
+    """What k8s/README.md tells users to run: `kubectl apply --server-side -f k8s/examples/...`."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl binary on PATH (the same objects are applied through the API in the test above)")
+    for manifest in sorted((REPO / "k8s" / "examples").glob("*.yaml")):
+        result = subprocess.run(
+            [kubectl, "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side", "--dry-run=server",
+             "-n", namespace, "-f", str(manifest)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{manifest.name}: {result.stderr}"
+        assert "pytorchjob.kubeflow.org/" in result.stdout and "(server dry run)" in result.stdout
+
+
+def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: str) -> None:
+    """The operator creates the pods with its env (as ctl.operator_env says), they train through torchrun, the
+    job ends Succeeded, and the run directory on the claim holds a committed checkpoint and the report."""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker)
+    apply_rendered(cluster, spec, namespace)
+    job = wait_for_job(cluster, namespace, spec.name)
+    assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
+
+    pods = pods_of(cluster, namespace, spec.name)
+    assert sorted(pods) == sorted(r.pod_name(spec.name) for r in replicas(spec))
+    for replica in replicas(spec):
+        pod = pods[replica.pod_name(spec.name)]
+        assert pod.metadata.labels["training.kubeflow.org/replica-type"] == replica.type
+        assert container_env(pod).items() >= operator_env(spec, replica).items()
+        assert pod.status.phase == "Succeeded" and terminated(pod).exit_code == 0
+    assert job["status"]["replicaStatuses"]["Master"].get("succeeded") == 1
+    assert_no_process_left(cluster, marker)
+
+    if cluster.plane is None:  # the claim is out of reach: the trainer's last words name the run directory
+        assert f"run directory: {spec.storage.mount_path}/{spec.name}" in pod_logs(cluster, namespace)
+        return
+    run_dir = cluster.plane.claim_dir(namespace, f"{spec.name}-checkpoints") / spec.name
+    checkpoints = sorted(run_dir.glob("step-*/COMMITTED"))
+    assert checkpoints, f"no committed checkpoint in {run_dir}: {sorted(run_dir.iterdir())}"
+    assert (run_dir / (run_dir / "latest").read_text().strip() / "COMMITTED").exists()
+    assert (run_dir / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("restart_policy", "run_policy"),
+    [("Never", {}), ("ExitCode", {}), ("OnFailure", {"backoffLimit": 1, "cleanPodPolicy": "All"})],
+    ids=["Never", "ExitCode", "OnFailure-backoffLimit-1"],
+)
+def test_a_failing_trainer_fails_the_job(
+    cluster: Cluster, namespace: str, restart_policy: str, run_policy: dict[str, Any]
+) -> None:
+    """A trainer that exits on bad input fails the job, as the restart policy says. Never: at the first exit.
+    ExitCode: torchrun's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
+    container is restarted in place until the restarts reach runPolicy.backoffLimit; with cleanPodPolicy All the
+    operator then deletes the pods, and their processes end. (With None it may still delete them, or recreate
+    them in a reconcile that has not seen the Failed condition yet: the operator's own race.)"""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], restartPolicy=restart_policy, runPolicy=run_policy)
+    apply_rendered(cluster, spec, namespace)
+    job = wait_for_job(cluster, namespace, spec.name)
+    assert finished_as(job) == "Failed", pod_logs(cluster, namespace)
+    assert "data.train" in pod_logs(cluster, namespace)
+    pods = pods_of(cluster, namespace, spec.name)
+    if restart_policy == "OnFailure":
+        assert "backoff limit" in next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Failed")
+        wait_for_deletion(cluster, namespace, spec.name)
+        if cluster.plane is not None:  # the log files, one per start of a container: some pod's was restarted
+            assert list((cluster.plane.pods_dir / namespace).glob("*/pytorch/1.log"))
+    else:
+        master = pods[Replica("master", 0).pod_name(spec.name)]
+        assert master.status.phase == "Failed" and terminated(master).exit_code == 1
+        assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
+    assert_no_process_left(cluster, marker)
+
+
+def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
+    deadline = time.monotonic() + 60
+    while pods_of(cluster, namespace, job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pods_of(cluster, namespace, job) == {}
+
+
+def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str) -> None:
+    """Deleting a running pod (as `kubectl delete pod`, or the operator on a restart, does) ends its processes;
+    the operator creates the pod again and it runs."""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, training={"maxSteps": 1_000_000})
+    apply_rendered(cluster, spec, namespace)
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    worker = Replica("worker", 0).pod_name(spec.name)
+    first = wait_for_pod(cluster, namespace, worker, lambda pod: pod.status.phase == "Running")
+    core.delete_namespaced_pod(worker, namespace)
+    again = wait_for_pod(cluster, namespace, worker, lambda p: p.metadata.uid != first.metadata.uid)
+    assert (
+        wait_for_pod(cluster, namespace, worker, lambda p: p.status.phase == "Running").metadata.uid
+        == again.metadata.uid
+    )
+    if cluster.plane is not None:
+        old_pod_dir = f"{worker}-{first.metadata.uid[:8]}".encode()
+        deadline = time.monotonic() + 60
+        while any(old_pod_dir in environ(pid) for pid in processes_with_marker(marker)):
+            assert time.monotonic() < deadline, "the deleted pod's processes are still running"
+            time.sleep(0.5)
+    # No garbage collector runs locally: delete the job, then its pods, which ends their processes.
+    kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
+        "kubeflow.org", "v1", namespace, "pytorchjobs", spec.name
+    )
+    for pod in pods_of(cluster, namespace, spec.name):
+        core.delete_namespaced_pod(pod, namespace)
+    assert_no_process_left(cluster, marker)
+
+
+def wait_for_pod(
+    cluster: Cluster, namespace: str, name: str, condition: Callable[[kubernetes.client.V1Pod], bool]
+) -> kubernetes.client.V1Pod:
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            pod = core.read_namespaced_pod(name, namespace)
+            if condition(pod):
+                return pod
+        except kubernetes.client.ApiException as error:
+            if error.status != 404:
+                raise
+        time.sleep(0.5)
+    raise AssertionError(f"pod {name}: condition not met in {JOB_TIMEOUT_S} s\n{pod_logs(cluster, namespace)}")
+
+
+def environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
