@@ -7,6 +7,7 @@ v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,8 +21,9 @@ from typing import Any
 import controlplane
 import kubernetes
 import pytest
+import yaml
 from cluster_binaries import BuildError
-from conftest import REPO, processes_with_marker, tiny_spec
+from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
 
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
@@ -310,3 +312,94 @@ def environ(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:  # ended meanwhile
         return b""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ctl submit | wait | status | list | delete, as a user runs them: exit codes, `-o json` shapes, what stays.
+
+EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND = 100, 101, 102
+
+
+def run_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`ctl` with the cluster chosen by $KUBECONFIG."""
+    return run_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(cluster.kubeconfig)})
+
+
+def spec_file(tmp_path: Path, spec: JobSpec) -> Path:
+    path = tmp_path / f"{spec.name}.yaml"
+    path.write_text(yaml.safe_dump(spec.to_values()))
+    return path
+
+
+def test_ctl_submit_wait_status_list_delete_round_trip(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    name = f"rt-{marker[:6]}"
+    spec = spec_file(tmp_path, job_spec(marker, name=name))
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+
+    checked = ctl("submit", str(spec), "--dry-run", "server")
+    assert (checked.returncode, checked.stdout) == (0, f"pytorchjob.kubeflow.org/{name} (server dry run)\n")
+    assert ctl("status", name).returncode == EXIT_NOT_FOUND, "a server dry run created the job"
+
+    submitted = ctl("submit", str(spec))
+    assert (submitted.returncode, submitted.stdout) == (0, f"pytorchjob.kubeflow.org/{name}\n"), submitted.stderr
+    assert f"ctl wait {name} -n {namespace}" in submitted.stderr
+    again = ctl("submit", str(spec))
+    assert again.returncode == 1 and f"pytorchjob {name} already exists in namespace {namespace}" in again.stderr
+    assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
+
+    done = ctl("wait", name, "--for", "succeeded", "--timeout", str(JOB_TIMEOUT_S))
+    assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+    status = json.loads(ctl("status", name, "-o", "json").stdout)
+    assert set(status) == {"name", "namespace", "state", "conditions", "replicas", "pods", "events"}
+    assert (status["name"], status["namespace"], status["state"]) == (name, namespace, "Succeeded")
+    assert {(p["name"], p["phase"], p["exitCode"]) for p in status["pods"]} == {
+        (f"{name}-master-0", "Succeeded", 0),
+        (f"{name}-worker-0", "Succeeded", 0),
+    }
+    assert set(status["replicas"]) == {"Master", "Worker"}
+    assert ctl("status", name).stdout.startswith(f"{name} ({namespace}): Succeeded\n")
+
+    (row,) = [r for r in json.loads(ctl("list", "-o", "json").stdout) if r["name"] == name]
+    assert row | {"ageSeconds": 0} == {
+        "name": name,
+        "namespace": namespace,
+        "state": "Succeeded",
+        "nodes": 2,
+        "procsPerNode": "1",
+        "ageSeconds": 0,
+    }
+    assert name in {r["name"] for r in json.loads(ctl("list", "-A", "-o", "json").stdout)}
+
+    refused = ctl("delete", name)
+    assert refused.returncode == 2 and "--yes" in refused.stderr  # no terminal to ask on
+    deleted = ctl("delete", name, "-y")
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout.splitlines() == [f"pytorchjob/{name} deleted", f"configmap/{name}-training deleted"]
+    assert ctl("status", name).returncode == EXIT_NOT_FOUND
+    assert ctl("delete", name, "-y").returncode == EXIT_NOT_FOUND
+    # The run directory's claim (the checkpoints) outlives the job unless --purge.
+    claims = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_persistent_volume_claim(namespace).items
+    assert f"{name}-checkpoints" in {claim.metadata.name for claim in claims}
+    assert_no_process_left(cluster, marker)
+
+
+def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    name = f"fail-{marker[:6]}"
+    missing_data = ["/nonexistent/ddpjob-e2e/train.txt"]
+    spec = spec_file(tmp_path, job_spec(marker, missing_data, name=name, restartPolicy="Never"))
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+
+    waited = ctl("submit", str(spec), "--wait", "--timeout", str(JOB_TIMEOUT_S))
+    assert waited.returncode == EXIT_JOB_FAILED, waited.stderr
+    assert ctl("wait", name, "--for", "failed").returncode == 0
+    assert ctl("wait", name, "--for", "succeeded").returncode == EXIT_JOB_FAILED
+    status = json.loads(ctl("status", name, "-o", "json").stdout)
+    assert status["state"] == "Failed" and all(p["exitCode"] not in (None, 0) for p in status["pods"])
+    assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
+    assert_no_process_left(cluster, marker)
