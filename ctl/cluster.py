@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
@@ -66,8 +67,8 @@ class Target:
             if exc.status == 404:
                 raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
             raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
-        except OSError as exc:  # connection refused, DNS, TLS
-            raise ClusterError(f"cannot reach the API server: {exc}") from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # connection refused, DNS, TLS
+            raise ClusterError(f"cannot reach the API server {self.api.configuration.host}: {exc}") from None
 
 
 def api_message(exc: ApiException) -> str:
