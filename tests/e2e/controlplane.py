@@ -35,6 +35,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
 
+from ctl.cluster import Target, apply
+
 ADMIN_USER = "ddpjob-e2e-admin"
 OPERATOR_NAMESPACE = "kubeflow"
 # cmd/training-operator.v1 defaults: the Secret its cert rotator fills and the Service name in its certificate.
@@ -245,22 +247,9 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
 
 
 def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], dry_run: bool = False) -> Any:
-    """PATCH application/apply-patch+yaml: what `kubectl apply --server-side` sends (field manager ddpjob-e2e).
+    """`ctl`'s own server-side apply, in the object's namespace (cluster-scoped objects ignore it).
     Returns the object as the API server stored it (or would have, with `dry_run`)."""
-    base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
-    discovery = client.call_api(base, "GET", response_type="object", auth_settings=["BearerToken"])[0]
-    (resource,) = [r for r in discovery["resources"] if r["kind"] == obj["kind"] and "/" not in r["name"]]
-    scope = f"/namespaces/{obj['metadata']['namespace']}" if resource["namespaced"] else ""
-    query = [("fieldManager", "ddpjob-e2e"), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
-    return client.call_api(
-        f"{base}{scope}/{resource['name']}/{obj['metadata']['name']}",
-        "PATCH",
-        query_params=query,
-        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
-        body=obj,
-        response_type="object",
-        auth_settings=["BearerToken"],
-    )[0]
+    return apply(Target(client, obj["metadata"].get("namespace", "default")), obj, dry_run)
 
 
 def install_crd(plane: ControlPlane, crd_file: Path) -> None:
