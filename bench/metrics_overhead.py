@@ -75,7 +75,7 @@ def main() -> None:
     batch = torch.randint(0, VOCAB, (spec.batch_size, spec.model.block_size + 1))
     train_step_seconds(model, batch, optimizer, steps=3)  # warm up
     step = train_step_seconds(model, batch, optimizer, steps=20)
-    metrics = TrainingMetrics(spec, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), model)
+    metrics = TrainingMetrics(spec, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), model, 500)
     metrics_seconds_per_step(metrics, spec.log_every, steps=1000)  # warm up
     overhead = metrics_seconds_per_step(metrics, spec.log_every, steps=20_000)
     print(f"train step ({args.spec.name}, {torch.get_num_threads()} threads): {step * 1e3:.2f} ms")

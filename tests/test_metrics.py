@@ -52,6 +52,7 @@ HISTOGRAMS = {"ddpjob_step_duration_seconds", "ddpjob_data_wait_seconds"}
 GAUGES = {
     "ddpjob_info",
     "ddpjob_step",
+    "ddpjob_planned_steps",
     "ddpjob_restarts",
     "ddpjob_start_timestamp_seconds",
     "ddpjob_train_loss",
@@ -290,7 +291,7 @@ def test_metric_names_types_and_values_in_one_process(corpus_file: Path, monkeyp
     monkeypatch.setenv("DDPJOB_JOB_NAME", "unit")
     spec = TrainingSpec.model_validate(tiny_spec(corpus_file)["training"])
     model = build_char_gpt(spec.model, vocab_size=60, special_id=59)
-    metrics = TrainingMetrics(spec, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), model)
+    metrics = TrainingMetrics(spec, Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), model, 500)
     batches = metrics.timed(iter([1, 2]))
     assert list(batches) == [1, 2]
     metrics.step_done(41, 0.02, samples=4, tokens=128)
@@ -320,7 +321,8 @@ def test_metric_names_types_and_values_in_one_process(corpus_file: Path, monkeyp
     assert scraped["ddpjob_checkpoint_save_duration_seconds"].type == "histogram"
     assert value("ddpjob_checkpoint_save_duration_seconds", "ddpjob_checkpoint_save_duration_seconds_sum") == 3.5
     assert value("ddpjob_checkpoint_save_duration_seconds", "ddpjob_checkpoint_save_duration_seconds_count") == 1
-    assert value("ddpjob_checkpoint_size_bytes") == 123_456
+    assert value("ddpjob_checkpoint_size_bytes") == 123_456 and value("ddpjob_checkpoint_step") == 41
+    assert value("ddpjob_planned_steps") == 500
     assert time.time() - value("ddpjob_checkpoint_last_success_timestamp_seconds") < 60
     assert {s.labels["job_name"] for s in scraped["ddpjob_info"].samples} == {"unit"}
     for family in scraped.values():

@@ -204,7 +204,7 @@ def train(
         f" size {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
     )
 
-    metrics = TrainingMetrics(spec, dist, model)
+    metrics = TrainingMetrics(spec, dist, model, state.max_steps)
 
     def report_eval(prefix: str) -> float:
         result = evaluate(model, val_batches, dist, amp_dtype)

@@ -106,7 +106,7 @@ class TrainingMetrics:
     `evaluated` after an evaluation; the checkpoint code calls `checkpoint_saved`.
     """
 
-    def __init__(self, spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> None:
+    def __init__(self, spec: TrainingSpec, dist: Dist, model: torch.nn.Module, planned_steps: int) -> None:
         port, directory = metrics_endpoint()
         if directory:
             # Every attempt starts empty; the other local ranks create their files after the barrier.
@@ -140,6 +140,9 @@ class TrainingMetrics:
         self.steps = self.counter("steps", "Optimizer steps completed by this rank (this process).")
         self.step = self.gauge("step", "Optimizer step of the run this rank has finished (continues after a resume).")
         self.step = self.step.labels(self.rank)
+        self.gauge("planned_steps", "Optimizer steps the run will have done when it ends (ddpjob_step's goal).").labels(
+            self.rank
+        ).set(planned_steps)
         self.samples = self.counter("samples", "Training examples (sequences) this rank processed.")
         self.tokens = self.counter("tokens", "Training tokens this rank processed (padding included).")
         self.step_duration = self.histogram(
@@ -177,6 +180,7 @@ class TrainingMetrics:
         self.checkpoint_time = self.gauge(
             "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint was committed."
         )
+        self.checkpoint_step = self.gauge("checkpoint_step", "Step of the last committed checkpoint (step-N).")
         self.reported_save: SaveStats | None = None
         self._step_data_wait = 0.0
         if port and dist.local_rank == 0:
@@ -255,3 +259,4 @@ class TrainingMetrics:
         self.checkpoint_duration.labels(self.rank).observe(save.seconds)
         self.checkpoint_size.labels(self.rank).set(save.size_bytes)
         self.checkpoint_time.labels(self.rank).set(save.finished_at)
+        self.checkpoint_step.labels(self.rank).set(save.step)
