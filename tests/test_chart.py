@@ -655,11 +655,12 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     rendered = {(m.obj["apiVersion"].rpartition("/")[0], m.kind.lower() + "s") for m in render(everything)}
     assert rendered <= writable, rendered - writable
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
-    # ctl status/logs: pods, their logs, the operator's Services and events, nothing more.
+    # ctl status/logs: pods, their logs and rank 0's metrics (pods/proxy), the operator's Services and events.
     assert readable - writable == {
         ("kubeflow.org", "pytorchjobs/status"),
         ("", "pods"),
         ("", "pods/log"),
+        ("", "pods/proxy"),
         ("", "services"),
         ("", "events"),
         ("events.k8s.io", "events"),
