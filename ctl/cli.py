@@ -1,27 +1,36 @@
 """The `ctl` command (Typer). Thin: each command parses, delegates, maps errors to exit codes.
 
-Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait`)
+Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait/--follow`)
 100 failed, 101 not finished (timeout), 102 not found.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 if TYPE_CHECKING:
+    from ctl.cluster import Target
+    from ctl.logs import LogOptions
     from ctl.spec import JobSpec
 
 EXIT_BAD_INPUT = 2
+WATCH_INTERVAL_S = 2.0
+LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
+PREFIX_COLOURS = ("36", "35", "33", "32", "34", "31")  # ANSI: cyan, magenta, yellow, green, blue, red
 
 EXIT_CODES = (
-    "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait):"
+    "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait/--follow):"
     " 100 failed, 101 not finished, 102 not found."
 )
 
@@ -138,6 +147,29 @@ def cluster_errors() -> Iterator[None]:
         raise fail(str(exc), code=1) from None
 
 
+def note(message: str) -> None:
+    """Progress for people: stderr, so that stdout stays data."""
+    typer.echo(message, err=True)
+
+
+def colour_enabled() -> bool:
+    """Colour only on a terminal, and not when NO_COLOR is set (https://no-color.org)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C ends a follow or a watch quietly, with the shell's code for it (130); so does a reader that has
+    gone (`ctl logs NAME | head`), with 0."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        raise typer.Exit(0) from None
+
+
 def print_data(data: object, output: str, table: Callable[[], str]) -> None:
     """Machine output on stdout in a stable shape (json/yaml), or a table for people."""
     if output == "json":
@@ -161,7 +193,10 @@ def submit(
     ] = "none",
     replace: Annotated[bool, typer.Option("--replace", help="Delete and recreate a job of the same name.")] = False,
     wait_for: Annotated[bool, typer.Option("--wait", help="Wait until the job succeeds or fails.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait waits.")] = 86_400,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Print rank 0's log as it runs, until the job ends (implies --wait).")
+    ] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait/--follow wait.")] = 86_400,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
@@ -190,13 +225,21 @@ def submit(
     if dry_run == "server":
         return
     typer.echo(
-        f"next: ctl status {job.name} -n {ns}  |  ctl wait {job.name} -n {ns} --for succeeded"
-        f"  |  ctl delete {job.name} -n {ns}",
+        f"next: ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"
+        f"  |  ctl wait {job.name} -n {ns} --for succeeded  |  ctl delete {job.name} -n {ns}",
         err=True,
     )
-    if wait_for:
+    if follow:
+        from ctl.logs import LogOptions
+
+        # The log in the background; the job's outcome (and --timeout) decides when ctl returns.
+        printer = threading.Thread(target=follow_log, args=(target, job.name, LogOptions(follow=True)), daemon=True)
+        printer.start()
+    if wait_for or follow:
         with cluster_errors():
-            code = wait(target, job.name, "succeeded", timeout, progress=lambda s: typer.echo(s, err=True))
+            code = wait(target, job.name, "succeeded", timeout, progress=note)
+        if follow:
+            printer.join(LOG_DRAIN_S)
         raise typer.Exit(code)
 
 
@@ -224,32 +267,78 @@ def wait_command(
 def status(
     name: NameArg,
     output: OutputOpt = "table",
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Print each change (table: one line each) until the job has ended.")
+    ] = False,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """A job's state: conditions, replicas, each pod's phase, restarts and exit code, recent events."""
+    """A job's state and training progress (rank 0's step, loss, last checkpoint), its conditions,
+    each pod's phase, restarts and exit code, recent events."""
     from ctl.cluster import status as job_status
 
+    if output not in ("table", "yaml", "json"):
+        raise fail(f"--output {output!r}: expected table, yaml or json")
     target = cluster_target(kubeconfig, context, namespace)
     with cluster_errors():
         data = job_status(target, name)
+    print_data(data, output, lambda: status_table(data))
+    if not watch:
+        return
+    last = status_line(data) if output == "table" else data
+    with cluster_errors(), interruptible():
+        while data["state"] not in ("Succeeded", "Failed"):
+            time.sleep(WATCH_INTERVAL_S)
+            data = job_status(target, name)
+            current = status_line(data) if output == "table" else data
+            if current == last:
+                continue
+            last = current
+            if output == "table":
+                typer.echo(f"{time.strftime('%H:%M:%S')}  {current}")
+                continue
+            if output == "yaml":
+                typer.echo("---")  # a stream of documents, as `kubectl get -w -o yaml`
+            print_data(data, output, table=str)  # json or yaml: no table
 
-    def table() -> str:
-        lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
-        lines += [
-            f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
-        ]
-        lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
-        lines += [
-            f"  {p['name']:<32} {p['phase']:<10} {p['restarts']:>8} {'' if p['exitCode'] is None else p['exitCode']:>5}"
-            f"  {p['reason'] or ''}"
-            for p in data["pods"]
-        ]
-        lines += [f"  event: {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
-        return "\n".join(lines)
 
-    print_data(data, output, table)
+def status_table(data: dict[str, Any]) -> str:
+    lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
+    if data["progress"]:
+        lines.append(f"  progress: {progress_text(data['progress'])}")
+    lines += [
+        f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
+    ]
+    lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
+    lines += [
+        f"  {p['name']:<32} {p['phase']:<10} {p['restarts']:>8} {'' if p['exitCode'] is None else p['exitCode']:>5}"
+        f"  {p['reason'] or ''}"
+        for p in data["pods"]
+    ]
+    lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
+    return "\n".join(lines)
+
+
+def status_line(data: dict[str, Any]) -> str:
+    """`ctl status -w`'s line: state, progress and the pods."""
+    pods = ", ".join(
+        f"{p['replicaType']}-{p['name'].rpartition('-')[2]} {p['phase']}"
+        + (f" ({p['restarts']} restarts)" if p["restarts"] else "")
+        for p in data["pods"]
+    )
+    return " | ".join(filter(None, [data["state"], data["progress"] and progress_text(data["progress"]), pods]))
+
+
+def progress_text(progress: dict[str, Any]) -> str:
+    step = f"step {progress['step']}" + (f"/{progress['plannedSteps']}" if progress["plannedSteps"] else "")
+    parts = [step]
+    parts += [f"loss {progress['trainLoss']:.4f}"] if progress["trainLoss"] is not None else []
+    parts += [f"val loss {progress['evalLoss']:.4f}"] if progress["evalLoss"] is not None else []
+    parts += [f"{progress['tokensPerSecond']:,.0f} tok/s"] if progress["tokensPerSecond"] is not None else []
+    checkpoint = progress["checkpoint"]
+    parts += [f"checkpoint step-{checkpoint['step']} at {checkpoint['time']}"] if checkpoint else []
+    return ", ".join(parts)
 
 
 @app.command("list")
@@ -260,7 +349,7 @@ def list_command(
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """The PyTorchJobs of the namespace: state, nodes x processes per node, age."""
+    """The PyTorchJobs of the namespace: state, nodes x processes per node, age, rank 0's step while running."""
     from ctl.cluster import list_jobs
 
     target = cluster_target(kubeconfig, context, namespace)
@@ -268,15 +357,88 @@ def list_command(
         rows = list_jobs(target, all_namespaces)
 
     def table() -> str:
-        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'STATE':<11} {'NODES x PROCS':<14} AGE"]
+        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
         lines += [
             f"{r['namespace']:<20} {r['name']:<32} {r['state']:<11} {r['nodes']} x {r['procsPerNode']:<10}"
-            f" {r['ageSeconds']}s"
+            f" {str(r['ageSeconds']) + 's':<8} {progress_text(r['progress']) if r['progress'] else ''}"
             for r in rows
         ]
         return "\n".join(lines)
 
     print_data(rows, output, table)
+
+
+@app.command()
+def logs(
+    name: NameArg,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="The pod that runs this global rank (default 0).", show_default=False)
+    ] = None,
+    all_nodes: Annotated[
+        bool, typer.Option("--all", help="Every pod, each line prefixed [master-0], [worker-0]...")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Stream new lines, across restarts, until the job ends.")
+    ] = False,
+    tail: Annotated[int, typer.Option("--tail", help="Last lines of each pod's log (-1: all).")] = -1,
+    previous: Annotated[
+        bool, typer.Option("--previous", "-p", help="The log of the container run before the last restart.")
+    ] = False,
+    timestamps: Annotated[
+        bool, typer.Option("--timestamps", help="Prefix each line with its time (RFC 3339).")
+    ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Print a job's log: rank 0's pod by default. Waits for pods that have not started yet."""
+    from ctl.logs import LogOptions
+
+    if rank is not None and all_nodes:
+        raise fail("--rank and --all: choose one")
+    if tail < -1:
+        raise fail(f"--tail {tail}: expected a number of lines, or -1 for all")
+    options = LogOptions(follow, None if tail == -1 else tail, previous, timestamps)
+    target = cluster_target(kubeconfig, context, namespace)
+    with interruptible():
+        print_logs(target, name, all_nodes, rank or 0, options)
+
+
+def print_logs(target: Target, name: str, all_nodes: bool, rank: int, options: LogOptions) -> None:
+    """The chosen pods' lines on stdout (prefixed by pod with --all, coloured on a terminal); notes on stderr."""
+    from ctl.cluster import get_job, node_labels, procs_per_node
+    from ctl.logs import interleaved, node_lines
+
+    with cluster_errors():
+        job = get_job(target, name)
+        labels = node_labels(job)
+        if not all_nodes:
+            labels = [labels[node_of_rank(rank, len(labels), procs_per_node(job))]]
+        streams = {label: node_lines(target, name, label, options, note) for label in labels}
+        colours = dict(zip(labels, itertools.cycle(PREFIX_COLOURS), strict=False)) if colour_enabled() else {}
+        for label, line in interleaved(streams):
+            if not all_nodes:
+                typer.echo(line)
+            elif label in colours:
+                typer.echo(f"\033[{colours[label]}m[{label}]\033[0m {line}")
+            else:
+                typer.echo(f"[{label}] {line}")
+
+
+def follow_log(target: Target, name: str, options: LogOptions) -> None:
+    """submit --follow's log thread: rank 0's pod; a failure is reported (by print_logs) and ends only the log."""
+    with contextlib.suppress(typer.Exit):
+        print_logs(target, name, False, 0, options)
+
+
+def node_of_rank(rank: int, nodes: int, procs: int | None) -> int:
+    if rank == 0:
+        return 0
+    if procs is None:
+        raise fail(f"--rank {rank}: the job leaves processes per node to each node; use --all")
+    if not 0 <= rank < nodes * procs:
+        raise fail(f"--rank {rank}: the job has {nodes * procs} ranks (0-{nodes * procs - 1})")
+    return rank // procs
 
 
 @app.command()

@@ -6,10 +6,11 @@ not the job's own outcome is a `ClusterError` with one line for the user.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,8 +23,13 @@ from kubernetes.client.exceptions import ApiException
 
 FIELD_MANAGER = "ctl"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+CONTAINER = "pytorch"  # the operator requires every replica's training container to have this name
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-# `wait` and `submit --wait`: the job's outcome as the exit code (0 is the awaited state).
+# `wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
 EXIT_JOB_FAILED = 100
 EXIT_NOT_FINISHED = 101
 EXIT_NOT_FOUND = 102
@@ -54,7 +60,7 @@ class Target:
 
     def call(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
         """One API request; the parsed JSON body. API errors become one-line ClusterErrors."""
-        try:
+        with self.errors(method, path):
             return self.api.call_api(
                 path,
                 method,
@@ -63,6 +69,23 @@ class Target:
                 _return_http_data_only=True,
                 **kwargs,
             )
+
+    def open(self, path: str, query: list[tuple[str, str]]) -> urllib3.BaseHTTPResponse:
+        """A GET whose body is read as it arrives (a pod's log, a metrics page); the caller closes it."""
+        with self.errors("GET", path):
+            return self.api.call_api(
+                path,
+                "GET",
+                query_params=query,
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _preload_content=False,
+            )
+
+    @contextlib.contextmanager
+    def errors(self, method: str, path: str) -> Iterator[None]:
+        try:
+            yield
         except ApiException as exc:
             if exc.status == 404:
                 raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
@@ -196,6 +219,10 @@ def condition(job: dict[str, Any]) -> str:
     return true[-1]["type"] if true else "Pending"
 
 
+def finished(job: dict[str, Any]) -> bool:
+    return condition(job) in ("Succeeded", "Failed")
+
+
 def wait(target: Target, name: str, state: str, timeout: float, progress: Callable[[str], None] | None = None) -> int:
     """Block until the job reaches `state` (succeeded, failed or running); the exit code for `ctl wait`."""
     deadline = time.monotonic() + timeout
@@ -222,10 +249,80 @@ def wait(target: Target, name: str, state: str, timeout: float, progress: Callab
 
 
 def job_pods(target: Target, name: str) -> list[dict[str, Any]]:
-    selector = f"training.kubeflow.org/job-name={name}"
-    return target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])[
-        "items"
+    """The job's pods in node-rank order (master-0, worker-0, worker-1...)."""
+    pods = target.call(
+        f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", f"{JOB_NAME_LABEL}={name}")]
+    )["items"]
+    order = {"master": 0, "worker": 1}
+    return sorted(pods, key=lambda p: (order.get(replica(p)[0], 2), replica(p)[1]))
+
+
+def replica(pod: dict[str, Any]) -> tuple[str, int]:
+    """(replica type, index) from the operator's labels: ("master", 0), ("worker", 1)..."""
+    labels = pod["metadata"].get("labels") or {}
+    return labels.get(REPLICA_TYPE_LABEL, ""), int(labels.get(REPLICA_INDEX_LABEL, "0"))
+
+
+def pod_label(pod: dict[str, Any]) -> str:
+    """`master-0`, `worker-1`: the pod's name within its job."""
+    kind, index = replica(pod)
+    return f"{kind}-{index}"
+
+
+def node_labels(job: dict[str, Any]) -> list[str]:
+    """The job's pods by node rank, as `master-0`, `worker-0`, ...: the master is node 0, the workers follow
+    (an elastic job without a master starts at worker-0)."""
+    specs = job["spec"].get("pytorchReplicaSpecs") or {}
+    return [
+        f"{kind.lower()}-{index}"
+        for kind in ("Master", "Worker")
+        if kind in specs
+        for index in range(int(specs[kind].get("replicas", 1)))
     ]
+
+
+def procs_per_node(job: dict[str, Any]) -> int | None:
+    """Processes per pod when the job fixes the number (`auto`, `gpu`... leave it to each node)."""
+    value = str(job["spec"].get("nprocPerNode", "1"))
+    return int(value) if value.isdigit() else None
+
+
+def progress(target: Target, pod: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0's training progress from its pod's metrics endpoint, read through the API server's pod proxy;
+    None while there is none to read (pod not running, metrics off, no step yet)."""
+    ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == METRICS_PORT_NAME]
+    if not ports or pod.get("status", {}).get("phase") != "Running":
+        return None
+    pod_port = f"{pod['metadata']['name']}:{ports[0]['containerPort']}"
+    path = f"/api/v1/namespaces/{target.namespace}/pods/{pod_port}/proxy/metrics"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = target.open(path, [])
+        try:
+            text = response.read().decode()
+        finally:
+            response.release_conn()
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except (ClusterError, urllib3.exceptions.HTTPError, ValueError):  # not up yet, restarting, not ours
+        return None
+    value = {s.name: s.value for s in samples if s.labels.get("rank") == "0"}.get
+    if value("ddpjob_step") is None and value("ddpjob_planned_steps") is None:
+        return None
+    saved_at = value("ddpjob_checkpoint_last_success_timestamp_seconds")
+    return {
+        "step": int(value("ddpjob_step") or 0),
+        "plannedSteps": None if value("ddpjob_planned_steps") is None else int(value("ddpjob_planned_steps")),
+        "trainLoss": value("ddpjob_train_loss"),
+        "evalLoss": value("ddpjob_eval_loss"),
+        "tokensPerSecond": value("ddpjob_tokens_per_second"),
+        "checkpoint": None
+        if saved_at is None
+        else {
+            "step": int(value("ddpjob_checkpoint_step") or 0),
+            "time": datetime.fromtimestamp(saved_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        },
+    }
 
 
 def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
@@ -243,27 +340,40 @@ def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def status(target: Target, name: str) -> dict[str, Any]:
-    """The job in one stable shape: state, conditions, replica counts, pods, recent events."""
+    """The job in one stable shape: state, training progress, conditions, replica counts, pods, recent events
+    (of the job and of its pods)."""
     job = get_job(target, name)
-    events = target.call(
-        f"/api/v1/namespaces/{target.namespace}/events",
-        query_params=[("fieldSelector", f"involvedObject.name={name}")],
-    )["items"]
+    pods = job_pods(target, name)
+    involved = {name} | {pod["metadata"]["name"] for pod in pods}
+    events = [
+        e
+        for e in target.call(f"/api/v1/namespaces/{target.namespace}/events")["items"]
+        if e["involvedObject"].get("name") in involved
+    ]
     return {
         "name": name,
         "namespace": target.namespace,
         "state": condition(job),
+        "progress": rank0_progress(target, job, pods),
         "conditions": [
             {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
             for c in job.get("status", {}).get("conditions") or []
         ],
         "replicas": job.get("status", {}).get("replicaStatuses") or {},
-        "pods": [pod_summary(pod) for pod in job_pods(target, name)],
+        "pods": [pod_summary(pod) for pod in pods],
         "events": [
-            {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
+            {"object": f"{e['involvedObject'].get('kind', '').lower()}/{e['involvedObject'].get('name')}"}
+            | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
             for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-10:]
         ],
     }
+
+
+def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Progress from node 0's pod (where rank 0 runs) while the job runs."""
+    labels = node_labels(job)
+    rank0 = [p for p in pods if labels and pod_label(p) == labels[0]]
+    return progress(target, rank0[0]) if rank0 and not finished(job) else None
 
 
 def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
@@ -273,7 +383,13 @@ def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
     except NotFound:
         require_operator(target)
         raise
-    return [job_row(job) for job in items]
+    rows = []
+    for job in items:
+        in_namespace = Target(target.api, job["metadata"]["namespace"])
+        running = condition(job) in ("Running", "Restarting")
+        pods = job_pods(in_namespace, job["metadata"]["name"]) if running else []
+        rows.append(job_row(job) | {"progress": rank0_progress(in_namespace, job, pods) if running else None})
+    return rows
 
 
 def job_row(job: dict[str, Any]) -> dict[str, Any]:
