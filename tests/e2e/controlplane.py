@@ -319,8 +319,9 @@ def start_pod_executor(plane: ControlPlane) -> None:
     wait_until(lambda: (plane.work_dir / "pod-executor.ready").exists(), "pod executor", 60, process, log)
 
 
-def start(work_dir: Path | None = None, binaries: Binaries | None = None) -> ControlPlane:
-    """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`."""
+def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_operator: bool = True) -> ControlPlane:
+    """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`.
+    Without `with_operator`: etcd and the API server only (no PyTorchJob CRD, operator or pods)."""
     binaries = binaries or ensure_binaries()
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
     plane = ControlPlane(work_dir=work_dir, kubeconfig=work_dir / "kubeconfig")
@@ -329,9 +330,10 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None) -> Con
     try:
         certs = pki(work_dir / "pki")
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
-        install_crd(plane, binaries.pytorchjob_crd)
-        start_operator(plane, binaries.training_operator, certs)
-        start_pod_executor(plane)
+        if with_operator:
+            install_crd(plane, binaries.pytorchjob_crd)
+            start_operator(plane, binaries.training_operator, certs)
+            start_pod_executor(plane)
     except BaseException:
         plane.stop()
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -23,7 +24,7 @@ import kubernetes
 import pytest
 import yaml
 from cluster_binaries import BuildError
-from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
+from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
@@ -321,11 +322,16 @@ def environ(pid: int) -> bytes:
 # ctl submit | wait | status | list | delete, as a user runs them: exit codes, `-o json` shapes, what stays.
 
 EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND = 100, 101, 102
+PROGRESS_STEPS = 400
 
 
 def run_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`ctl` with the cluster chosen by $KUBECONFIG."""
     return run_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(cluster.kubeconfig)})
+
+
+def start_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.Popen:
+    return start_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(cluster.kubeconfig)})
 
 
 def spec_file(tmp_path: Path, spec: JobSpec) -> Path:
@@ -334,10 +340,12 @@ def spec_file(tmp_path: Path, spec: JobSpec) -> Path:
     return path
 
 
-def test_ctl_submit_wait_status_list_delete_round_trip(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     name = f"rt-{marker[:6]}"
-    spec = spec_file(tmp_path, job_spec(marker, name=name))
+    # Long enough (a few seconds of steps) for its progress to be read while it runs.
+    training = {"maxSteps": PROGRESS_STEPS, "logEvery": 50, "checkpoint": {"every": 100}}
+    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
@@ -348,22 +356,64 @@ def test_ctl_submit_wait_status_list_delete_round_trip(cluster: Cluster, namespa
 
     submitted = ctl("submit", str(spec))
     assert (submitted.returncode, submitted.stdout) == (0, f"pytorchjob.kubeflow.org/{name}\n"), submitted.stderr
-    assert f"ctl wait {name} -n {namespace}" in submitted.stderr
+    assert f"ctl logs {name} -n {namespace} -f" in submitted.stderr
+    # Started before the pods run: it waits for them, then follows both until the job ends.
+    follower = start_ctl_on(cluster, "logs", name, "--all", "-f", "-n", namespace, cwd=tmp_path)
+    watcher = start_ctl_on(cluster, "status", name, "-w", "-n", namespace, cwd=tmp_path)
     again = ctl("submit", str(spec))
     assert again.returncode == 1 and f"pytorchjob {name} already exists in namespace {namespace}" in again.stderr
     assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
 
+    if cluster.plane is not None and not cluster.plane.pod_addresses:
+        print("progress not checked: the local pods share loopback (no CAP_NET_ADMIN), the pod proxy refuses it")
+    else:
+        progress = progress_while_running(ctl, name)
+        assert progress["plannedSteps"] == PROGRESS_STEPS and 0 < progress["step"] <= PROGRESS_STEPS
+        assert progress["trainLoss"] > 0 and progress["tokensPerSecond"] > 0
+
     done = ctl("wait", name, "--for", "succeeded", "--timeout", str(JOB_TIMEOUT_S))
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
     status = json.loads(ctl("status", name, "-o", "json").stdout)
-    assert set(status) == {"name", "namespace", "state", "conditions", "replicas", "pods", "events"}
-    assert (status["name"], status["namespace"], status["state"]) == (name, namespace, "Succeeded")
+    assert set(status) == {"name", "namespace", "state", "progress", "conditions", "replicas", "pods", "events"}
+    assert (status["name"], status["namespace"], status["state"], status["progress"]) == (
+        name,
+        namespace,
+        "Succeeded",
+        None,
+    )
     assert {(p["name"], p["phase"], p["exitCode"]) for p in status["pods"]} == {
         (f"{name}-master-0", "Succeeded", 0),
         (f"{name}-worker-0", "Succeeded", 0),
     }
     assert set(status["replicas"]) == {"Master", "Worker"}
     assert ctl("status", name).stdout.startswith(f"{name} ({namespace}): Succeeded\n")
+
+    # The follower and the watcher end by themselves with the job.
+    followed, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0, followed
+    by_node: dict[str, list[str]] = {"master-0": [], "worker-0": []}
+    for line in followed.splitlines():
+        label, _, text = line.partition("] ")
+        if label.startswith("["):  # the rest is ctl's notes (stderr is merged here)
+            by_node[label[1:]].append(text)
+    assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node["master-0"]) and by_node["worker-0"]
+    assert "\x1b[" not in followed  # no colour without a terminal
+    watched, _ = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
+    assert watched.rstrip().splitlines()[-1].split("  ", 1)[1].startswith("Succeeded | "), watched
+
+    rank0 = ctl("logs", name)
+    assert rank0.returncode == 0 and rank0.stdout.splitlines() == by_node["master-0"]
+    assert ctl("logs", name, "--rank", "1").stdout.splitlines() == by_node["worker-0"]
+    assert ctl("logs", name, "--tail", "2").stdout.splitlines() == by_node["master-0"][-2:]
+    stamped = ctl("logs", name, "--timestamps", "--tail", "1").stdout
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z " + re.escape(by_node["master-0"][-1]) + "\n", stamped
+    )
+    no_rank = ctl("logs", name, "--rank", "2")
+    assert no_rank.returncode == 2 and "--rank 2: the job has 2 ranks (0-1)" in no_rank.stderr
+    no_previous = ctl("logs", name, "--previous")
+    assert no_previous.returncode == 1 and "previous terminated container" in no_previous.stderr
 
     (row,) = [r for r in json.loads(ctl("list", "-o", "json").stdout) if r["name"] == name]
     assert row | {"ageSeconds": 0} == {
@@ -373,6 +423,7 @@ def test_ctl_submit_wait_status_list_delete_round_trip(cluster: Cluster, namespa
         "nodes": 2,
         "procsPerNode": "1",
         "ageSeconds": 0,
+        "progress": None,
     }
     assert name in {r["name"] for r in json.loads(ctl("list", "-A", "-o", "json").stdout)}
 
@@ -389,6 +440,24 @@ def test_ctl_submit_wait_status_list_delete_round_trip(cluster: Cluster, namespa
     assert_no_process_left(cluster, marker)
 
 
+def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name: str) -> dict[str, Any]:
+    """`ctl status -o json`'s progress once rank 0 has a checkpoint and a logged loss, read while the job runs
+    (and `ctl list` shows it too)."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = json.loads(ctl("status", name, "-o", "json").stdout)
+        progress = status["progress"]
+        assert status["state"] not in ("Succeeded", "Failed"), f"ended before its progress was seen: {status}"
+        if progress and progress["checkpoint"] and progress["trainLoss"] is not None:
+            assert progress["checkpoint"]["step"] % 100 == 0 and progress["checkpoint"]["step"] <= progress["step"]
+            (row,) = [r for r in json.loads(ctl("list", "-o", "json").stdout) if r["name"] == name]
+            assert row["state"] != "Running" or row["progress"]["plannedSteps"] == PROGRESS_STEPS, row
+            assert "\n  progress: step " in ctl("status", name).stdout
+            return progress
+        time.sleep(0.2)
+    raise AssertionError(f"no progress in {JOB_TIMEOUT_S} s")
+
+
 def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     name = f"fail-{marker[:6]}"
@@ -398,8 +467,10 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
 
-    waited = ctl("submit", str(spec), "--wait", "--timeout", str(JOB_TIMEOUT_S))
-    assert waited.returncode == EXIT_JOB_FAILED, waited.stderr
+    # --follow: rank 0's log (the trainer's one-line error) until the job has failed, then its exit code.
+    followed = ctl("submit", str(spec), "--follow", "--timeout", str(JOB_TIMEOUT_S))
+    assert followed.returncode == EXIT_JOB_FAILED, followed.stderr
+    assert "/nonexistent/ddpjob-e2e/train.txt" in followed.stdout, followed.stdout + followed.stderr
     assert ctl("wait", name, "--for", "failed").returncode == 0
     assert ctl("wait", name, "--for", "succeeded").returncode == EXIT_JOB_FAILED
     status = json.loads(ctl("status", name, "-o", "json").stdout)
@@ -407,3 +478,82 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     assert status["state"] == "Failed" and any(p["exitCode"] not in (None, 0) for p in status["pods"])
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
+
+
+def sdk_train() -> None:
+    """The Kubeflow SDK's training function: it runs in the SDK job's pods under torchrun (source copied by it)."""
+    import os
+
+    print(f"hello from rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}", flush=True)
+
+
+def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """Interop with kubeflow-training's TrainingClient: it reads and deletes a job `ctl submit` created (get,
+    conditions, pods, logs), and ctl status/logs/delete work on a job the SDK created from a function."""
+    from kubeflow.training import TrainingClient
+
+    marker = uuid.uuid4().hex
+    ours, theirs = f"ctl-{marker[:6]}", f"sdk-{marker[:6]}"
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+
+    sdk = TrainingClient(config_file=str(cluster.kubeconfig), namespace=namespace)
+    assert ctl("submit", str(spec_file(tmp_path, job_spec(marker, name=ours)))).returncode == 0
+    sdk.create_job(
+        name=theirs, train_func=sdk_train, num_workers=2, base_image=IMAGE, env_vars={"DDPJOB_TEST_MARKER": marker}
+    )
+
+    # The SDK on ctl's job.
+    sdk.wait_for_job_conditions(ours, timeout=JOB_TIMEOUT_S, polling_interval=1)
+    assert sdk.is_job_succeeded(ours) and sdk.get_job(ours).metadata.name == ours
+    assert {"Created", "Running", "Succeeded"} <= {c.type for c in sdk.get_job_conditions(ours)}
+    assert sorted(sdk.get_job_pod_names(ours, is_master=False)) == [f"{ours}-master-0", f"{ours}-worker-0"]
+    logs, _ = sdk.get_job_logs(ours)  # the master's, as the SDK reads it by default
+    assert "step 5/5" in logs[f"{ours}-master-0"]
+
+    # ctl on the SDK's job: no chart labels, no metrics port, a command of its own.
+    assert ctl("wait", theirs, "--timeout", str(JOB_TIMEOUT_S)).returncode == 0, pod_logs(cluster, namespace)
+    status = json.loads(ctl("status", theirs, "-o", "json").stdout)
+    assert (status["state"], status["progress"]) == ("Succeeded", None)
+    assert {(p["name"], p["exitCode"]) for p in status["pods"]} == {
+        (f"{theirs}-master-0", 0),
+        (f"{theirs}-worker-0", 0),
+    }
+    both = ctl("logs", theirs, "--all")
+    assert both.returncode == 0, both.stderr
+    assert {"[master-0] hello from rank 0 of 2", "[worker-0] hello from rank 1 of 2"} <= set(both.stdout.splitlines())
+    assert ctl("delete", theirs, "-y").stdout.splitlines() == [f"pytorchjob/{theirs} deleted"]
+    assert theirs not in {job.metadata.name for job in sdk.list_jobs()}
+
+    sdk.delete_job(ours)
+    assert ctl("wait", ours).returncode == EXIT_NOT_FOUND
+    assert_no_process_left(cluster, marker)
+
+
+def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Path) -> None:
+    """A cluster without the PyTorchJob CRD (a second, bare control plane): one line saying how to install the
+    operator, exit 1, and nothing created."""
+    if EXTERNAL_KUBECONFIG:
+        pytest.skip("needs a cluster without the operator: runs on a local control plane only")
+    plane = controlplane.start(tmp_path / "bare", with_operator=False)
+    try:
+        client = plane.api_client()
+        controlplane.ensure_namespace(client, "bare")
+        spec = spec_file(tmp_path, job_spec(uuid.uuid4().hex, name="bare"))
+        env = os.environ | {"KUBECONFIG": str(plane.kubeconfig)}
+        for command in (["submit", str(spec)], ["submit", str(spec), "--dry-run", "server"], ["list"]):
+            result = run_ctl(*command, "-n", "bare", cwd=tmp_path, env=env)
+            assert result.returncode == 1, result.stderr
+            assert (
+                result.stderr.startswith(
+                    "error: the cluster has no PyTorchJob resource (pytorchjobs.kubeflow.org): install the Kubeflow"
+                    " training operator v1.9 first, e.g. kubectl apply --server-side -k"
+                )
+                and result.stderr.count("\n") == 1
+            ), result.stderr
+        core = kubernetes.client.CoreV1Api(client)
+        assert core.list_namespaced_config_map("bare").items == []
+        assert core.list_namespaced_persistent_volume_claim("bare").items == []
+    finally:
+        plane.stop()
