@@ -24,6 +24,7 @@ import pytest
 import yaml
 from cluster_binaries import BuildError
 from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
+from container_logs import plain_text
 
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
@@ -87,8 +88,8 @@ def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: boo
 def job_spec(
     marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
 ) -> JobSpec:
-    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here);
-    every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
+    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (locally every pod's master
+    address is 127.0.0.1); every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
@@ -145,10 +146,11 @@ def pods_of(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.
 
 
 def pod_logs(cluster: Cluster, namespace: str) -> str:
-    """The trainer's output of every pod: from the executor's log files, or the cluster's pods/log."""
+    """The trainer's output of every pod: from the executor's log files (every start's, deleted pods' too), or the
+    cluster's pods/log."""
     if cluster.plane is not None:
         logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*/*.log"))
-        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{log.read_text(errors='replace')}" for log in logs)
+        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{plain_text([log])}" for log in logs)
     core = kubernetes.client.CoreV1Api(cluster.client())
     return "\n".join(
         f"--- {pod.metadata.name}\n{core.read_namespaced_pod_log(pod.metadata.name, namespace, container='pytorch')}"
