@@ -59,13 +59,16 @@ def remove_address(address: str) -> None:
 
 
 class PodAddresses:
-    """The addresses this executor added to `lo`, one per pod, recorded in `record_dir` while they are there."""
+    """The addresses this executor added to `lo`, one per pod, recorded in `record_dir` while they are there.
+    Adding and removing happen under one lock, so `release_all` (the executor's last act before it exits) neither
+    misses an address being added nor ends the process while another thread is removing one."""
 
     def __init__(self, record_dir: Path) -> None:
         self.record_dir = record_dir
         self.record_dir.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
         self.held: set[str] = set()
+        self.closed = False
 
     def probe(self) -> None:
         """Adds and removes one address; raises AddressesUnavailable, with the reason, when that fails."""
@@ -74,16 +77,17 @@ class PodAddresses:
     def allocate(self) -> str:
         """A new address on `lo`, present nowhere on this machine before."""
         for _ in range(ALLOCATION_TRIES):
-            present = machine_addresses()
             candidate = str(POD_CIDR.network_address + random.randrange(1, POD_CIDR.num_addresses - 1))
-            if candidate in present:
+            if candidate in machine_addresses():
                 continue
-            result = ip("addr", "add", f"{candidate}/32", "dev", DEVICE)
-            if result.returncode == 0:
-                with self.lock:
+            with self.lock:
+                if self.closed:
+                    raise AddressesUnavailable("the executor is stopping")
+                result = ip("addr", "add", f"{candidate}/32", "dev", DEVICE)
+                if result.returncode == 0:
                     self.held.add(candidate)
                     (self.record_dir / candidate).touch()
-                return candidate
+                    return candidate
             if not any(m in result.stderr for m in TAKEN_MESSAGES):
                 raise AddressesUnavailable(f"ip addr add {candidate}/32 dev {DEVICE}: {result.stderr.strip()}")
         raise AddressesUnavailable(f"no free address in {POD_CIDR} after {ALLOCATION_TRIES} tries")
@@ -91,15 +95,20 @@ class PodAddresses:
     def release(self, address: str) -> None:
         """Removes an address this executor added (once; later calls do nothing)."""
         with self.lock:
-            if address not in self.held:
-                return
-            self.held.discard(address)
-        remove_address(address)
-        (self.record_dir / address).unlink(missing_ok=True)
+            if address in self.held:
+                self.remove(address)
 
     def release_all(self) -> None:
-        for address in list(self.held):
-            self.release(address)
+        """Removes every address, and adds none after."""
+        with self.lock:
+            self.closed = True
+            for address in sorted(self.held):
+                self.remove(address)
+
+    def remove(self, address: str) -> None:  # with the lock held
+        remove_address(address)
+        self.held.discard(address)
+        (self.record_dir / address).unlink(missing_ok=True)
 
 
 def release_recorded(record_dir: Path) -> list[str]:
