@@ -748,7 +748,14 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    executor.run()
+    # The main thread only waits, in short steps: Python runs signal handlers in the main thread, and one blocked
+    # in a read (the watch) runs them only when the read returns, which may be much later than the signal when
+    # another thread took it. The executor's end is that thread's end (an error), or a signal's.
+    node = threading.Thread(target=executor.run, name="node")
+    node.start()
+    while node.is_alive():
+        node.join(0.5)
+    sys.exit(1)
 
 
 def kubelet_tls(args: argparse.Namespace) -> ssl.SSLContext:
