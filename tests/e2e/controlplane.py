@@ -1,10 +1,18 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, the Kubeflow training
-operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for kubelets.
+operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for a kubelet.
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
+The executor is the one node's kubelet (Node `ddpjob-e2e-node`): pods are bound to it, and the API server reaches
+its HTTPS API for pods/log (the Node's InternalIP 127.0.0.1 and kubelet port; `--kubelet-certificate-authority`
+is this plane's CA, which issued the executor's serving certificate; the API server authenticates with a client
+certificate of the same CA). Each pod gets an address of its own from 10.244.0.0/16 on `lo` where the machine
+allows it (root, CAP_NET_ADMIN), so the API server's pods/proxy reaches pods; `ControlPlane.pod_addresses` says
+whether it does here, `pod_network` how pods are reached either way.
+
 Every process runs in its own process group with a parent-death signal, and `ControlPlane.stop` (also run at
-exit and on SIGTERM) ends each group, so nothing outlives the harness.
+exit and on SIGTERM) ends each group, so nothing outlives the harness; it then removes any pod address the
+executor recorded and could not remove itself (when it had to be killed).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -34,6 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
+from pod_network import AddressesUnavailable, release_recorded
 
 from ctl.cluster import Target, apply
 
@@ -129,15 +139,20 @@ def issue_certificate(
 
 @dataclass
 class ControlPlane:
-    """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it."""
+    """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it. `pod_addresses`:
+    whether pods have addresses of their own (else they share loopback, and pods/proxy cannot reach them);
+    `pod_network` says which, or why not."""
 
     work_dir: Path
     kubeconfig: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    pod_addresses: bool = False
+    pod_network: str = ""
 
     @property
     def pods_dir(self) -> Path:
-        """The executor's per-pod directories: logs (`<container>/<restart>.log`), materialised volumes."""
+        """The executor's per-pod directories: logs (`<container>/<restart>.log`, in the CRI log format that
+        container_logs.plain_text reads), materialised volumes."""
         return self.work_dir / "pods"
 
     def claim_dir(self, namespace: str, claim: str) -> Path:
@@ -147,17 +162,41 @@ class ControlPlane:
     def api_client(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
+    @property
+    def pki_dir(self) -> Path:
+        """The CA and the certificates it issued (`pki`): `<name>.crt` and `<name>.key`."""
+        return self.work_dir / "pki"
+
+    @property
+    def pod_address_records(self) -> Path:
+        """The executor's record of the pod addresses it has on `lo` (pod_network.PodAddresses)."""
+        return self.work_dir / "pod-addresses"
+
     def stop(self) -> None:
         # The executor first (it ends the pods' processes), then the operator, the apiserver, etcd.
         for name in reversed(list(self.processes)):
             terminate_group(self.processes.pop(name), STOP_GRACE_S)
+        try:
+            left = release_recorded(self.pod_address_records)
+        except AddressesUnavailable as error:
+            print(f"controlplane: pod addresses left on lo: {error}", file=sys.stderr)
+        else:
+            if left:
+                print(f"controlplane: removed pod addresses the executor left: {', '.join(left)}", file=sys.stderr)
 
 
 def pki(directory: Path) -> dict[str, KeyPair]:
+    """The plane's CA and what it issues: the API server's serving certificate and its client certificate for
+    kubelets, the kubelet's (the executor's) serving certificate, the operator's webhook certificate; and the
+    service-account signing key."""
     directory.mkdir(parents=True)
     ca_cert, ca_key, ca = issue_certificate(directory, "ca", "ddpjob-e2e-ca", [], None)
     loopback = [x509.IPAddress(ipaddress.ip_address(LOOPBACK)), x509.DNSName("localhost")]
     _, _, serving = issue_certificate(directory, "apiserver", "kube-apiserver", loopback, (ca_cert, ca_key))
+    _, _, kubelet_client = issue_certificate(
+        directory, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", [], (ca_cert, ca_key)
+    )
+    _, _, kubelet = issue_certificate(directory, "kubelet", "ddpjob-e2e-node", loopback, (ca_cert, ca_key))
     _, _, webhook = issue_certificate(
         directory, "webhook", OPERATOR_WEBHOOK_DNS, [x509.DNSName(OPERATOR_WEBHOOK_DNS)], (ca_cert, ca_key)
     )
@@ -167,7 +206,14 @@ def pki(directory: Path) -> dict[str, KeyPair]:
     service_accounts.cert.write_bytes(
         sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    return {"ca": ca, "apiserver": serving, "webhook": webhook, "service-accounts": service_accounts}
+    return {
+        "ca": ca,
+        "apiserver": serving,
+        "apiserver-kubelet-client": kubelet_client,
+        "kubelet": kubelet,
+        "webhook": webhook,
+        "service-accounts": service_accounts,
+    }
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
@@ -231,6 +277,11 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
         f"--service-account-signing-key-file={certs['service-accounts'].key}",
         "--service-account-issuer=https://kubernetes.default.svc",
         "--service-cluster-ip-range=10.96.0.0/16",
+        # pods/log: to the executor's kubelet API, at the Node's InternalIP (127.0.0.1), its certificate checked.
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-certificate-authority={certs['ca'].cert}",
+        f"--kubelet-client-certificate={certs['apiserver-kubelet-client'].cert}",
+        f"--kubelet-client-key={certs['apiserver-kubelet-client'].key}",
         # No kubelets answer for a loopback address; nothing here needs the `kubernetes` Service's endpoints.
         "--endpoint-reconciler-type=none",
         "--profiling=false",
@@ -311,12 +362,23 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
     wait_until(ready, "training operator", STARTUP_TIMEOUT_S, process, log)
 
 
-def start_pod_executor(plane: ControlPlane) -> None:
+def start_pod_executor(plane: ControlPlane, certs: dict[str, KeyPair]) -> None:
     log = plane.work_dir / "pod-executor.log"
     executor = Path(__file__).with_name("pod_executor.py")
-    command = [sys.executable, str(executor), "--kubeconfig", str(plane.kubeconfig), "--work-dir", str(plane.work_dir)]
+    command = [
+        sys.executable,
+        str(executor),
+        f"--kubeconfig={plane.kubeconfig}",
+        f"--work-dir={plane.work_dir}",
+        f"--tls-cert-file={certs['kubelet'].cert}",
+        f"--tls-private-key-file={certs['kubelet'].key}",
+        f"--client-ca-file={certs['ca'].cert}",
+    ]
     plane.processes["pod-executor"] = process = start_process(command, log)
-    wait_until(lambda: (plane.work_dir / "pod-executor.ready").exists(), "pod executor", 60, process, log)
+    ready = plane.work_dir / "pod-executor.ready"
+    wait_until(ready.exists, "pod executor", 60, process, log)
+    status = json.loads(ready.read_text())
+    plane.pod_addresses, plane.pod_network = status["podAddresses"], status["podNetwork"]
 
 
 def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_operator: bool = True) -> ControlPlane:
@@ -328,12 +390,12 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
     atexit.register(plane.stop)
     stop_on_sigterm(plane)
     try:
-        certs = pki(work_dir / "pki")
+        certs = pki(plane.pki_dir)
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
         if with_operator:
             install_crd(plane, binaries.pytorchjob_crd)
             start_operator(plane, binaries.training_operator, certs)
-            start_pod_executor(plane)
+            start_pod_executor(plane, certs)
     except BaseException:
         plane.stop()
         raise
@@ -359,6 +421,7 @@ def main(argv: list[str]) -> int:
     plane = start()
     print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
     print(f"# logs and pod directories: {plane.work_dir}; Ctrl-C stops everything", file=sys.stderr, flush=True)
+    print(f"# pod network: {plane.pod_network}", file=sys.stderr, flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:

@@ -7,11 +7,15 @@ v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +29,9 @@ import pytest
 import yaml
 from cluster_binaries import BuildError
 from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
+from container_logs import parse_timestamp, plain_text
+from pod_executor import NODE_NAME
+from pod_network import POD_CIDR, machine_addresses
 
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
@@ -88,8 +95,8 @@ def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: boo
 def job_spec(
     marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
 ) -> JobSpec:
-    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (pods share loopback here);
-    every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
+    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (locally every pod's master
+    address is 127.0.0.1); every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
@@ -146,10 +153,11 @@ def pods_of(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.
 
 
 def pod_logs(cluster: Cluster, namespace: str) -> str:
-    """The trainer's output of every pod: from the executor's log files, or the cluster's pods/log."""
+    """The trainer's output of every pod: from the executor's log files (every start's, deleted pods' too), or the
+    cluster's pods/log."""
     if cluster.plane is not None:
         logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*/*.log"))
-        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{log.read_text(errors='replace')}" for log in logs)
+        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{plain_text([log])}" for log in logs)
     core = kubernetes.client.CoreV1Api(cluster.client())
     return "\n".join(
         f"--- {pod.metadata.name}\n{core.read_namespaced_pod_log(pod.metadata.name, namespace, container='pytorch')}"
@@ -234,10 +242,14 @@ def test_a_failing_trainer_fails_the_job(
     ExitCode: torchrun's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
     container is restarted in place until the restarts reach runPolicy.backoffLimit; with cleanPodPolicy All the
     operator then deletes the pods, and their processes end. (With None it may still delete them, or recreate
-    them in a reconcile that has not seen the Failed condition yet: the operator's own race.)"""
+    them in a reconcile that has not seen the Failed condition yet: the operator's own race.) A restarted
+    container's previous run keeps its log: pods/log with previous=true, during the back-off or after it."""
     marker = uuid.uuid4().hex
     spec = job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], restartPolicy=restart_policy, runPolicy=run_policy)
     apply_rendered(cluster, spec, namespace)
+    if restart_policy == "OnFailure":  # before the operator deletes the pods (cleanPodPolicy All)
+        master = Replica("master", 0).pod_name(spec.name)
+        assert "error: data.train" in wait_for_log(cluster, namespace, master, "error: ", previous=True)
     job = wait_for_job(cluster, namespace, spec.name)
     assert finished_as(job) == "Failed", pod_logs(cluster, namespace)
     assert "data.train" in pod_logs(cluster, namespace)
@@ -255,6 +267,160 @@ def test_a_failing_trainer_fails_the_job(
         assert master.status.phase == "Failed" and terminated(master).exit_code == 1
         assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
     assert_no_process_left(cluster, marker)
+
+
+def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: str) -> None:
+    """pods/log and pods/proxy as the CLI uses them, through the API server to the pods' kubelet (locally: the
+    executor's kubelet API) and to the pods' own addresses: the trainer's output, with tailLines, timestamps,
+    limitBytes and sinceSeconds; previous for a container that never restarted is refused; a follow started
+    while the job runs ends by itself with the container; the master's metrics through the pod proxy, while the
+    job runs. Without addresses of their own (no CAP_NET_ADMIN) pods cannot be proxied to: the test checks all
+    else, then reports itself skipped for that part."""
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, training={"maxSteps": 300, "logEvery": 50})
+    apply_rendered(cluster, spec, namespace)
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    master = Replica("master", 0).pod_name(spec.name)
+    wait_for_log(cluster, namespace, master, "training 300 steps")  # the metrics endpoint opens next
+    followed = follow_log(cluster, namespace, master)
+    proxied = cluster.plane is None or cluster.plane.pod_addresses
+    if proxied:
+        metrics = wait_for_metrics(cluster, namespace, master, spec.metrics.port)
+        assert "# TYPE ddpjob_step gauge" in metrics and re.search(r'^ddpjob_step\{rank="0"\} \d', metrics, re.M)
+
+    job = wait_for_job(cluster, namespace, spec.name)
+    assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
+    pods = pods_of(cluster, namespace, spec.name)
+    for pod in pods.values():  # bound to a node, whose kubelet serves pods/log
+        assert pod.spec.node_name and (cluster.plane is None or pod.spec.node_name == NODE_NAME)
+
+    def read_log(**options: Any) -> str:
+        return core.read_namespaced_pod_log(master, namespace, container="pytorch", **options)
+
+    log = read_log()
+    lines = log.removesuffix("\n").split("\n")  # not splitlines(): the sampled text may hold \r or \f
+    # The trainer's last line (locally the mount path is the claim's directory).
+    assert "step 300/300 | loss " in log and re.fullmatch(f"run directory: /.*/{spec.name}", lines[-1])
+    assert followed() == log  # from the first line to the container's end, the stream ending by itself
+    assert read_log(tail_lines=2) == "\n".join(lines[-2:]) + "\n"
+    assert read_log(limit_bytes=25) == log[:25]
+    stamped = read_log(timestamps=True).removesuffix("\n").split("\n")
+    assert all(RFC3339_PREFIX.match(line) for line in stamped), stamped[:3]
+    assert [RFC3339_PREFIX.sub("", line, count=1) for line in stamped] == lines
+    last_line_at = parse_timestamp(stamped[-1].split(" ")[0]) / 1e9
+    time.sleep(max(0.0, last_line_at + 2 - time.time()))  # every line older than a second
+    assert (read_log(since_seconds=1), read_log(since_seconds=3600)) == ("", log)
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        read_log(previous=True)
+    refusal = (refused.value.status, json.loads(refused.value.body)["message"])
+    assert refusal == (400, f'previous terminated container "pytorch" in pod "{master}" not found')
+
+    if cluster.plane is not None and cluster.plane.pod_addresses:  # each pod had an address, gone with the pod
+        addresses = {pod.status.pod_ip for pod in pods.values()}
+        assert len(addresses) == len(pods) and all(ipaddress.ip_address(a) in POD_CIDR for a in addresses)
+        deadline = time.monotonic() + 30
+        while addresses & machine_addresses() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not addresses & machine_addresses()
+    assert_no_process_left(cluster, marker)
+    if not proxied:
+        pytest.skip(f"pods/proxy to the metrics endpoint not checked: {cluster.plane.pod_network}")
+
+
+def test_the_kubelet_api_serves_the_api_server_and_known_containers_only(cluster: Cluster, namespace: str) -> None:
+    """The executor's kubelet API, asked directly as the API server asks it (what the API server refuses itself
+    never gets there): 404 for a pod or container it does not run, 422 for options PodLogOptions' validation
+    refuses, 400 for no previous run; a client without a certificate of the plane's CA is refused."""
+    if cluster.plane is None:
+        pytest.skip("the local executor's kubelet API; a cluster's kubelets are not reachable from here")
+    script = "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"
+    container = {"name": "echo", "image": "-", "command": ["python", "-c", script]}
+    pod = {"metadata": {"name": "echo"}, "spec": {"restartPolicy": "Never", "containers": [container]}}
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    core.create_namespaced_pod(namespace, pod)
+    wait_for_pod(cluster, namespace, "echo", lambda p: p.status.phase == "Succeeded")
+    node = core.read_node(NODE_NAME).status
+    (address,) = [a.address for a in node.addresses if a.type == "InternalIP"]
+    pki = cluster.plane.pki_dir
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    tls.load_verify_locations(pki / "ca.crt")
+
+    def get(path: str) -> tuple[int, str]:
+        connection = http.client.HTTPSConnection(address, node.daemon_endpoints.kubelet_endpoint.port, context=tls)
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        get(f"/containerLogs/{namespace}/echo/echo")
+    tls.load_cert_chain(pki / "apiserver-kubelet-client.crt", pki / "apiserver-kubelet-client.key")
+    status, text = get(f"/containerLogs/{namespace}/echo/echo?timestamps=true")
+    assert status == 200 and sorted(line.split(" ", 1)[1] for line in text.splitlines()) == ["to stderr", "to stdout"]
+    assert get(f"/containerLogs/{namespace}/nope/echo") == (404, 'pod "nope" does not exist')
+    assert get(f"/containerLogs/{namespace}/echo/nope") == (404, 'container "nope" not found in pod "echo"')
+    assert get(f"/containerLogs/{namespace}/echo/echo?tailLines=-1")[0] == 422
+    assert get(f"/containerLogs/{namespace}/echo/echo?previous=true")[0] == 400
+
+
+RFC3339_PREFIX = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d) ")
+
+
+def wait_for_log(cluster: Cluster, namespace: str, pod: str, text: str, **options: Any) -> str:
+    """The pod's log (pods/log, with `options`) once it holds `text`. Meanwhile the pod may not exist yet (404),
+    its container not have started, or not restarted yet for previous=true (400)."""
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    log, error = "", None
+    while time.monotonic() < deadline:
+        try:
+            log = core.read_namespaced_pod_log(pod, namespace, container="pytorch", **options)
+            if text in log:
+                return log
+        except kubernetes.client.ApiException as refused:
+            if refused.status not in (400, 404):
+                raise
+            error = refused
+        time.sleep(0.5)
+    raise AssertionError(f"{pod}: no {text!r} in its log {options} ({error}):\n{log}\n{pod_logs(cluster, namespace)}")
+
+
+def follow_log(cluster: Cluster, namespace: str, pod: str) -> Callable[[], str]:
+    """Follows the pod's log (pods/log, follow=true) in a thread; the function returned waits for the stream to
+    end by itself (a minute at most, once the job is done) and returns what it carried."""
+    response = kubernetes.client.CoreV1Api(cluster.client()).read_namespaced_pod_log(
+        pod, namespace, container="pytorch", follow=True, _preload_content=False, _request_timeout=(10, JOB_TIMEOUT_S)
+    )
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(response.stream(4096)), daemon=True)
+    reader.start()
+
+    def result() -> str:
+        reader.join(60)
+        assert not reader.is_alive(), f"the follow of {pod} did not end with its container: {b''.join(chunks)!r}"
+        return b"".join(chunks).decode()
+
+    return result
+
+
+def wait_for_metrics(cluster: Cluster, namespace: str, pod: str, port: int) -> str:
+    """The pod's /metrics through the API server's pod proxy, once it has the training step (ddpjob_step)."""
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    answer: Any = None
+    while time.monotonic() < deadline:
+        try:
+            answer = core.connect_get_namespaced_pod_proxy_with_path(f"{pod}:{port}", namespace, "metrics")
+            if re.search(r"^ddpjob_step\{", answer, re.M):
+                return answer
+        except kubernetes.client.ApiException as error:  # not listening yet: 503 from the proxy
+            answer = error
+        if core.read_namespaced_pod(pod, namespace).status.phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"no training metrics from {pod}:{port} through pods/proxy while it ran: {answer}")
 
 
 def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
