@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
         if dist.is_main:
             print(message, flush=True)
 
+    # Every process says where it runs: the one line of a non-zero rank's log, for matching ranks to pods and devices.
+    print(f"rank {dist.rank} of {dist.world_size} on {socket.gethostname()} ({dist.device})", flush=True)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
