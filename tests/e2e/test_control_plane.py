@@ -488,7 +488,7 @@ def environ(pid: int) -> bytes:
 # ctl submit | wait | status | list | delete, as a user runs them: exit codes, `-o json` shapes, what stays.
 
 EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND = 100, 101, 102
-PROGRESS_STEPS = 400
+PROGRESS_STEPS = 200
 
 
 def run_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -510,7 +510,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     marker = uuid.uuid4().hex
     name = f"rt-{marker[:6]}"
     # Long enough (a few seconds of steps) for its progress to be read while it runs.
-    training = {"maxSteps": PROGRESS_STEPS, "logEvery": 50, "checkpoint": {"every": 100}}
+    training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
     spec = spec_file(tmp_path, job_spec(marker, name=name, training=training))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
@@ -562,7 +562,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
         label, _, text = line.partition("] ")
         if label.startswith("["):  # the rest is ctl's notes (stderr is merged here)
             by_node[label[1:]].append(text)
-    assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node["master-0"]) and by_node["worker-0"]
+    assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node["master-0"])
+    assert by_node["worker-0"][0].startswith("rank 1 of 2 on "), by_node  # each process says where it runs
     assert "\x1b[" not in followed  # no colour without a terminal
     watched, _ = watcher.communicate(timeout=60)
     assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
@@ -615,12 +616,12 @@ def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name
         progress = status["progress"]
         assert status["state"] not in ("Succeeded", "Failed"), f"ended before its progress was seen: {status}"
         if progress and progress["checkpoint"] and progress["trainLoss"] is not None:
-            assert progress["checkpoint"]["step"] % 100 == 0 and progress["checkpoint"]["step"] <= progress["step"]
+            assert progress["checkpoint"]["step"] % 50 == 0 and progress["checkpoint"]["step"] <= progress["step"]
             (row,) = [r for r in json.loads(ctl("list", "-o", "json").stdout) if r["name"] == name]
             assert row["state"] != "Running" or row["progress"]["plannedSteps"] == PROGRESS_STEPS, row
             assert "\n  progress: step " in ctl("status", name).stdout
             return progress
-        time.sleep(0.2)
+        time.sleep(0.5)
     raise AssertionError(f"no progress in {JOB_TIMEOUT_S} s")
 
 
@@ -667,7 +668,12 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
     sdk = TrainingClient(config_file=str(cluster.kubeconfig), namespace=namespace)
     assert ctl("submit", str(spec_file(tmp_path, job_spec(marker, name=ours)))).returncode == 0
     sdk.create_job(
-        name=theirs, train_func=sdk_train, num_workers=2, base_image=IMAGE, env_vars={"DDPJOB_TEST_MARKER": marker}
+        name=theirs,
+        train_func=sdk_train,
+        num_workers=2,
+        num_procs_per_worker=1,
+        base_image=IMAGE,
+        env_vars={"DDPJOB_TEST_MARKER": marker},
     )
 
     # The SDK on ctl's job.
@@ -688,7 +694,9 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
     }
     both = ctl("logs", theirs, "--all")
     assert both.returncode == 0, both.stderr
-    assert {"[master-0] hello from rank 0 of 2", "[worker-0] hello from rank 1 of 2"} <= set(both.stdout.splitlines())
+    lines = set(both.stdout.splitlines())
+    assert {"[master-0] hello from rank 0 of 2", "[worker-0] hello from rank 1 of 2"} <= lines, both.stdout
+    assert "hello from rank 1 of 2" in ctl("logs", theirs, "--rank", "1").stdout.splitlines()
     assert ctl("delete", theirs, "-y").stdout.splitlines() == [f"pytorchjob/{theirs} deleted"]
     assert theirs not in {job.metadata.name for job in sdk.list_jobs()}
 
