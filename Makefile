@@ -12,11 +12,17 @@ $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip uv
 
+# Byte-compiled ahead: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it
+# imports (`ctl status`: 1.5 s instead of 0.5 s). One torch test helper is Python 3.12 syntax.
+COMPILE := $(BIN)/python -m compileall -q -j 0 -x 'py312_intrinsics' $(VENV)/lib
+
 install: $(BIN)/uv
 	$(INSTALL) -e .
+	$(COMPILE)
 
 dev: $(BIN)/uv
 	$(INSTALL) -e '.[dev]'
+	$(COMPILE)
 
 demo: install
 	$(BIN)/ctl run examples/quickstart.yaml
@@ -41,6 +47,7 @@ e2e: dev e2e-binaries
 # transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step.
 bench: $(BIN)/uv
 	$(INSTALL) -e '.[bench]'
+	$(COMPILE)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/cli.py
