@@ -48,6 +48,8 @@ from pod_network import AddressesUnavailable, release_recorded
 from ctl.cluster import Target, apply
 
 ADMIN_USER = "ddpjob-e2e-admin"
+# A user with no rights but those k8s/rbac.yaml gives its group, for checking that the Role is enough for ctl.
+RESTRICTED_USER, RESTRICTED_GROUP = "ddpjob-e2e-user", "ddpjob-users"
 OPERATOR_NAMESPACE = "kubeflow"
 # cmd/training-operator.v1 defaults: the Secret its cert rotator fills and the Service name in its certificate.
 OPERATOR_WEBHOOK_SECRET = "training-operator-webhook-cert"
@@ -139,7 +141,8 @@ def issue_certificate(
 
 @dataclass
 class ControlPlane:
-    """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it. `pod_addresses`:
+    """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it, `user_kubeconfig`
+    one of a user in group ddpjob-users (rights only where a RoleBinding grants them). `pod_addresses`:
     whether pods have addresses of their own (else they share loopback, and pods/proxy cannot reach them);
     `pod_network` says which, or why not."""
 
@@ -158,6 +161,10 @@ class ControlPlane:
     def claim_dir(self, namespace: str, claim: str) -> Path:
         """The local directory that stands in for a PersistentVolumeClaim (shared by all pods, like RWX)."""
         return self.work_dir / "volumes" / namespace / claim
+
+    @property
+    def user_kubeconfig(self) -> Path:
+        return self.work_dir / "kubeconfig-user"
 
     def api_client(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
@@ -216,13 +223,13 @@ def pki(directory: Path) -> dict[str, KeyPair]:
     }
 
 
-def write_kubeconfig(path: Path, server: str, ca: Path, token: str) -> None:
+def write_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> None:
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "ddpjob-e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [{"name": ADMIN_USER, "user": {"token": token}}],
-        "contexts": [{"name": "ddpjob-e2e", "context": {"cluster": "ddpjob-e2e", "user": ADMIN_USER}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "ddpjob-e2e", "context": {"cluster": "ddpjob-e2e", "user": user}}],
         "current-context": "ddpjob-e2e",
     }
     path.write_text(yaml.safe_dump(config))
@@ -258,9 +265,12 @@ def start_etcd(plane: ControlPlane, binary: Path) -> str:
 
 def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dict[str, KeyPair]) -> None:
     port = free_port()
-    token = secrets.token_hex(16)
+    token, user_token = secrets.token_hex(16), secrets.token_hex(16)
     tokens = plane.work_dir / "tokens.csv"
-    tokens.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+    tokens.write_text(
+        f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
+        f'{user_token},{RESTRICTED_USER},{RESTRICTED_USER},"{RESTRICTED_GROUP}"\n'
+    )
     tokens.chmod(0o600)
     log = plane.work_dir / "kube-apiserver.log"
     command = [
@@ -288,7 +298,9 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
         "--v=1",
     ]
     plane.processes["kube-apiserver"] = process = start_process(command, log)
-    write_kubeconfig(plane.kubeconfig, f"https://{LOOPBACK}:{port}", certs["ca"].cert, token)
+    server = f"https://{LOOPBACK}:{port}"
+    write_kubeconfig(plane.kubeconfig, server, certs["ca"].cert, ADMIN_USER, token)
+    write_kubeconfig(plane.user_kubeconfig, server, certs["ca"].cert, RESTRICTED_USER, user_token)
     client = plane.api_client()
 
     def ready() -> bool:

@@ -7,10 +7,12 @@ v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
 import os
+import pty
 import re
 import shutil
 import ssl
@@ -28,7 +30,7 @@ import kubernetes
 import pytest
 import yaml
 from cluster_binaries import BuildError
-from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
+from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 from container_logs import parse_timestamp, plain_text
 from pod_executor import NODE_NAME
 from pod_network import POD_CIDR, machine_addresses
@@ -491,13 +493,41 @@ EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND = 100, 101, 102
 PROGRESS_STEPS = 200
 
 
-def run_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+def run_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`ctl` with the cluster chosen by $KUBECONFIG."""
-    return run_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(cluster.kubeconfig)})
+    return run_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(kubeconfig)})
 
 
-def start_ctl_on(cluster: Cluster, *args: str, cwd: Path) -> subprocess.Popen:
-    return start_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(cluster.kubeconfig)})
+def start_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.Popen:
+    return start_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(kubeconfig)})
+
+
+def ctl_on_terminal(kubeconfig: Path, *args: str, cwd: Path, **env: str) -> str:
+    """`ctl`'s stdout when it is a terminal (a pseudo-terminal here)."""
+    reader, writer = pty.openpty()
+    process = subprocess.Popen(
+        [*CTL, *args], cwd=cwd, stdout=writer, stderr=subprocess.DEVNULL,
+        env=os.environ | {"KUBECONFIG": str(kubeconfig), "PYTHONPATH": str(REPO)} | env,
+    )  # fmt: skip
+    os.close(writer)
+    output = b""
+    with contextlib.suppress(OSError):  # EIO once ctl has exited and closed its end
+        while chunk := os.read(reader, 4096):
+            output += chunk
+    os.close(reader)
+    assert process.wait(timeout=60) == 0
+    return output.decode()
+
+
+def ctl_user_kubeconfig(cluster: Cluster, namespace: str) -> Path:
+    """A kubeconfig with the rights k8s/rbac.yaml grants in `namespace` and no others: a member of the group it
+    binds (on an external cluster, its admin kubeconfig)."""
+    if cluster.plane is None:
+        return cluster.kubeconfig
+    client = cluster.client()
+    for obj in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()):
+        controlplane.server_side_apply(client, obj | {"metadata": obj["metadata"] | {"namespace": namespace}})
+    return cluster.plane.user_kubeconfig
 
 
 def spec_file(tmp_path: Path, spec: JobSpec) -> Path:
@@ -513,9 +543,15 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
     spec = spec_file(tmp_path, job_spec(marker, name=name, training=training))
 
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+    # As a user with only k8s/rbac.yaml's Role: it is all ctl needs (pods/log, pods/proxy included).
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
 
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    if cluster.plane is not None:
+        elsewhere = run_ctl_on(kubeconfig, "list", "-n", "default", cwd=tmp_path)
+        assert elsewhere.returncode == 1 and "403 Forbidden" in elsewhere.stderr, elsewhere.stderr
     checked = ctl("submit", str(spec), "--dry-run", "server")
     assert (checked.returncode, checked.stdout) == (0, f"pytorchjob.kubeflow.org/{name} (server dry run)\n")
     assert ctl("status", name).returncode == EXIT_NOT_FOUND, "a server dry run created the job"
@@ -524,8 +560,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     assert (submitted.returncode, submitted.stdout) == (0, f"pytorchjob.kubeflow.org/{name}\n"), submitted.stderr
     assert f"ctl logs {name} -n {namespace} -f" in submitted.stderr
     # Started before the pods run: it waits for them, then follows both until the job ends.
-    follower = start_ctl_on(cluster, "logs", name, "--all", "-f", "-n", namespace, cwd=tmp_path)
-    watcher = start_ctl_on(cluster, "status", name, "-w", "-n", namespace, cwd=tmp_path)
+    follower = start_ctl_on(kubeconfig, "logs", name, "--all", "-f", "-n", namespace, cwd=tmp_path)
+    watcher = start_ctl_on(kubeconfig, "status", name, "-w", "-n", namespace, cwd=tmp_path)
     again = ctl("submit", str(spec))
     assert again.returncode == 1 and f"pytorchjob {name} already exists in namespace {namespace}" in again.stderr
     assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
@@ -569,6 +605,14 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
     assert watched.rstrip().splitlines()[-1].split("  ", 1)[1].startswith("Succeeded | "), watched
 
+    # On a terminal the --all prefixes are coloured, unless NO_COLOR is set.
+    coloured = ctl_on_terminal(kubeconfig, "logs", name, "--all", "--tail", "1", "-n", namespace, cwd=tmp_path)
+    assert "\x1b[36m[master-0]\x1b[0m " in coloured and "\x1b[35m[worker-0]\x1b[0m " in coloured, coloured
+    plain = ctl_on_terminal(
+        kubeconfig, "logs", name, "--all", "--tail", "1", "-n", namespace, cwd=tmp_path, NO_COLOR="1"
+    )
+    assert "[master-0] " in plain and "\x1b[" not in plain, plain
+
     rank0 = ctl("logs", name)
     assert rank0.returncode == 0 and rank0.stdout.splitlines() == by_node["master-0"]
     assert ctl("logs", name, "--rank", "1").stdout.splitlines() == by_node["worker-0"]
@@ -592,7 +636,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
         "ageSeconds": 0,
         "progress": None,
     }
-    assert name in {r["name"] for r in json.loads(ctl("list", "-A", "-o", "json").stdout)}
+    every_namespace = run_ctl_on(cluster.kubeconfig, "list", "-A", "-o", "json", cwd=tmp_path)  # cluster-wide: admin
+    assert name in {r["name"] for r in json.loads(every_namespace.stdout)}
 
     refused = ctl("delete", name)
     assert refused.returncode == 2 and "--yes" in refused.stderr  # no terminal to ask on
@@ -632,7 +677,7 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     spec = spec_file(tmp_path, job_spec(marker, missing_data, name=name, restartPolicy="Never"))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
 
     # --follow: rank 0's log (the trainer's one-line error) until the job has failed, then its exit code.
     followed = ctl("submit", str(spec), "--follow", "--timeout", str(JOB_TIMEOUT_S))
@@ -644,6 +689,14 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     # The job fails with its first failed pod (the other may still be ending).
     assert status["state"] == "Failed" and any(p["exitCode"] not in (None, 0) for p in status["pods"])
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
+
+    # --replace: the job is deleted and created anew (and fails again, on its own).
+    jobs = kubernetes.client.CustomObjectsApi(cluster.client())
+    first = jobs.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)["metadata"]["uid"]
+    replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
+    assert replaced.returncode == EXIT_JOB_FAILED, replaced.stderr
+    second = jobs.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)["metadata"]["uid"]
+    assert second != first
     assert_no_process_left(cluster, marker)
 
 
@@ -663,7 +716,7 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
     ours, theirs = f"ctl-{marker[:6]}", f"sdk-{marker[:6]}"
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster, *args, "-n", namespace, cwd=tmp_path)
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
 
     sdk = TrainingClient(config_file=str(cluster.kubeconfig), namespace=namespace)
     assert ctl("submit", str(spec_file(tmp_path, job_spec(marker, name=ours)))).returncode == 0
