@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -87,7 +88,14 @@ def start_ctl(*args: str, cwd: Path, env: dict[str, str], merge_stderr: bool = T
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_reaches,
     )
+
+
+def ctrl_c_reaches() -> None:
+    """preexec_fn: SIGINT acts as in a terminal's foreground job. A test run started in the background
+    (`make test &`) ignores SIGINT, and children inherit that: a test's Ctrl-C would never reach ctl."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def processes_with_marker(marker: str) -> list[int]:

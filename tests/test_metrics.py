@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import CTL, REPO, processes_with_marker, prometheus_tool, tiny_spec
+from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheus_tool, tiny_spec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -136,6 +136,7 @@ def live_job(tmp_path: Path, corpus_file: Path, marked_env: tuple[dict[str, str]
             env=env | {"PYTHONPATH": str(REPO)},
             stdout=stdout,
             stderr=stderr,
+            preexec_fn=ctrl_c_reaches,
         )
     try:
         announced = wait_for("ctl run to print the metrics endpoints", lambda: endpoints(err), time.monotonic() + 30)
