@@ -338,9 +338,9 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
 
 
 def start_controller_manager(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> None:
-    """The CONTROLLERS, run by system:kube-controller-manager; each controller
-    uses its own kube-system service account's token (as kubeadm runs it), which has the rights to delete what
-    it must. Its HTTPS port (a certificate of this plane's CA) answers /healthz to anyone."""
+    """The CONTROLLERS, run by system:kube-controller-manager; each controller uses its own kube-system service
+    account's token (as kubeadm runs it), which has the rights to delete what it must (the manager's own role only
+    reads). Its HTTPS port (a certificate of this plane's CA) answers /healthz to anyone."""
     port = free_port()
     log = plane.work_dir / "kube-controller-manager.log"
     kubeconfig = plane.controller_manager_kubeconfig
