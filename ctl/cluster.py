@@ -177,9 +177,12 @@ def require_operator(target: Target) -> None:
         )
 
 
-def delete_job(target: Target, name: str) -> None:
-    """Delete the PyTorchJob and wait until it is gone; the garbage collector removes its pods and Services."""
-    target.call(job_path(target, name), "DELETE", body={"propagationPolicy": "Background"})
+def delete_job(target: Target, name: str, foreground: bool = False) -> None:
+    """Delete the PyTorchJob and wait until it is gone. In the background (the default) the cluster's garbage
+    collector removes its pods and Services afterwards; in the foreground the job object goes only once the
+    collector has removed them, so a job recreated under its name never meets the old pods."""
+    policy = "Foreground" if foreground else "Background"
+    target.call(job_path(target, name), "DELETE", body={"propagationPolicy": policy})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -187,7 +190,8 @@ def delete_job(target: Target, name: str) -> None:
         except JobNotFound:
             return
         time.sleep(0.5)
-    raise ClusterError(f"pytorchjob {name} still exists 120 s after its deletion")
+    left = " (its pods and Services are still being removed)" if foreground else ""
+    raise ClusterError(f"pytorchjob {name} still exists 120 s after its deletion{left}")
 
 
 def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace: bool) -> dict[str, Any]:
@@ -206,7 +210,7 @@ def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
     if exists and not dry_run:
-        delete_job(target, name)
+        delete_job(target, name, foreground=True)
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)

@@ -1,13 +1,15 @@
 """The control plane's binaries, built from their Go modules once and cached by version outside the repo.
 
-- kube-apiserver and etcd: one generated wrapper module requiring `k8s.io/kubernetes` (its staging modules
-  replaced by their published v0 releases, read from upstream's own go.mod) and the etcd server version that
-  Kubernetes release itself depends on.
+- kube-apiserver, kube-controller-manager and etcd: one generated wrapper module requiring `k8s.io/kubernetes`
+  (its staging modules replaced by their published v0 releases, read from upstream's own go.mod) and the etcd
+  server version that Kubernetes release itself depends on; a `main` package per binary.
 - the Kubeflow training operator: `go install ...training-operator.v1@<version>`.
 
-The first build takes minutes (about 5 of compiling on two cores, plus the module downloads); later calls find
-`~/.cache/ddpjob/bin/<name>-<version>` and return at once. `python tests/e2e/cluster_binaries.py` builds
-everything (`make e2e-binaries`, a prerequisite of `make test` and `make e2e`).
+The first build takes minutes: on two cores about 5 of compiling kube-apiserver and etcd, plus the module
+downloads; kube-controller-manager then took 1 min 16 s more (most of its packages in the Go build cache already;
+a cold build of all three was not timed). Each binary missing from `~/.cache/ddpjob/bin/<name>-<version>` is built
+alone; when none is missing, calls return at once. `python tests/e2e/cluster_binaries.py` builds everything
+(`make e2e-binaries`, a prerequisite of `make test` and `make e2e`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ func main() {
 }
 """
 
+CONTROLLER_MANAGER_MAIN = """package main
+
+import (
+\t"os"
+
+\t"k8s.io/component-base/cli"
+\t"k8s.io/kubernetes/cmd/kube-controller-manager/app"
+)
+
+func main() {
+\tos.Exit(cli.Run(app.NewControllerManagerCommand()))
+}
+"""
+
 ETCD_MAIN = """package main
 
 import (
@@ -70,6 +86,7 @@ class BuildError(RuntimeError):
 class Binaries:
     etcd: Path
     kube_apiserver: Path
+    kube_controller_manager: Path
     training_operator: Path
     pytorchjob_crd: Path
 
@@ -114,14 +131,15 @@ def install(built: Path, target: Path) -> Path:
 
 
 def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
-    """The generated module that builds kube-apiserver and etcd."""
+    """The generated module that builds kube-apiserver, kube-controller-manager and etcd."""
     upstream = (download_module("k8s.io/kubernetes", version) / "go.mod").read_text()
     staging = STAGING_REPLACE.findall(upstream)
     if not staging:
         raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no replace block for the staging modules")
     staging_version = "v0." + version.removeprefix("v1.")
     module = CACHE / "build" / f"control-plane-{version}"
-    for name, main in {"kube-apiserver": APISERVER_MAIN, "etcd": ETCD_MAIN}.items():
+    mains = {"kube-apiserver": APISERVER_MAIN, "kube-controller-manager": CONTROLLER_MANAGER_MAIN, "etcd": ETCD_MAIN}
+    for name, main in mains.items():
         (module / "cmd" / name).mkdir(parents=True, exist_ok=True)
         (module / "cmd" / name / "main.go").write_text(main)
     replaces = "\n".join(f"\t{path} => {path} {staging_version}" for path in staging)
@@ -133,19 +151,23 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
     return module
 
 
-def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> tuple[Path, Path]:
-    """(etcd, kube-apiserver), built on the first call."""
-    apiserver = cached("kube-apiserver", version)
-    etcd = cached("etcd", etcd_version)
-    if apiserver.exists() and etcd.exists():
-        return etcd, apiserver
-    module = kubernetes_wrapper_module(version, etcd_version)
-    run_go("mod", "tidy", cwd=module)
-    out = module / "out"
-    build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o"]
-    run_go(*build, str(out / "kube-apiserver"), "./cmd/kube-apiserver", cwd=module)
-    run_go(*build, str(out / "etcd"), "./cmd/etcd", cwd=module)
-    return install(out / "etcd", etcd), install(out / "kube-apiserver", apiserver)
+def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> tuple[Path, Path, Path]:
+    """(etcd, kube-apiserver, kube-controller-manager), each built on the first call that lacks it."""
+    targets = {
+        "etcd": cached("etcd", etcd_version),
+        "kube-apiserver": cached("kube-apiserver", version),
+        "kube-controller-manager": cached("kube-controller-manager", version),
+    }
+    missing = [name for name, target in targets.items() if not target.exists()]
+    if missing:
+        module = kubernetes_wrapper_module(version, etcd_version)
+        run_go("mod", "tidy", cwd=module)
+        out = module / "out"
+        build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o"]
+        for name in missing:
+            run_go(*build, str(out / name), f"./cmd/{name}", cwd=module)
+            install(out / name, targets[name])
+    return targets["etcd"], targets["kube-apiserver"], targets["kube-controller-manager"]
 
 
 def build_training_operator(version: str = TRAINING_OPERATOR_VERSION) -> Path:
@@ -165,8 +187,8 @@ def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
 
 def ensure_binaries() -> Binaries:
     (CACHE / "build").mkdir(parents=True, exist_ok=True)
-    etcd, apiserver = build_kubernetes()
-    return Binaries(etcd, apiserver, build_training_operator(), pytorchjob_crd())
+    etcd, apiserver, controller_manager = build_kubernetes()
+    return Binaries(etcd, apiserver, controller_manager, build_training_operator(), pytorchjob_crd())
 
 
 if __name__ == "__main__":

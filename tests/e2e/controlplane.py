@@ -1,7 +1,13 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, the Kubeflow training
-operator (v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for a kubelet.
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, kube-controller-manager
+(its garbage collector, namespace controller and PVC-protection controller only), the Kubeflow training operator
+(v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for a kubelet. No scheduler runs (the
+executor binds pods to its node), nor the controller-manager's other controllers (no Deployments, Jobs, service
+account tokens, endpoints; a namespace's `default` ServiceAccount is created by `ensure_namespace`).
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
+
+So deleting a PyTorchJob removes its pods and Services (owner references; a foreground deletion ends once they
+are gone), and a deleted namespace is emptied and removed, its pods' processes ended by the executor.
 
 The executor is the one node's kubelet (Node `ddpjob-e2e-node`): pods are bound to it, and the API server reaches
 its HTTPS API for pods/log (the Node's InternalIP 127.0.0.1 and kubelet port; `--kubelet-certificate-authority`
@@ -24,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -48,6 +55,13 @@ from pod_network import AddressesUnavailable, release_recorded
 from ctl.cluster import Target, apply
 
 ADMIN_USER = "ddpjob-e2e-admin"
+# The controller-manager's own identity, bound by the API server's bootstrap RBAC policy (role and binding
+# system:kube-controller-manager); its controllers act as their kube-system service accounts.
+CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
+# What the tier needs of a controller-manager: owner references followed (pods and Services of a deleted job,
+# foreground deletions finished), deleted namespaces emptied and removed, and a deleted claim's
+# kubernetes.io/pvc-protection finalizer removed once no pod uses it (else its namespace stays Terminating).
+CONTROLLERS = ("garbage-collector-controller", "namespace-controller", "persistentvolumeclaim-protection-controller")
 # A user with no rights but those k8s/rbac.yaml gives its group, for checking that the Role is enough for ctl.
 RESTRICTED_USER, RESTRICTED_GROUP = "ddpjob-e2e-user", "ddpjob-users"
 OPERATOR_NAMESPACE = "kubeflow"
@@ -166,6 +180,10 @@ class ControlPlane:
     def user_kubeconfig(self) -> Path:
         return self.work_dir / "kubeconfig-user"
 
+    @property
+    def controller_manager_kubeconfig(self) -> Path:
+        return self.work_dir / "kubeconfig-controller-manager"
+
     def api_client(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
@@ -180,7 +198,8 @@ class ControlPlane:
         return self.work_dir / "pod-addresses"
 
     def stop(self) -> None:
-        # The executor first (it ends the pods' processes), then the operator, the apiserver, etcd.
+        # The executor first (it ends the pods' processes), then the operator, the controller-manager, the API
+        # server, etcd: the reverse of the start.
         for name in reversed(list(self.processes)):
             terminate_group(self.processes.pop(name), STOP_GRACE_S)
         try:
@@ -194,7 +213,8 @@ class ControlPlane:
 
 def pki(directory: Path) -> dict[str, KeyPair]:
     """The plane's CA and what it issues: the API server's serving certificate and its client certificate for
-    kubelets, the kubelet's (the executor's) serving certificate, the operator's webhook certificate; and the
+    kubelets, the kubelet's (the executor's) and the controller-manager's serving certificates, the operator's
+    webhook certificate; and the
     service-account signing key."""
     directory.mkdir(parents=True)
     ca_cert, ca_key, ca = issue_certificate(directory, "ca", "ddpjob-e2e-ca", [], None)
@@ -204,6 +224,9 @@ def pki(directory: Path) -> dict[str, KeyPair]:
         directory, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", [], (ca_cert, ca_key)
     )
     _, _, kubelet = issue_certificate(directory, "kubelet", "ddpjob-e2e-node", loopback, (ca_cert, ca_key))
+    _, _, controller_manager = issue_certificate(
+        directory, "kube-controller-manager", "kube-controller-manager", loopback, (ca_cert, ca_key)
+    )
     _, _, webhook = issue_certificate(
         directory, "webhook", OPERATOR_WEBHOOK_DNS, [x509.DNSName(OPERATOR_WEBHOOK_DNS)], (ca_cert, ca_key)
     )
@@ -218,6 +241,7 @@ def pki(directory: Path) -> dict[str, KeyPair]:
         "apiserver": serving,
         "apiserver-kubelet-client": kubelet_client,
         "kubelet": kubelet,
+        "kube-controller-manager": controller_manager,
         "webhook": webhook,
         "service-accounts": service_accounts,
     }
@@ -265,11 +289,12 @@ def start_etcd(plane: ControlPlane, binary: Path) -> str:
 
 def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dict[str, KeyPair]) -> None:
     port = free_port()
-    token, user_token = secrets.token_hex(16), secrets.token_hex(16)
+    token, user_token, manager_token = (secrets.token_hex(16) for _ in range(3))
     tokens = plane.work_dir / "tokens.csv"
     tokens.write_text(
         f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
         f'{user_token},{RESTRICTED_USER},{RESTRICTED_USER},"{RESTRICTED_GROUP}"\n'
+        f"{manager_token},{CONTROLLER_MANAGER_USER},{CONTROLLER_MANAGER_USER}\n"
     )
     tokens.chmod(0o600)
     log = plane.work_dir / "kube-apiserver.log"
@@ -301,12 +326,50 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
     server = f"https://{LOOPBACK}:{port}"
     write_kubeconfig(plane.kubeconfig, server, certs["ca"].cert, ADMIN_USER, token)
     write_kubeconfig(plane.user_kubeconfig, server, certs["ca"].cert, RESTRICTED_USER, user_token)
+    write_kubeconfig(
+        plane.controller_manager_kubeconfig, server, certs["ca"].cert, CONTROLLER_MANAGER_USER, manager_token
+    )
     client = plane.api_client()
 
     def ready() -> bool:
         return client.call_api("/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False)[1] == 200
 
     wait_until(ready, "kube-apiserver", STARTUP_TIMEOUT_S, process, log)
+
+
+def start_controller_manager(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> None:
+    """The CONTROLLERS, run by system:kube-controller-manager; each controller uses its own kube-system service
+    account's token (as kubeadm runs it), which has the rights to delete what it must (the manager's own role only
+    reads). Its HTTPS port (a certificate of this plane's CA) answers /healthz to anyone."""
+    port = free_port()
+    log = plane.work_dir / "kube-controller-manager.log"
+    kubeconfig = plane.controller_manager_kubeconfig
+    command = [
+        str(binary),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        # Tokens are checked by TokenReview; the API server publishes no client CA to look up (no client certs).
+        "--authentication-skip-lookup",
+        f"--controllers={','.join(CONTROLLERS)}",
+        "--use-service-account-credentials=true",
+        "--leader-elect=false",
+        f"--bind-address={LOOPBACK}",
+        f"--secure-port={port}",
+        f"--tls-cert-file={certs['kube-controller-manager'].cert}",
+        f"--tls-private-key-file={certs['kube-controller-manager'].key}",
+        "--profiling=false",
+        "--v=1",
+    ]
+    plane.processes["kube-controller-manager"] = process = start_process(command, log)
+    context = ssl.create_default_context(cafile=str(certs["ca"].cert))
+
+    def healthy() -> bool:
+        url = f"https://{LOOPBACK}:{port}/healthz"
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            return response.status == 200 and response.read() == b"ok"
+
+    wait_until(healthy, "kube-controller-manager", STARTUP_TIMEOUT_S, process, log)
 
 
 def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], dry_run: bool = False) -> Any:
@@ -330,7 +393,8 @@ def install_crd(plane: ControlPlane, crd_file: Path) -> None:
 
 
 def ensure_namespace(client: kubernetes.client.ApiClient, namespace: str) -> None:
-    """The namespace and its `default` ServiceAccount (no controller-manager runs here to create the latter)."""
+    """The namespace and its `default` ServiceAccount (the controller-manager's serviceaccount-controller, which
+    would create the latter, does not run here)."""
     for obj in (
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": namespace}},
@@ -395,7 +459,8 @@ def start_pod_executor(plane: ControlPlane, certs: dict[str, KeyPair]) -> None:
 
 def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_operator: bool = True) -> ControlPlane:
     """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`.
-    Without `with_operator`: etcd and the API server only (no PyTorchJob CRD, operator or pods)."""
+    Without `with_operator`: etcd, the API server and the controller-manager only (no PyTorchJob CRD, operator
+    or pods)."""
     binaries = binaries or ensure_binaries()
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
     plane = ControlPlane(work_dir=work_dir, kubeconfig=work_dir / "kubeconfig")
@@ -406,6 +471,9 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
         if with_operator:
             install_crd(plane, binaries.pytorchjob_crd)
+        # After the CRD: the garbage collector knows PyTorchJobs from its first discovery (else after its resync).
+        start_controller_manager(plane, binaries.kube_controller_manager, certs)
+        if with_operator:
             start_operator(plane, binaries.training_operator, certs)
             start_pod_executor(plane, certs)
     except BaseException:

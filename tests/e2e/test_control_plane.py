@@ -80,8 +80,12 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     client = cluster.client()
     controlplane.ensure_namespace(client, name)
     yield name
-    # Locally no namespace controller finishes this (it stays Terminating); a real cluster cleans up.
-    kubernetes.client.CoreV1Api(client).delete_namespace(name)
+    # The namespace controller empties and removes it meanwhile (the test may have done so already).
+    try:
+        kubernetes.client.CoreV1Api(client).delete_namespace(name)
+    except kubernetes.client.ApiException as error:
+        if error.status != 404:
+            raise
 
 
 def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: bool = False) -> list[Any]:
@@ -453,12 +457,62 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
         while any(old_pod_dir in environ(pid) for pid in processes_with_marker(marker)):
             assert time.monotonic() < deadline, "the deleted pod's processes are still running"
             time.sleep(0.5)
-    # No garbage collector runs locally: delete the job, then its pods, which ends their processes.
+    # The garbage collector removes the deleted job's pods, which ends their processes.
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
         "kubeflow.org", "v1", namespace, "pytorchjobs", spec.name
     )
-    for pod in pods_of(cluster, namespace, spec.name):
-        core.delete_namespaced_pod(pod, namespace)
+    wait_for_deletion(cluster, namespace, spec.name)
+    assert_no_process_left(cluster, marker)
+
+
+def services_of(cluster: Cluster, namespace: str, job: str) -> list[str]:
+    selector = f"training.kubeflow.org/job-name={job}"
+    services = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_service(namespace, label_selector=selector)
+    return [service.metadata.name for service in services.items]
+
+
+def start_running_job(cluster: Cluster, namespace: str, spec: JobSpec) -> None:
+    """The job applied, and once both its pods run (and their Services exist)."""
+    apply_rendered(cluster, spec, namespace)
+    for replica in (Replica("master", 0), Replica("worker", 0)):
+        wait_for_pod(cluster, namespace, replica.pod_name(spec.name), lambda pod: pod.status.phase == "Running")
+    assert services_of(cluster, namespace, spec.name)
+
+
+def test_deleted_jobs_and_namespaces_are_garbage_collected(cluster: Cluster, namespace: str) -> None:
+    """Owner references are followed (locally: kube-controller-manager's garbage collector and namespace
+    controller). A job deleted in the background loses its pods and Services afterwards; one deleted in the
+    foreground goes only once they are gone (so a job recreated under its name never meets them); a deleted
+    namespace is emptied and removed. Each time the pods' processes end."""
+    marker = uuid.uuid4().hex
+    # A short grace period: the namespace controller looks again after half the pods' grace period.
+    spec = job_spec(marker, training={"maxSteps": 1_000_000}, terminationGracePeriodSeconds=10)
+    jobs = kubernetes.client.CustomObjectsApi(cluster.client())
+    core = kubernetes.client.CoreV1Api(cluster.client())
+
+    start_running_job(cluster, namespace, spec)
+    jobs.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", spec.name)
+    wait_for_deletion(cluster, namespace, spec.name)
+    assert services_of(cluster, namespace, spec.name) == []
+    assert_no_process_left(cluster, marker)
+
+    start_running_job(cluster, namespace, spec)
+    options = {"propagationPolicy": "Foreground"}
+    jobs.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", spec.name, body=options)
+    deadline = time.monotonic() + 120
+    while jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"]:
+        assert time.monotonic() < deadline, "the job deleted in the foreground is still there"
+        time.sleep(0.5)
+    assert pods_of(cluster, namespace, spec.name) == {}
+    assert services_of(cluster, namespace, spec.name) == []
+    assert_no_process_left(cluster, marker)
+
+    start_running_job(cluster, namespace, spec)
+    core.delete_namespace(namespace)
+    deadline = time.monotonic() + 120
+    while namespace in {ns.metadata.name for ns in core.list_namespace().items}:
+        assert time.monotonic() < deadline, f"namespace {namespace} is still there: {core.read_namespace(namespace)}"
+        time.sleep(0.5)
     assert_no_process_left(cluster, marker)
 
 
