@@ -27,6 +27,8 @@ CONTAINER = "pytorch"  # the operator requires every replica's training containe
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+# Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
+DELETE_WAIT_S = 300
 METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # `wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
@@ -183,7 +185,7 @@ def delete_job(target: Target, name: str, foreground: bool = False) -> None:
     collector has removed them, so a job recreated under its name never meets the old pods."""
     policy = "Foreground" if foreground else "Background"
     target.call(job_path(target, name), "DELETE", body={"propagationPolicy": policy})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + DELETE_WAIT_S
     while time.monotonic() < deadline:
         try:
             get_job(target, name)
@@ -191,7 +193,7 @@ def delete_job(target: Target, name: str, foreground: bool = False) -> None:
             return
         time.sleep(0.5)
     left = " (its pods and Services are still being removed)" if foreground else ""
-    raise ClusterError(f"pytorchjob {name} still exists 120 s after its deletion{left}")
+    raise ClusterError(f"pytorchjob {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
 
 
 def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace: bool) -> dict[str, Any]:
