@@ -36,32 +36,19 @@ BUILD_TIMEOUT_S = 3 * 3600
 
 STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/src/k8s\.io/[\w.-]+\s*$", re.MULTILINE)
 
-APISERVER_MAIN = """package main
+# main.go of a Kubernetes command: cmd/<command>/app's constructor run by component-base's cli.
+KUBERNETES_MAIN = """package main
 
 import (
 \t"os"
 
 \t"k8s.io/component-base/cli"
-\t"k8s.io/kubernetes/cmd/kube-apiserver/app"
+\t"k8s.io/kubernetes/cmd/{command}/app"
 )
 
-func main() {
-\tos.Exit(cli.Run(app.NewAPIServerCommand()))
-}
-"""
-
-CONTROLLER_MANAGER_MAIN = """package main
-
-import (
-\t"os"
-
-\t"k8s.io/component-base/cli"
-\t"k8s.io/kubernetes/cmd/kube-controller-manager/app"
-)
-
-func main() {
-\tos.Exit(cli.Run(app.NewControllerManagerCommand()))
-}
+func main() {{
+\tos.Exit(cli.Run(app.{constructor}()))
+}}
 """
 
 ETCD_MAIN = """package main
@@ -138,7 +125,13 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
         raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no replace block for the staging modules")
     staging_version = "v0." + version.removeprefix("v1.")
     module = CACHE / "build" / f"control-plane-{version}"
-    mains = {"kube-apiserver": APISERVER_MAIN, "kube-controller-manager": CONTROLLER_MANAGER_MAIN, "etcd": ETCD_MAIN}
+    mains = {
+        "kube-apiserver": KUBERNETES_MAIN.format(command="kube-apiserver", constructor="NewAPIServerCommand"),
+        "kube-controller-manager": KUBERNETES_MAIN.format(
+            command="kube-controller-manager", constructor="NewControllerManagerCommand"
+        ),
+        "etcd": ETCD_MAIN,
+    }
     for name, main in mains.items():
         (module / "cmd" / name).mkdir(parents=True, exist_ok=True)
         (module / "cmd" / name / "main.go").write_text(main)
