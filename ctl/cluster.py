@@ -30,6 +30,7 @@ REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
 DELETE_WAIT_S = 300
 METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
+PROGRESS_TIMEOUT_S = 5.0  # a metrics endpoint that does not answer leaves the progress out, not ctl hanging
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # `wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
 EXIT_JOB_FAILED = 100
@@ -72,8 +73,9 @@ class Target:
                 **kwargs,
             )
 
-    def open(self, path: str, query: list[tuple[str, str]]) -> urllib3.BaseHTTPResponse:
-        """A GET whose body is read as it arrives (a pod's log, a metrics page); the caller closes it."""
+    def open(self, path: str, query: list[tuple[str, str]], timeout: float | None = None) -> urllib3.BaseHTTPResponse:
+        """A GET whose body is read as it arrives (a pod's log, a metrics page); the caller closes it.
+        `timeout` bounds the connection and each read (None: a log followed for hours)."""
         with self.errors("GET", path):
             return self.api.call_api(
                 path,
@@ -82,6 +84,7 @@ class Target:
                 auth_settings=["BearerToken"],
                 _return_http_data_only=True,
                 _preload_content=False,
+                _request_timeout=timeout,
             )
 
     @contextlib.contextmanager
@@ -304,7 +307,7 @@ def progress(target: Target, pod: dict[str, Any]) -> dict[str, Any] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = target.open(path, [])
+        response = target.open(path, [], timeout=PROGRESS_TIMEOUT_S)
         try:
             text = response.read().decode()
         finally:
