@@ -323,7 +323,7 @@ def status_table(data: dict[str, Any]) -> str:
 def status_line(data: dict[str, Any]) -> str:
     """`ctl status -w`'s line: state, progress and the pods."""
     pods = ", ".join(
-        f"{p['replicaType']}-{p['name'].rpartition('-')[2]} {p['phase']}"
+        f"{p['name'].removeprefix(data['name'] + '-')} {p['phase']}"  # the operator's <job>-master-0
         + (f" ({p['restarts']} restarts)" if p["restarts"] else "")
         for p in data["pods"]
     )

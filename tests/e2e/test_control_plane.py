@@ -657,7 +657,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     assert "\x1b[" not in followed  # no colour without a terminal
     watched, _ = watcher.communicate(timeout=60)
     assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
-    assert watched.rstrip().splitlines()[-1].split("  ", 1)[1].startswith("Succeeded | "), watched
+    last = watched.rstrip().splitlines()[-1].split("  ", 1)[1]
+    assert last == "Succeeded | master-0 Succeeded, worker-0 Succeeded", watched
 
     # On a terminal the --all prefixes are coloured, unless NO_COLOR is set.
     coloured = ctl_on_terminal(kubeconfig, "logs", name, "--all", "--tail", "1", "-n", namespace, cwd=tmp_path)
