@@ -63,10 +63,12 @@ def reference(settings: dict) -> None:
     model = gpt2(settings).to(device)
     forward = torch.compile(model) if settings["compile"] else model
     ddp = DDP(forward, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], weight_decay=0.0, fused=cuda)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings["lr"], weight_decay=0.0, fused=settings["fused_adamw"]
+    )
     sampler = DistributedSampler(blocks, shuffle=True, seed=settings["seed"], drop_last=True)
     loader = DataLoader(blocks, batch_size=settings["batch"], sampler=sampler, drop_last=True, pin_memory=cuda)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings["bf16"])
     step, epoch = 0, 0
     while step < settings["steps"]:
         sampler.set_epoch(epoch)
@@ -86,8 +88,13 @@ def reference(settings: dict) -> None:
                 break
         epoch += 1
     if cuda and dist.get_rank() == 0:
-        print(f"peak memory {torch.cuda.max_memory_allocated(device)}", flush=True)
+        print_peak_gpu_memory()
     dist.destroy_process_group()
+
+
+def print_peak_gpu_memory() -> None:
+    """The line the driver reads, in the trainer's words."""
+    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
 
 
 class StepLines(transformers.TrainerCallback):
@@ -124,8 +131,8 @@ def hf_trainer(settings: dict, workdir: Path) -> None:
         max_grad_norm=1.0,
         lr_scheduler_type="cosine",
         warmup_steps=settings["warmup"],
-        optim="adamw_torch_fused" if cuda else "adamw_torch",
-        bf16=cuda,
+        optim="adamw_torch_fused" if settings["fused_adamw"] else "adamw_torch",
+        bf16=settings["bf16"],
         torch_compile=settings["compile"],
         use_cpu=not cuda,
         ddp_backend="nccl" if cuda else "gloo",
@@ -145,7 +152,7 @@ def hf_trainer(settings: dict, workdir: Path) -> None:
     )
     trainer.train()
     if cuda and trainer.is_world_process_zero():
-        print(f"peak memory {torch.cuda.max_memory_allocated()}", flush=True)
+        print_peak_gpu_memory()
 
 
 def main() -> None:

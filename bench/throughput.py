@@ -15,8 +15,10 @@ as they arrive. Steady-state tokens/s leaves out the first `--warmup` steps; the
 from process start to exit. Peak RSS is the largest sum over the run's processes.
 
     python bench/throughput.py                     # CPU: 2 processes, gloo, 4 x 256 GPT-2, block 256
-    python bench/throughput.py --device cuda       # every GPU, NCCL, GPT-2 124M shape, block 1024,
+    python bench/throughput.py --device cuda       # every GPU, NCCL, GPT-2 124M, block 1024,
                                                    # bf16 + fused AdamW + torch.compile, MFU reported
+    python bench/throughput.py --fast              # CPU with bf16 autocast + torch.compile (the GPU
+                                                   # settings' code paths, on a machine without one)
 
 Prints a table, the ratios, and one JSON line (keys include ratio_vs_reference, ratio_vs_hf_trainer).
 """
@@ -48,13 +50,22 @@ from trainer.metrics import BF16_PEAK_FLOPS, flops_per_token  # noqa: E402
 from trainer.text import expand_paths, read_documents, train_tokenizer  # noqa: E402
 
 CORPUS = ["{stdlib}/json/*.py", "{stdlib}/email/*.py", "{stdlib}/http/*.py", "{stdlib}/logging/*.py"]
-GPU_CORPUS = ["{stdlib}/**/*.py"]
+# About 9 MB of the standard library's own packages, named one by one: `{stdlib}/**` would
+# reach into site-packages, whose files are not all UTF-8. Each is in every CPython 3.10-3.13
+# (not idlelib or tkinter, which Debian ships apart, nor lib2to3, gone in 3.13).
+GPU_CORPUS_PACKAGES = (
+    "asyncio collections concurrent ctypes email http importlib json logging multiprocessing"
+    " pydoc_data sqlite3 unittest urllib wsgiref xml xmlrpc"
+)
+GPU_CORPUS = ["{stdlib}/*.py", *(f"{{stdlib}}/{package}/**/*.py" for package in GPU_CORPUS_PACKAGES.split())]
 SHAPES = {
     "cpu": {"layers": 4, "heads": 4, "embd": 256, "block": 256, "batch": 4, "vocab_size": 2048},
-    "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 32768},
+    # GPT-2 124M: its 50257-token vocabulary (a BPE of that size trains on the corpus above in seconds).
+    "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 50257},
 }
 STEP_LINE = re.compile(r"^(?:\[node 0\] )?step (\d+)\b")
-PEAK_MEMORY_LINE = re.compile(r"peak memory (\d+)")
+# All three print it on a GPU: the trainer in its summary, the peers when they are done.
+PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
 
 
 @dataclass
@@ -63,7 +74,7 @@ class Run:
     step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds since start
     wall: float = 0.0
     peak_rss: int = 0
-    peak_gpu_memory: int | None = None
+    peak_gpu_memory_gib: float | None = None
     output: list[str] = field(default_factory=list)
 
     def tokens_per_second(self, tokens_per_step: int, warmup: int) -> float:
@@ -107,8 +118,8 @@ def measure(runner: str, command: list[str], cwd: Path) -> Run:
         run.output.append(line)
         if match := STEP_LINE.match(line):
             run.step_times[int(match.group(1))] = time.perf_counter() - started
-        elif match := PEAK_MEMORY_LINE.search(line):
-            run.peak_gpu_memory = int(match.group(1))
+        elif match := PEAK_GPU_MEMORY_LINE.search(line):
+            run.peak_gpu_memory_gib = float(match.group(1))
     process.wait()
     run.wall = time.perf_counter() - started
     done.set()
@@ -118,14 +129,16 @@ def measure(runner: str, command: list[str], cwd: Path) -> Run:
     return run
 
 
-def prepare(workdir: Path, device: str, procs: int, steps: int, warmup: int) -> tuple[dict, dict]:
-    """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer."""
+def prepare(workdir: Path, device: str, fast: bool, procs: int, steps: int, warmup: int) -> tuple[dict, dict]:
+    """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer.
+
+    `fast`: bf16 autocast and torch.compile for all three; AdamW is fused on a GPU (as the trainer does).
+    """
     shape = SHAPES[device]
     corpus = GPU_CORPUS if device == "cuda" else CORPUS
     documents = read_documents(expand_paths(corpus, "data.train"), "text", "data.train")
     tokenizer = train_tokenizer(documents, shape["vocab_size"])
     tokenizer.save_pretrained(workdir / "tokenizer")
-    fast = device == "cuda"
     settings = {
         "device": device,
         "procs": procs,
@@ -141,7 +154,9 @@ def prepare(workdir: Path, device: str, procs: int, steps: int, warmup: int) -> 
         "warmup": warmup,
         "lr": 1e-3,
         "seed": 1337,
+        "bf16": fast,
         "compile": fast,
+        "fused_adamw": device == "cuda",
     }
     (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
     spec = {
@@ -165,7 +180,9 @@ def prepare(workdir: Path, device: str, procs: int, steps: int, warmup: int) -> 
             "maxSteps": steps,
             "batchSize": shape["batch"],
             "gradClip": 1.0,
-            "logEvery": 1,
+            # The peers print a step line without waiting for the device; a log line reads the
+            # loss, which on a GPU waits for the step to finish, so there it logs at the default 10.
+            "logEvery": 10 if device == "cuda" else 1,
             "seed": settings["seed"],
             "checkpoint": {"every": 0, "keepBest": False},
             "sample": {"maxNewTokens": 0},
@@ -188,6 +205,12 @@ def commands(workdir: Path, procs: int) -> dict[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--fast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast + torch.compile for all three (default: on with CUDA, off on CPU)",
+    )
     parser.add_argument("--procs", type=int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 CPU, 120 CUDA)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out (default: 5 CPU, 30 CUDA)")
@@ -200,7 +223,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-") as tmp:
         workdir = Path(tmp)
-        settings, _ = prepare(workdir, args.device, procs, steps, warmup)
+        fast = cuda if args.fast is None else args.fast
+        settings, _ = prepare(workdir, args.device, fast, procs, steps, warmup)
         tokens_per_step = procs * settings["batch"] * settings["block"]
         runs: dict[str, list[Run]] = {}
         for round_index in range(args.rounds):
@@ -223,6 +247,7 @@ def main() -> None:
     result = {
         "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)",
         "processes": procs,
+        "bf16_and_compile": settings["compile"],
         "steps": steps,
         "warmup_steps": warmup,
         "tokens_per_step": tokens_per_step,
@@ -239,9 +264,7 @@ def main() -> None:
         result["tokens_per_second_per_gpu"] = {r: round(v / procs, 1) for r, v in tokens_per_second.items()}
         if peak:
             result["mfu"] = {r: round(v / procs * model_flops / peak, 3) for r, v in tokens_per_second.items()}
-        result["peak_gpu_memory_gib"] = {
-            r: round(max(run.peak_gpu_memory or 0 for run in rs) / 2**30, 2) for r, rs in runs.items()
-        }
+        result["peak_gpu_memory_gib"] = {r: max(run.peak_gpu_memory_gib or 0.0 for run in rs) for r, rs in runs.items()}
 
     print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13}")
     for runner in runs:
