@@ -1,5 +1,6 @@
 # The training image: CUDA PyTorch with the ddpjob project installed; every pod runs
-# `torchrun -m trainer --config /etc/ddpjob/training.yaml` (the chart sets that command).
+# `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (the chart sets
+# that command; trainer.launch is torchrun with signal exit codes, see trainer/launch.py).
 #   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
 # The base image's torch (2.5.1, CUDA 12.4) satisfies pyproject's `torch>=2.4`, so pip keeps it.
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
@@ -33,5 +34,5 @@ USER 1000:1000
 WORKDIR /home/ddpjob
 
 # NCCL_* and OMP_NUM_THREADS are left to the job spec's `env`; torchrun reads its flags from PET_*.
-ENTRYPOINT ["torchrun", "-m", "trainer"]
+ENTRYPOINT ["python", "-m", "trainer.launch", "-m", "trainer"]
 CMD ["--config", "/etc/ddpjob/training.yaml"]

@@ -1,7 +1,8 @@
 """`ctl run`: a job's pods as local torchrun agents, each with the env its pod would get.
 
 The training config is written to a temporary file standing in for the mounted
-ConfigMap; agents run `torchrun -m trainer --config FILE` exactly as a pod does.
+ConfigMap; agents run `python -m trainer.launch -m trainer --config FILE` (torchrun with
+signal exit codes) exactly as a pod does.
 When any agent fails, the others are stopped: no process outlives the run.
 """
 
@@ -167,7 +168,7 @@ def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextI
             error_file = Path(tmp) / f"error-{pod}.json"
             metrics_port = free_port()
             process = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "-m", "trainer", "--config", str(config)],
+                [sys.executable, "-m", "trainer.launch", "-m", "trainer", "--config", str(config)],
                 env=agent_env(spec, replica, port, error_file, metrics_port, Path(tmp) / f"metrics-{pod}"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

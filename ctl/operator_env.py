@@ -2,7 +2,8 @@
 
 Both `ctl run` (which starts one torchrun agent per simulated pod) and the tests use
 this module, so a laptop run and a cluster run see the same variables. torchrun reads
-every `PET_*` variable as its own flag, so the command stays `torchrun -m trainer ...`.
+every `PET_*` variable as its own flag, so the command stays `python -m trainer.launch -m trainer ...`
+(torchrun, with signal exit codes).
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ def trainer_pids(marker: str, rank: int) -> list[int]:
             f"RANK={rank}".encode() in environ
             and b"LOCAL_RANK=0" in environ
             and b"torch.distributed.run" not in cmdline
+            and b"trainer.launch" not in cmdline
         ):
             pids.append(pid)
     return pids

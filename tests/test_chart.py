@@ -251,7 +251,8 @@ def test_master_and_workers() -> None:
     for rep in reps.values():
         assert rep["restartPolicy"] == "OnFailure"
         container = trainer_container(rep["template"])
-        assert container["command"] == ["torchrun", "-m", "trainer", "--config", "/etc/ddpjob/training.yaml"]
+        launch = ["python", "-m", "trainer.launch", "-m", "trainer"]
+        assert container["command"] == [*launch, "--config", "/etc/ddpjob/training.yaml"]
         assert container["ports"] == [
             {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"},
             {"name": "metrics", "containerPort": 9402, "protocol": "TCP"},

@@ -1,7 +1,7 @@
 """Checkpoints on real runs: SIGKILL and SIGTERM at random steps, torn saves, resumes on another world
 size or with changed settings, elastic restarts, full and unwritable disks.
 
-Runs start the way a pod does (`torchrun -m trainer --config training.yaml`) in their own
+Runs start the way a pod does (`python -m trainer.launch -m trainer --config training.yaml`) in their own
 session, so a kill reaches every process of the "pod". Exactness is bitwise: the resumed run's
 final weights equal those of one uninterrupted run with the same spec.
 """
@@ -59,7 +59,7 @@ def start(section: dict[str, Any], procs: int = PROCS, env: dict[str, str] | Non
     """One pod: torchrun over the trainer (`env` may carry a marker that finds all its processes)."""
     config = Path(section["checkpoint"]["dir"]).with_suffix(".yaml")
     config.write_text(yaml.safe_dump(section), encoding="utf-8")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    command = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc-per-node={procs}"]
     return subprocess.Popen(
         [*command, "-m", "trainer", "--config", str(config)],
         env=(env or os.environ) | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
@@ -181,6 +181,8 @@ def preempted(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> tu
     step = int(stopped.group(2))
     assert signal_step <= step < STEPS and committed_steps(run_dir)[-1] == step
     assert f"exiting with code {EXIT_PREEMPTED}" in output and not (run_dir / "final").exists()
+    # The pod's own exit code: 143, which restartPolicy ExitCode retries (plain torchrun exits 1).
+    assert process.returncode == EXIT_PREEMPTED, output
     return run_dir, step, output
 
 

@@ -86,7 +86,8 @@ def test_runs_as_non_root_with_writable_home_and_exec_form_entry() -> None:
     for keyword in ("ENTRYPOINT", "CMD"):
         (args,) = [a for k, a in steps if k == keyword]
         assert isinstance(json.loads(args), list), f"{keyword} must be exec form"
-    assert json.loads(next(a for k, a in steps if k == "ENTRYPOINT")) == ["torchrun", "-m", "trainer"]
+    entrypoint = json.loads(next(a for k, a in steps if k == "ENTRYPOINT"))
+    assert entrypoint == ["python", "-m", "trainer.launch", "-m", "trainer"]
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

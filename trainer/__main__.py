@@ -1,4 +1,4 @@
-"""Entry point: `torchrun -m trainer --config /etc/ddpjob/training.yaml`.
+"""Entry point: `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (torchrun).
 
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -26,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.checkpoint import Checkpointer
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
+from trainer.launch import EXIT_PREEMPTED
 from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
 from trainer.metrics import metrics_endpoint
 from trainer.models import sample_tokens
@@ -35,7 +35,6 @@ from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.workloads import Workload, prepare
 
 EXIT_BAD_INPUT = 2
-EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
 def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import os
 import pty
 import re
 import shutil
+import signal
 import ssl
 import subprocess
 import threading
@@ -245,7 +246,7 @@ def test_a_failing_trainer_fails_the_job(
     cluster: Cluster, namespace: str, restart_policy: str, run_policy: dict[str, Any]
 ) -> None:
     """A trainer that exits on bad input fails the job, as the restart policy says. Never: at the first exit.
-    ExitCode: torchrun's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
+    ExitCode: the launcher's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
     container is restarted in place until the restarts reach runPolicy.backoffLimit; with cleanPodPolicy All the
     operator then deletes the pods, and their processes end. (With None it may still delete them, or recreate
     them in a reconcile that has not seen the Failed condition yet: the operator's own race.) A restarted
@@ -272,6 +273,45 @@ def test_a_failing_trainer_fails_the_job(
         master = pods[Replica("master", 0).pod_name(spec.name)]
         assert master.status.phase == "Failed" and terminated(master).exit_code == 1
         assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
+    assert_no_process_left(cluster, marker)
+
+
+def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster: Cluster, namespace: str) -> None:
+    """Eviction, preemption or a node shutting down: the kubelet sends SIGTERM to the master's container, whose pod
+    then fails. Every rank stops at one agreed step, rank 0 saves, and both pods exit 143: the master's launcher
+    because of the signal, the worker's because its trainers stopped with the master's. ExitCode retries 128 and
+    up, so the operator recreates the pods, the run resumes from the checkpoint and the job succeeds (plain torchrun
+    exits 1 on both pods, and the job failed)."""
+    if cluster.plane is None:
+        pytest.skip("sends SIGTERM to a pod's local process, as its kubelet would: needs the local pod executor")
+    marker = uuid.uuid4().hex
+    training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
+    spec = job_spec(marker, training=training, restartPolicy="ExitCode")
+    apply_rendered(cluster, spec, namespace)
+    master = Replica("master", 0).pod_name(spec.name)
+    first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
+    wait_for_log(cluster, namespace, master, "step 100/600")
+    # The master container's first process, which the kubelet signals: the one whose parent is not in the job.
+    marked = processes_with_marker(marker)
+    (first_process,) = [pid for pid in marked if b"\0PET_NODE_RANK=0\0" in environ(pid) and parent(pid) not in marked]
+    os.kill(first_process, signal.SIGTERM)
+
+    job = wait_for_job(cluster, namespace, spec.name)
+    logs = pod_logs(cluster, namespace)
+    assert finished_as(job) == "Succeeded", logs
+    stopped = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", logs)
+    assert stopped, logs
+    assert f"resuming from {stopped.group(1)}:" in logs and "trainer.launch: stopped by SIGTERM" in logs
+    assert "trainer.launch: the trainers stopped to be resumed; exiting with code 143" in logs
+    assert wait_for_pod(cluster, namespace, master, lambda pod: True).metadata.uid != first.metadata.uid
+    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
+    # The operator's events for the pods it saw exit: each pod once with the retryable code. (Once the job has
+    # succeeded, it may or may not still report the recreated worker's exit 0.)
+    exits = {e.message for e in events if "exited with code" in (e.message or "")}
+    assert {m.split(".")[-1] for m in exits if m.endswith(" 143")} == {
+        "tiny-master-0 exited with code 143",
+        "tiny-worker-0 exited with code 143",
+    }, exits
     assert_no_process_left(cluster, marker)
 
 
@@ -531,6 +571,13 @@ def wait_for_pod(
                 raise
         time.sleep(0.5)
     raise AssertionError(f"pod {name}: condition not met in {JOB_TIMEOUT_S} s\n{pod_logs(cluster, namespace)}")
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:  # ended meanwhile
+        return None
 
 
 def environ(pid: int) -> bytes:

@@ -197,8 +197,9 @@ spec:
     - name: pytorch
       image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      # The operator injects PET_* (torchrun's flags), MASTER_*, RANK and WORLD_SIZE.
-      command: [torchrun, -m, trainer, --config, {{ printf "%s/training.yaml" (include "ddpjob.configDir" .) | quote }}]
+      # The operator injects PET_* (torchrun's flags), MASTER_*, RANK and WORLD_SIZE. trainer.launch
+      # is torchrun that exits 128 + signal when stopped by one, so restartPolicy ExitCode retries it.
+      command: [python, -m, trainer.launch, -m, trainer, --config, {{ printf "%s/training.yaml" (include "ddpjob.configDir" .) | quote }}]
       ports:
         - name: pytorchjob-port
           containerPort: {{ int .Values.masterPort }}
