@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -138,19 +139,25 @@ def stop(agents: list[Agent]) -> None:
 
 
 def supervise(agents: list[Agent]) -> Agent | None:
-    """Wait for all agents; return the first that failed (the others are then stopped)."""
-    while True:
-        running = False
-        for agent in agents:
-            code = agent.process.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                stop(agents)
-                return agent
-        if not running:
-            return None
-        time.sleep(0.2)
+    """Wait for all agents; return the first that failed (the others are then stopped).
+
+    First in the order they exit: when one node fails, the others fail soon after, on their
+    next collective, and the first to exit is the cause.
+    """
+    exited: queue.Queue[Agent] = queue.Queue()
+
+    def wait(agent: Agent) -> None:
+        agent.process.wait()
+        exited.put(agent)
+
+    for agent in agents:
+        threading.Thread(target=wait, args=(agent,), daemon=True).start()
+    for _ in agents:
+        agent = exited.get()  # Ctrl-C interrupts the wait (KeyboardInterrupt)
+        if agent.process.returncode != 0:
+            stop(agents)
+            return agent
+    return None
 
 
 def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
