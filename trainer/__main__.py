@@ -90,23 +90,18 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     if result.preempted:
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
-    gpu_memory: dict[str, float] = {}
+    report = final_report(spec, dist, work, log) | {
+        "train_loss": result.train_loss,
+        "steps": result.steps,
+        "epochs": result.epochs,
+        "samples": result.samples,
+        "tokens": result.tokens,
+        "world_size": dist.world_size,
+        "train_seconds": result.seconds,
+    }
     if dist.device.type == "cuda":
-        gpu_memory["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(dist.device) / 2**30, 2)
-        log(f"peak GPU memory {gpu_memory['peak_gpu_memory_gib']:.2f} GiB (training, this rank)")
-    report = (
-        final_report(spec, dist, work, log)
-        | gpu_memory
-        | {
-            "train_loss": result.train_loss,
-            "steps": result.steps,
-            "epochs": result.epochs,
-            "samples": result.samples,
-            "tokens": result.tokens,
-            "world_size": dist.world_size,
-            "train_seconds": result.seconds,
-        }
-    )
+        report["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(dist.device) / 2**30, 2)
+        log(f"peak GPU memory {report['peak_gpu_memory_gib']:.2f} GiB (rank 0)")
     if dist.is_main:
         export_final(run_dir, work.model, work.tokenizer)
         write_report(run_dir, report)
