@@ -192,7 +192,10 @@ class JobSpec(SpecModel):
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     restart_policy: Literal["OnFailure", "Never", "Always", "ExitCode"] = Field(
-        "OnFailure", description="What the operator does when a pod's container fails (every replica type)."
+        "OnFailure",
+        description="What the operator does when a pod's container fails (every replica type). ExitCode recreates"
+        " the pod for exit codes 128 and up (143: stopped by SIGTERM after saving) and fails the job for 1-127"
+        " (1: error, 2: bad input).",
     )
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
