@@ -101,12 +101,19 @@ def pump(agent: Agent, out: TextIO, lock: threading.Lock) -> None:
             out.flush()
 
 
+def parent_pid(pid: int | str) -> int | None:
+    """The parent of process `pid`, from /proc; None once it has ended (or where there is no /proc)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def descendants(pids: list[int]) -> set[int]:
     """Every process below `pids`, from /proc (none where there is no /proc)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        if (parent := parent_pid(entry.name)) is not None:
             children.setdefault(parent, []).append(int(entry.name))
     found: set[int] = set()
     pending = list(pids)

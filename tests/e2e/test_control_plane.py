@@ -36,6 +36,7 @@ from container_logs import parse_timestamp, plain_text
 from pod_executor import NODE_NAME
 from pod_network import POD_CIDR, machine_addresses
 
+from ctl.local import parent_pid
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
@@ -293,7 +294,9 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     wait_for_log(cluster, namespace, master, "step 100/600")
     # The master container's first process, which the kubelet signals: the one whose parent is not in the job.
     marked = processes_with_marker(marker)
-    (first_process,) = [pid for pid in marked if b"\0PET_NODE_RANK=0\0" in environ(pid) and parent(pid) not in marked]
+    (first_process,) = [
+        pid for pid in marked if b"\0PET_NODE_RANK=0\0" in environ(pid) and parent_pid(pid) not in marked
+    ]
     os.kill(first_process, signal.SIGTERM)
 
     job = wait_for_job(cluster, namespace, spec.name)
@@ -571,13 +574,6 @@ def wait_for_pod(
                 raise
         time.sleep(0.5)
     raise AssertionError(f"pod {name}: condition not met in {JOB_TIMEOUT_S} s\n{pod_logs(cluster, namespace)}")
-
-
-def parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:  # ended meanwhile
-        return None
 
 
 def environ(pid: int) -> bytes:
