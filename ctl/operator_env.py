@@ -18,6 +18,16 @@ RDZV_BACKEND = "c10d"
 # torchrun's shared store keeps the previous round's keys, and restarted workers can then
 # wait forever for peers that are gone.
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Set by the chart on every pod: how long torchrun waits for its workers to save and exit after it
+# forwards SIGTERM, before it kills them. torch's own default is 30 s whatever the pod's grace period;
+# the chart gives them the grace period less a margin for torchrun's own exit.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_MARGIN_SECONDS = 5
+
+
+def shutdown_timeout(spec: JobSpec) -> str:
+    """The chart's TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the pods of `spec`."""
+    return str(max(0, spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS))
 
 
 @dataclass(frozen=True)

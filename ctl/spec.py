@@ -200,7 +200,10 @@ class JobSpec(SpecModel):
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
     termination_grace_period_seconds: int = Field(
-        120, ge=0, description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint."
+        120,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint"
+        " (torchrun gives its workers all but the last 5 s).",
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")

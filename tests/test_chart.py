@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import REPO, prometheus_tool, run_ctl
 
-from ctl.operator_env import ELASTIC_ENV, replicas
+from ctl.operator_env import ELASTIC_ENV, SHUTDOWN_TIMEOUT_ENV, replicas, shutdown_timeout
 from ctl.render import (
     Manifest,
     RenderError,
@@ -272,6 +272,15 @@ def test_elastic_is_worker_only_with_c10d_rendezvous() -> None:
     assert job["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 5}
     env = {e["name"]: e["value"] for e in trainer_container(job["pytorchReplicaSpecs"]["Worker"]["template"])["env"]}
     assert env.items() >= ELASTIC_ENV.items()  # what `ctl run` gives its elastic agents too
+
+
+@pytest.mark.parametrize(("grace", "timeout"), [(120, "115"), (600, "595"), (3, "0")])
+def test_torchrun_waits_for_the_workers_most_of_the_grace_period(grace: int, timeout: str) -> None:
+    spec = spec_of(nodes=2, terminationGracePeriodSeconds=grace)
+    for template in pod_templates(objects(spec)["PyTorchJob"]).values():
+        assert template["spec"]["terminationGracePeriodSeconds"] == grace
+        env = {e["name"]: e["value"] for e in trainer_container(template)["env"]}
+        assert env[SHUTDOWN_TIMEOUT_ENV] == timeout == shutdown_timeout(spec)  # what `ctl run` gives its agents
 
 
 def test_training_config_is_the_spec_training_section(tmp_path: Path) -> None:

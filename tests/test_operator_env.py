@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import tiny_spec
 
 from ctl.local import agent_env
-from ctl.operator_env import Replica, operator_env, replicas
+from ctl.operator_env import SHUTDOWN_TIMEOUT_ENV, Replica, operator_env, replicas, shutdown_timeout
 from ctl.spec import JobSpec
 
 
@@ -71,3 +71,15 @@ def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path,
     # The chart's metrics env, with the simulated pod's own port and directory.
     assert env["DDPJOB_METRICS_PORT"] == "40124" and env["DDPJOB_METRICS_HOST"] == "127.0.0.1"
     assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "metrics") and env["DDPJOB_JOB_NAME"] == spec.name
+
+
+def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
+    corpus_file: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.delenv(SHUTDOWN_TIMEOUT_ENV, raising=False)
+    spec = job(corpus_file, terminationGracePeriodSeconds=300)
+    env = agent_env(spec, Replica("master", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    assert env[SHUTDOWN_TIMEOUT_ENV] == shutdown_timeout(spec) == "295"
+    monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
+    env = agent_env(spec, Replica("master", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    assert env[SHUTDOWN_TIMEOUT_ENV] == "7"

@@ -215,6 +215,10 @@ spec:
           value: {{ .Values.metrics.port | int | toString | quote }}
         - name: PROMETHEUS_MULTIPROC_DIR
           value: {{ include "ddpjob.metricsDir" . | quote }}
+        # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
+        # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
+        - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+          value: {{ max 0 (sub (int .Values.terminationGracePeriodSeconds) 5) | toString | quote }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.
