@@ -75,7 +75,8 @@ def reference(settings: dict) -> None:
         for batch in loader:
             x, y = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
             with amp:
-                logits = ddp(input_ids=x).logits
+                # As the trainer does: the key/value cache transformers fills by default is for generation.
+                logits = ddp(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -81,6 +81,19 @@ def test_named_gpt2_sizes_are_built_from_their_configs() -> None:
     assert sum(p.numel() for p in model.parameters()) == 124_439_808 - (50257 - len(tokenizer)) * 768
 
 
+def test_training_forwards_fill_no_key_value_cache() -> None:
+    from transformers import GPT2ForSequenceClassification
+
+    from trainer.models import forward_options
+
+    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2, pad_token_id=0)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    for model in (GPT2LMHeadModel(config), GPT2ForSequenceClassification(config)):
+        assert model(input_ids=ids).past_key_values is not None  # what transformers does by default
+        assert model(input_ids=ids, **forward_options(model)).past_key_values is None
+    assert forward_options(torch.nn.Linear(2, 2)) == {}  # a forward without the option gets none
+
+
 def test_trained_tokenizer_and_model_from_dimensions(tmp_path, corpus_file) -> None:
     """No model or tokenizer given: a BPE is trained on the data and saved next to the model."""
     spec = {

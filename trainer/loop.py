@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -27,7 +28,7 @@ from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_n
 from trainer.data import Collate, TrainBatches, eval_loader
 from trainer.dist import Dist, StopRequest, all_reduce_sum
 from trainer.metrics import TrainingMetrics
-from trainer.models import parameter_groups
+from trainer.models import forward_options, parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
 
 # Keys of a batch that are not model inputs.
@@ -93,10 +94,10 @@ def loss_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 def batch_stats(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], stats: Callable = loss_stats
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], options: dict[str, Any], stats: Callable = loss_stats
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(summed loss, correct predictions, targets, predictions) of one batch."""
-    logits = model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}).logits
+    """(summed loss, correct predictions, targets, predictions) of one batch; `options`: see forward_options."""
+    logits = model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}, **options).logits
     loss_sum, correct, predicted = stats(logits, batch["labels"])
     return loss_sum, correct, batch["labels"].numel(), predicted
 
@@ -123,11 +124,12 @@ def evaluate(
     With `predictions` (classification), this rank's (example index, predicted class) pairs are appended to it.
     """
     model.eval()
+    options = forward_options(model)
     totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss sum, correct, count
     for batch in loader:
         batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
-            loss_sum, correct, count, predicted = batch_stats(model, batch)
+            loss_sum, correct, count, predicted = batch_stats(model, batch, options)
         totals += running_totals(loss_sum, correct, count)
         if predictions is not None:
             predictions += zip(batch["index"].tolist(), predicted.tolist(), strict=True)
@@ -180,6 +182,7 @@ def train(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model.to(device).train()
+    options = forward_options(model)
     forward_model = torch.compile(model) if spec.compile else model
     train_stats = torch.compile(loss_stats) if spec.compile else loss_stats
     if dist.is_distributed:
@@ -264,7 +267,7 @@ def train(
                 last_micro = micro == spec.grad_accum - 1
                 with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
                     with autocast(device, amp_dtype):
-                        loss_sum, correct, count, _ = batch_stats(forward_model, batch, train_stats)
+                        loss_sum, correct, count, _ = batch_stats(forward_model, batch, options, train_stats)
                         loss = loss_sum / count / spec.grad_accum
                     scaler.scale(loss).backward()
                 stats = running_totals(loss_sum, correct, count)

@@ -6,6 +6,7 @@ loads with `AutoModelForCausalLM` / `AutoModelForSequenceClassification` as is.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -87,6 +88,15 @@ def build_classifier(spec: ModelSpec, tokenizer: Any, labels: list[str]) -> PreT
         model = from_pretrained(AutoModelForSequenceClassification, spec, num_labels=len(labels), **names)
         return fit_vocabulary(model, tokenizer)
     return GPT2ForSequenceClassification(gpt2_config(spec, len(tokenizer), tokenizer.eos_token_id, **names))
+
+
+def forward_options(model: torch.nn.Module) -> dict[str, Any]:
+    """Keyword arguments of every training and evaluation forward of `model` (the plain module).
+
+    transformers' decoders fill a key/value cache unless told not to. Only generation reads it; in
+    training it is one more copy of every layer's keys and values each step.
+    """
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
