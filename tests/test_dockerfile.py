@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shlex
@@ -48,13 +49,32 @@ def test_hadolint_reports_nothing_above_info() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_satisfies_pyproject() -> None:
+def declared_dependencies() -> list[Requirement]:
+    return [Requirement(d) for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+
+
+def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_every_dependency_accepts() -> None:
+    """`pip install .` keeps the image's CUDA torch, and no dependency turns it down.
+
+    transformers declares its torch floor only in its `torch` extra and, under it, imports fine but
+    disables every PyTorch model: a base image below that floor builds and then fails in every pod.
+    """
     (image,) = [args for keyword, args in instructions() if keyword == "FROM"]
     match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
     assert match, f"base image {image!r} is not a pinned pytorch/pytorch CUDA runtime tag"
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch,) = [Requirement(d) for d in dependencies if Requirement(d).name == "torch"]
-    assert Version(match.group(1)) in torch.specifier  # so `pip install .` keeps the image's CUDA torch
+    torch = Version(match.group(1))
+    accepting = {}
+    for dependency in declared_dependencies():
+        if dependency.name == "torch":
+            accepting["ddpjob"] = dependency.specifier
+        # The installed versions: what `pip install .` resolves to today, as in the image build.
+        for line in importlib.metadata.requires(dependency.name) or []:
+            requirement = Requirement(line)
+            applies = not requirement.marker or requirement.marker.evaluate({"extra": "torch"})
+            if requirement.name == "torch" and applies:
+                accepting[dependency.name] = requirement.specifier
+    assert {"ddpjob", "transformers"} <= accepting.keys()
+    assert {name: str(specifier) for name, specifier in accepting.items() if torch not in specifier} == {}
 
 
 def test_image_installs_the_project_and_nothing_else() -> None:
@@ -121,7 +141,6 @@ def test_docker_context_builds_the_declared_distribution(tmp_path: Path) -> None
     requires = {
         str(Requirement(line.split(":", 1)[1])) for line in metadata.splitlines() if line.startswith("Requires-Dist:")
     }
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     runtime = {r for r in requires if "extra ==" not in r}
-    assert runtime == {str(Requirement(d)) for d in declared}
+    assert runtime == {str(d) for d in declared_dependencies()}
     assert "trainer/__main__.py" in names and "ctl/cli.py" in names
