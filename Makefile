@@ -4,9 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Optional extra package index tried first (e.g. a local mirror with CPU-only torch wheels).
 TORCH_INDEX ?=
-INSTALL := $(BIN)/uv pip install --quiet --python $(BIN)/python $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
+UV_INSTALL := $(BIN)/uv pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --index-strategy unsafe-best-match)
+INSTALL := $(UV_INSTALL) --python $(BIN)/python
+# The floors tier's environment: every dependency pyproject.toml declares at the oldest version it allows.
+FLOORS_VENV ?= .venv-floors
 
-.PHONY: demo test e2e e2e-binaries bench lint install dev chart k8s prometheus
+.PHONY: demo test floors-env e2e e2e-binaries bench lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +17,8 @@ $(BIN)/uv:
 
 # Byte-compiled ahead: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile what it
 # imports (`ctl status`: 1.5 s instead of 0.5 s). One torch test helper is Python 3.12 syntax.
-COMPILE := $(BIN)/python -m compileall -q -j 0 -x 'py312_intrinsics' $(VENV)/lib
+compile_venv = $(1)/bin/python -m compileall -q -j 0 -x 'py312_intrinsics' $(1)/lib
+COMPILE := $(call compile_venv,$(VENV))
 
 install: $(BIN)/uv
 	$(INSTALL) -e .
@@ -36,8 +40,26 @@ prometheus:
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
 
-test: dev prometheus e2e-binaries
+test: dev prometheus e2e-binaries floors-env
 	$(BIN)/python -m pytest
+	$(FLOORS_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+
+# The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution;
+# what they pull in, and the dev tools, at their newest), under the tests that reach each of them:
+# pydantic, typer and helm (spec, chart, CLI); torch, transformers, tokenizers, safetensors and
+# prometheus-client (2-process runs of each workload, compile, checkpoint and resume, metrics).
+# The generated chart files are left out: their exact text follows the newest pydantic.
+FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py \
+	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
+	tests/test_local_run.py tests/test_classification.py tests/test_causal_lm.py \
+	tests/test_ddp.py::test_compiled_ddp_equals_single_process \
+	"tests/test_checkpoint.py::test_sigterm_saves_at_one_agreed_step_and_the_restart_finishes_exactly"
+
+floors-env: $(BIN)/uv
+	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(FLOORS_VENV)
+	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e .
+	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python -e '.[dev]'
+	$(call compile_venv,$(FLOORS_VENV))
 
 # Only the control-plane tier (tests/e2e).
 e2e: dev e2e-binaries

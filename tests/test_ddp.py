@@ -31,10 +31,10 @@ def single_process(tmp_path_factory, corpus_file) -> dict[str, torch.Tensor]:
     return train_weights(tmp_path_factory.mktemp("single"), corpus_file, "single", batchSize=8)
 
 
-def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
     assert actual.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=atol, msg=key)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,9 @@ def test_compiled_ddp_equals_single_process(tmp_path, corpus_file, single_proces
     The equal keys also show that checkpoints and the export hold the plain module's names.
     """
     weights = train_weights(tmp_path, corpus_file, "compiled", procsPerNode=2, batchSize=4, compile=True)
-    assert_same_weights(weights, single_process)
+    # Compiled kernels sum in another order: 7e-7 apart after 6 steps with transformers 5.23, 1.3e-6
+    # with 5.0 (the floors tier). A real difference is three orders larger (bf16 below: 1e-4 or more).
+    assert_same_weights(weights, single_process, atol=1e-5)
 
 
 def test_bf16_compiled_ddp_stays_close_to_fp32(tmp_path, corpus_file, single_process) -> None:
