@@ -12,7 +12,10 @@ step count.
 
 Every runner prints one line per optimizer step from rank 0; this driver timestamps the lines
 as they arrive. Steady-state tokens/s leaves out the first `--warmup` steps; the wall time is
-from process start to exit. Peak RSS is the largest sum over the run's processes.
+from process start to exit. Peak RSS is the largest sum over the run's processes, and CPU s/step
+the CPU time all of them (workers, torchrun agents, `ctl`) used per step over the same steps as
+tokens/s: the host's share of a step on a GPU, all of it on a CPU. Each ratio is also given
+round by round, where the runners ran back to back.
 
     python bench/throughput.py                     # CPU: 2 processes, gloo, 4 x 256 GPT-2, block 256
     python bench/throughput.py --device cuda       # every GPU, NCCL, GPT-2 124M, block 1024,
@@ -36,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +76,8 @@ PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
 class Run:
     runner: str
     step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds since start
+    # step -> CPU seconds the run's processes had used when its line came, at the two ends of the window
+    cpu_seconds: dict[int, float] = field(default_factory=dict)
     wall: float = 0.0
     peak_rss: int = 0
     peak_gpu_memory_gib: float | None = None
@@ -83,23 +89,49 @@ class Run:
             raise RuntimeError(f"{self.runner}: too few steps after warm-up:\n" + "".join(self.output[-30:]))
         return tokens_per_step * (steps[-1] - steps[0]) / (self.step_times[steps[-1]] - self.step_times[steps[0]])
 
+    def cpu_seconds_per_step(self) -> float:
+        """CPU time of every process of the run (workers, agents, ctl) per step, over the same steps as tokens/s."""
+        (first, start), (last, end) = sorted(self.cpu_seconds.items())
+        return (end - start) / (last - first)
 
-def rss_of_marked_processes(marker: bytes) -> int:
-    """Resident memory of every process whose environment carries `marker`, summed."""
-    total = 0
+
+def marked_processes(marker: bytes) -> Iterator[Path]:
+    """The /proc entries of every process whose environment carries `marker`: one run's whole tree."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if marker in (entry / "environ").read_bytes():
-                status = (entry / "status").read_text()
-                total += int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+                yield entry
+        except OSError:
+            continue
+
+
+def rss_of_marked_processes(marker: bytes) -> int:
+    """Resident memory of the run's processes, summed."""
+    total = 0
+    for entry in marked_processes(marker):
+        try:
+            total += int(re.search(r"VmRSS:\s+(\d+) kB", (entry / "status").read_text()).group(1)) * 1024
         except (OSError, AttributeError):
             continue
     return total
 
 
-def measure(runner: str, command: list[str], cwd: Path) -> Run:
+def cpu_seconds_of_marked_processes(marker: bytes) -> float:
+    """User + system CPU time the run's processes have used so far, summed over their threads."""
+    ticks = 0
+    for entry in marked_processes(marker):
+        try:
+            # Fields 14 and 15 of /proc/PID/stat, counted after the parenthesised command name.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: int) -> Run:
     marker = f"DDPJOB_BENCH={uuid.uuid4().hex}"
     env = os.environ | {"PYTHONPATH": str(REPO), "DDPJOB_BENCH": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
     run = Run(runner)
@@ -117,7 +149,10 @@ def measure(runner: str, command: list[str], cwd: Path) -> Run:
     for line in process.stdout:
         run.output.append(line)
         if match := STEP_LINE.match(line):
-            run.step_times[int(match.group(1))] = time.perf_counter() - started
+            step = int(match.group(1))
+            run.step_times[step] = time.perf_counter() - started
+            if step == last_step or (step > warmup and not run.cpu_seconds):
+                run.cpu_seconds[step] = cpu_seconds_of_marked_processes(marker.encode())
         elif match := PEAK_GPU_MEMORY_LINE.search(line):
             run.peak_gpu_memory_gib = float(match.group(1))
     process.wait()
@@ -237,18 +272,18 @@ def main() -> None:
         for round_index in range(rounds):
             for runner, command in commands(workdir, procs).items():
                 command = [c.replace("RUN_DIR", str(workdir / f"run-{round_index}")) for c in command]
-                run = measure(runner, command, cwd=workdir)
+                run = measure(runner, command, cwd=workdir, warmup=warmup, last_step=steps)
                 runs.setdefault(runner, []).append(run)
                 print(
                     f"round {round_index + 1} {runner:>10}: {run.tokens_per_second(tokens_per_step, warmup):9,.0f}"
-                    f" tok/s, {run.wall:6.1f} s wall",
+                    f" tok/s, {run.wall:6.1f} s wall, {run.cpu_seconds_per_step():.3f} CPU s/step",
                     file=sys.stderr,
                     flush=True,
                 )
 
-    tokens_per_second = {
-        r: statistics.median(run.tokens_per_second(tokens_per_step, warmup) for run in rs) for r, rs in runs.items()
-    }
+    by_round = {r: [run.tokens_per_second(tokens_per_step, warmup) for run in rs] for r, rs in runs.items()}
+    tokens_per_second = {r: statistics.median(values) for r, values in by_round.items()}
+    cpu_per_step = {r: statistics.median(run.cpu_seconds_per_step() for run in rs) for r, rs in runs.items()}
     wall = {r: statistics.median(run.wall for run in rs) for r, rs in runs.items()}
     peak_rss = {r: max(run.peak_rss for run in rs) for r, rs in runs.items()}
     result = {
@@ -261,9 +296,17 @@ def main() -> None:
         "tokens_per_second": {r: round(v, 1) for r, v in tokens_per_second.items()},
         "wall_seconds": {r: round(v, 2) for r, v in wall.items()},
         "peak_rss_mib": {r: round(v / 2**20) for r, v in peak_rss.items()},
+        "cpu_seconds_per_step": {r: round(v, 4) for r, v in cpu_per_step.items()},
         "ratio_vs_reference": round(tokens_per_second["ddpjob"] / tokens_per_second["reference"], 3),
         "ratio_vs_hf_trainer": round(tokens_per_second["ddpjob"] / tokens_per_second["hf-trainer"], 3),
         "wall_ratio_vs_hf_trainer": round(wall["ddpjob"] / wall["hf-trainer"], 3),
+        # Each round's runners ran back to back: their ratio is the one least touched by drift.
+        "ratio_vs_reference_by_round": paired_ratios(by_round["ddpjob"], by_round["reference"]),
+        "ratio_vs_hf_trainer_by_round": paired_ratios(by_round["ddpjob"], by_round["hf-trainer"]),
+        # Tokens per CPU-second of all of a run's processes, ddpjob's over the peer's: the work each
+        # does for a step, which other load on the machine barely moves (it moves their wall time).
+        "cpu_ratio_vs_reference": round(cpu_per_step["reference"] / cpu_per_step["ddpjob"], 3),
+        "cpu_ratio_vs_hf_trainer": round(cpu_per_step["hf-trainer"] / cpu_per_step["ddpjob"], 3),
     }
     if cuda:
         model_flops = flops_per_token_of(settings)
@@ -273,15 +316,28 @@ def main() -> None:
             result["mfu"] = {r: round(v / procs * model_flops / peak, 3) for r, v in tokens_per_second.items()}
         result["peak_gpu_memory_gib"] = {r: max(run.peak_gpu_memory_gib or 0.0 for run in rs) for r, rs in runs.items()}
 
-    print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13}")
+    print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13} {'CPU s/step':>11}")
     for runner in runs:
-        print(f"{runner:>12} {tokens_per_second[runner]:10,.0f} {wall[runner]:8.1f} {peak_rss[runner] / 2**20:13,.0f}")
+        print(
+            f"{runner:>12} {tokens_per_second[runner]:10,.0f} {wall[runner]:8.1f} {peak_rss[runner] / 2**20:13,.0f}"
+            f" {cpu_per_step[runner]:11.3f}"
+        )
     print(
-        f"ddpjob / reference: {result['ratio_vs_reference']:.3f}x tokens/s;"
-        f" ddpjob / hf-trainer: {result['ratio_vs_hf_trainer']:.3f}x tokens/s,"
+        f"ddpjob / reference: {result['ratio_vs_reference']:.3f}x tokens/s"
+        f" (rounds: {', '.join(f'{r:.3f}' for r in result['ratio_vs_reference_by_round'])});"
+        f" ddpjob / hf-trainer: {result['ratio_vs_hf_trainer']:.3f}x tokens/s"
+        f" (rounds: {', '.join(f'{r:.3f}' for r in result['ratio_vs_hf_trainer_by_round'])}),"
         f" {result['wall_ratio_vs_hf_trainer']:.3f}x wall time"
     )
+    print(
+        f"tokens per CPU-second (all of a run's processes): ddpjob / reference {result['cpu_ratio_vs_reference']:.3f}x,"
+        f" ddpjob / hf-trainer {result['cpu_ratio_vs_hf_trainer']:.3f}x"
+    )
     print(json.dumps(result))
+
+
+def paired_ratios(ours: list[float], theirs: list[float]) -> list[float]:
+    return [round(a / b, 3) for a, b in zip(ours, theirs, strict=True)]
 
 
 def flops_per_token_of(settings: dict) -> float:
