@@ -304,7 +304,7 @@ def main() -> None:
         "ratio_vs_reference_by_round": paired_ratios(by_round["ddpjob"], by_round["reference"]),
         "ratio_vs_hf_trainer_by_round": paired_ratios(by_round["ddpjob"], by_round["hf-trainer"]),
         # Tokens per CPU-second of all of a run's processes, ddpjob's over the peer's: the work each
-        # does for a step, which other load on the machine barely moves (it moves their wall time).
+        # does for a step. Where it parts from the tokens/s ratio, the difference is time spent waiting.
         "cpu_ratio_vs_reference": round(cpu_per_step["reference"] / cpu_per_step["ddpjob"], 3),
         "cpu_ratio_vs_hf_trainer": round(cpu_per_step["hf-trainer"] / cpu_per_step["ddpjob"], 3),
     }
