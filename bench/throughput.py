@@ -12,10 +12,11 @@ step count.
 
 Every runner prints one line per optimizer step from rank 0; this driver timestamps the lines
 as they arrive. Steady-state tokens/s leaves out the first `--warmup` steps; the wall time is
-from process start to exit. Peak RSS is the largest sum over the run's processes, and CPU s/step
+from process start to exit. Peak RSS is the largest sum over the run's processes; CPU s/step
 the CPU time all of them (workers, torchrun agents, `ctl`) used per step over the same steps as
-tokens/s: the host's share of a step on a GPU, all of it on a CPU. Each ratio is also given
-round by round, where the runners ran back to back.
+tokens/s: the host's share of a step on a GPU, all of it on a CPU; faults/step their minor page
+faults over those steps: memory the kernel hands out afresh each step instead of malloc reusing
+it. Each ratio is also given round by round, where the runners ran back to back.
 
     python bench/throughput.py                     # CPU: 2 processes, gloo, 4 x 256 GPT-2, block 256
     python bench/throughput.py --device cuda       # every GPU, NCCL, GPT-2 124M, block 1024,
@@ -72,12 +73,18 @@ STEP_LINE = re.compile(r"^(?:\[node 0\] )?step (\d+)\b")
 PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
 
 
+@dataclass(frozen=True)
+class Usage:
+    cpu_seconds: float  # user + system
+    page_faults: float  # minor ones: pages the kernel maps in, none read from disk
+
+
 @dataclass
 class Run:
     runner: str
     step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds since start
-    # step -> CPU seconds the run's processes had used when its line came, at the two ends of the window
-    cpu_seconds: dict[int, float] = field(default_factory=dict)
+    # step -> what the run's processes had used when its line came, at the two ends of the window
+    usage: dict[int, Usage] = field(default_factory=dict)
     wall: float = 0.0
     peak_rss: int = 0
     peak_gpu_memory_gib: float | None = None
@@ -89,10 +96,11 @@ class Run:
             raise RuntimeError(f"{self.runner}: too few steps after warm-up:\n" + "".join(self.output[-30:]))
         return tokens_per_step * (steps[-1] - steps[0]) / (self.step_times[steps[-1]] - self.step_times[steps[0]])
 
-    def cpu_seconds_per_step(self) -> float:
-        """CPU time of every process of the run (workers, agents, ctl) per step, over the same steps as tokens/s."""
-        (first, start), (last, end) = sorted(self.cpu_seconds.items())
-        return (end - start) / (last - first)
+    def usage_per_step(self) -> Usage:
+        """What every process of the run (workers, agents, ctl) used per step, over the same steps as tokens/s."""
+        (first, start), (last, end) = sorted(self.usage.items())
+        steps = last - first
+        return Usage((end.cpu_seconds - start.cpu_seconds) / steps, (end.page_faults - start.page_faults) / steps)
 
 
 def marked_processes(marker: bytes) -> Iterator[Path]:
@@ -118,17 +126,19 @@ def rss_of_marked_processes(marker: bytes) -> int:
     return total
 
 
-def cpu_seconds_of_marked_processes(marker: bytes) -> float:
-    """User + system CPU time the run's processes have used so far, summed over their threads."""
-    ticks = 0
+def usage_of_marked_processes(marker: bytes) -> Usage:
+    """CPU time and minor page faults of the run's processes so far, summed over their threads."""
+    ticks = faults = 0
     for entry in marked_processes(marker):
         try:
-            # Fields 14 and 15 of /proc/PID/stat, counted after the parenthesised command name.
+            # Fields 10 (minflt), 14 and 15 (utime, stime) of /proc/PID/stat, counted after the
+            # parenthesised command name.
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            faults += int(fields[7])
             ticks += int(fields[11]) + int(fields[12])
         except (OSError, IndexError):
             continue
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return Usage(ticks / os.sysconf("SC_CLK_TCK"), faults)
 
 
 def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: int) -> Run:
@@ -151,8 +161,8 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
         if match := STEP_LINE.match(line):
             step = int(match.group(1))
             run.step_times[step] = time.perf_counter() - started
-            if step == last_step or (step > warmup and not run.cpu_seconds):
-                run.cpu_seconds[step] = cpu_seconds_of_marked_processes(marker.encode())
+            if step == last_step or (step > warmup and not run.usage):
+                run.usage[step] = usage_of_marked_processes(marker.encode())
         elif match := PEAK_GPU_MEMORY_LINE.search(line):
             run.peak_gpu_memory_gib = float(match.group(1))
     process.wait()
@@ -274,16 +284,19 @@ def main() -> None:
                 command = [c.replace("RUN_DIR", str(workdir / f"run-{round_index}")) for c in command]
                 run = measure(runner, command, cwd=workdir, warmup=warmup, last_step=steps)
                 runs.setdefault(runner, []).append(run)
+                usage = run.usage_per_step()
                 print(
                     f"round {round_index + 1} {runner:>10}: {run.tokens_per_second(tokens_per_step, warmup):9,.0f}"
-                    f" tok/s, {run.wall:6.1f} s wall, {run.cpu_seconds_per_step():.3f} CPU s/step",
+                    f" tok/s, {run.wall:6.1f} s wall, {usage.cpu_seconds:.3f} CPU s/step,"
+                    f" {usage.page_faults:,.0f} faults/step",
                     file=sys.stderr,
                     flush=True,
                 )
 
     by_round = {r: [run.tokens_per_second(tokens_per_step, warmup) for run in rs] for r, rs in runs.items()}
     tokens_per_second = {r: statistics.median(values) for r, values in by_round.items()}
-    cpu_per_step = {r: statistics.median(run.cpu_seconds_per_step() for run in rs) for r, rs in runs.items()}
+    cpu_per_step = {r: statistics.median(run.usage_per_step().cpu_seconds for run in rs) for r, rs in runs.items()}
+    faults_per_step = {r: statistics.median(run.usage_per_step().page_faults for run in rs) for r, rs in runs.items()}
     wall = {r: statistics.median(run.wall for run in rs) for r, rs in runs.items()}
     peak_rss = {r: max(run.peak_rss for run in rs) for r, rs in runs.items()}
     result = {
@@ -297,6 +310,7 @@ def main() -> None:
         "wall_seconds": {r: round(v, 2) for r, v in wall.items()},
         "peak_rss_mib": {r: round(v / 2**20) for r, v in peak_rss.items()},
         "cpu_seconds_per_step": {r: round(v, 4) for r, v in cpu_per_step.items()},
+        "page_faults_per_step": {r: round(v) for r, v in faults_per_step.items()},
         "ratio_vs_reference": round(tokens_per_second["ddpjob"] / tokens_per_second["reference"], 3),
         "ratio_vs_hf_trainer": round(tokens_per_second["ddpjob"] / tokens_per_second["hf-trainer"], 3),
         "wall_ratio_vs_hf_trainer": round(wall["ddpjob"] / wall["hf-trainer"], 3),
@@ -316,11 +330,11 @@ def main() -> None:
             result["mfu"] = {r: round(v / procs * model_flops / peak, 3) for r, v in tokens_per_second.items()}
         result["peak_gpu_memory_gib"] = {r: max(run.peak_gpu_memory_gib or 0.0 for run in rs) for r, rs in runs.items()}
 
-    print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13} {'CPU s/step':>11}")
+    print(f"{'':>12} {'tokens/s':>10} {'wall s':>8} {'peak RSS MiB':>13} {'CPU s/step':>11} {'faults/step':>12}")
     for runner in runs:
         print(
             f"{runner:>12} {tokens_per_second[runner]:10,.0f} {wall[runner]:8.1f} {peak_rss[runner] / 2**20:13,.0f}"
-            f" {cpu_per_step[runner]:11.3f}"
+            f" {cpu_per_step[runner]:11.3f} {faults_per_step[runner]:12,.0f}"
         )
     print(
         f"ddpjob / reference: {result['ratio_vs_reference']:.3f}x tokens/s"
