@@ -40,4 +40,4 @@ def test_freed_activations_are_reused_without_page_faults() -> None:
     assert result.returncode == 0, result.stderr
     faulted = json.loads(result.stdout)
     # Now and then the heap moves the block once more (seen: 1 in 20).
-    assert faulted == {"low_threshold": 20, "reused": faulted["reused"]} and faulted["reused"] <= 2, faulted
+    assert faulted["low_threshold"] == 20 and faulted["reused"] <= 2, faulted
