@@ -295,8 +295,9 @@ def main() -> None:
 
     by_round = {r: [run.tokens_per_second(tokens_per_step, warmup) for run in rs] for r, rs in runs.items()}
     tokens_per_second = {r: statistics.median(values) for r, values in by_round.items()}
-    cpu_per_step = {r: statistics.median(run.usage_per_step().cpu_seconds for run in rs) for r, rs in runs.items()}
-    faults_per_step = {r: statistics.median(run.usage_per_step().page_faults for run in rs) for r, rs in runs.items()}
+    usage = {r: [run.usage_per_step() for run in rs] for r, rs in runs.items()}
+    cpu_per_step = {r: statistics.median(u.cpu_seconds for u in us) for r, us in usage.items()}
+    faults_per_step = {r: statistics.median(u.page_faults for u in us) for r, us in usage.items()}
     wall = {r: statistics.median(run.wall for run in rs) for r, rs in runs.items()}
     peak_rss = {r: max(run.peak_rss for run in rs) for r, rs in runs.items()}
     result = {
