@@ -20,23 +20,53 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+# A Kubernetes quantity in bytes as the chart's `ddpjob.mebibytes` helper reads it: a number and a binary or decimal suffix.
+BYTES_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
+CPU_QUANTITY = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 
 
 class ImageSpec(SpecModel):
     """The training image (see the Dockerfile)."""
 
     repository: str = Field("ddpjob", description="Image repository.")
-    tag: str = Field("latest", description="Image tag.")
+    tag: str = Field(
+        "",
+        description="Image tag (or `tag@sha256:digest`); empty: the chart's appVersion, the version the image is"
+        " built as. `latest` is refused: nodes pulling at different times would run different builds.",
+    )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
+
+    @field_validator("tag")
+    @classmethod
+    def _pinned(cls, tag: str) -> str:
+        if tag.split("@")[0] == "latest":
+            raise ValueError("'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest")
+        return tag
 
 
 class ResourcesSpec(SpecModel):
     """Per-pod resources."""
 
-    gpu: int = Field(0, ge=0, description="nvidia.com/gpu per pod; usually equal to procsPerNode.")
-    cpu: str | None = Field(None, description="CPU request and limit, e.g. '8'.")
-    memory: str | None = Field(None, description="Memory request and limit, e.g. 64Gi.")
-    shm: str = Field("1Gi", description="Size limit of the /dev/shm memory volume.")
+    gpu: int = Field(0, ge=0, description="nvidia.com/gpu per pod (request and limit); usually equal to procsPerNode.")
+    cpu: str | None = Field(
+        None,
+        pattern=CPU_QUANTITY,
+        description="CPU request per pod, e.g. '8'; default: 2 per process. No CPU limit: a throttled rank"
+        " holds every other rank back at the next all-reduce.",
+    )
+    memory: str | None = Field(
+        None,
+        pattern=BYTES_QUANTITY,
+        description="Memory of the trainer processes per pod, e.g. 64Gi; default: 4Gi per process. The pod's"
+        " memory request and limit are this plus `shm` (/dev/shm is memory the pod is charged for).",
+    )
+    shm: str = Field("1Gi", pattern=BYTES_QUANTITY, description="Size limit of the /dev/shm memory volume.")
+    cache: str = Field(
+        "20Gi",
+        pattern=BYTES_QUANTITY,
+        description="Size limit of the scratch volume (HOME, the Hugging Face, torch.compile and Triton caches,"
+        " /tmp) beside the read-only root filesystem; requested as ephemeral-storage.",
+    )
 
 
 class ElasticSpec(SpecModel):
@@ -54,7 +84,11 @@ class StorageSpec(SpecModel):
     existing_claim: str = Field("", description="Use this PVC instead of creating one.")
     size: str = Field("10Gi", description="Size of the created PVC.")
     storage_class_name: str = Field("", description="StorageClass of the created PVC; empty: cluster default.")
-    access_modes: list[str] = Field(["ReadWriteMany"], min_length=1, description="Access modes of the created PVC.")
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
+        default_factory=list,
+        description="Access modes of the created PVC; empty: ReadWriteMany when pods of the job can run on"
+        " several nodes (nodes > 1, elastic), else ReadWriteOnce (every cloud's default class gives it).",
+    )
     mount_path: str = Field("/checkpoints", description="Where the volume is mounted in every pod.")
 
 
@@ -80,11 +114,24 @@ class SchedulingPolicySpec(SpecModel):
 class RunPolicySpec(SpecModel):
     """The PyTorchJob's runPolicy: retries, lifetime and clean-up."""
 
-    backoff_limit: int | None = Field(None, ge=0, description="Pod failures before the job is marked Failed.")
-    ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the finished PyTorchJob (and its pods) after this many seconds."
+    backoff_limit: int = Field(
+        3,
+        ge=0,
+        description="Pod restarts and recreations before the job is marked Failed and its GPUs are freed (a"
+        " crash-looping job otherwise holds them forever); resumed runs continue from their last checkpoint.",
     )
-    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after running this long.")
+    ttl_seconds_after_finished: int | None = Field(
+        None,
+        ge=0,
+        description="Delete the finished PyTorchJob (and its pods, with their logs) after this many seconds, e.g."
+        " 604800 (a week); the run directory's claim stays. Unset: kept until deleted (`ctl delete`).",
+    )
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        description="Fail the job after running this long. Unset by default: how long training takes is the"
+        " spec's to say (maxSteps, epochs), not a guess here.",
+    )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods deleted when the job finishes; None keeps them for `ctl logs`."
     )
@@ -113,6 +160,20 @@ class PodSecuritySpec(SpecModel):
     run_as_user: int = Field(1000, ge=1, description="UID of the trainer (the image's non-root user).")
     run_as_group: int = Field(1000, ge=0, description="GID of the trainer.")
     fs_group: int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
+
+
+class NetworkPolicySpec(SpecModel):
+    """A NetworkPolicy letting into the job's pods only their peers (rendezvous, NCCL/Gloo) and Prometheus."""
+
+    enabled: bool = Field(False, description="Create the NetworkPolicy (needs a CNI that enforces them).")
+    prometheus_namespace_selector: dict[str, Any] = Field(
+        default_factory=lambda: {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        description="namespaceSelector (Kubernetes form) of the Prometheus allowed to scrape the `metrics` port.",
+    )
+    prometheus_pod_selector: dict[str, Any] = Field(
+        default_factory=lambda: {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        description="podSelector (Kubernetes form) of that Prometheus.",
+    )
 
 
 class PodMonitorSpec(SpecModel):
@@ -223,6 +284,7 @@ class JobSpec(SpecModel):
     )
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every pod.")
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     training: TrainingSpec
 

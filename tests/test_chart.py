@@ -21,6 +21,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 from conftest import REPO, prometheus_tool, run_ctl
+from pod_security import violations
 
 from ctl.operator_env import ELASTIC_ENV, SHUTDOWN_TIMEOUT_ENV, replicas, shutdown_timeout
 from ctl.render import (
@@ -173,11 +174,11 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
-def crd_schema(module: str, path_in_module: str, kind: str) -> dict[str, Any]:
-    """The strict v1 schema of `kind` from a CRD file of a published Go module (downloaded at test time)."""
+def go_module_dir(module: str) -> Path:
+    """A published Go module's files (downloaded at test time into the Go module cache)."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
     if not Path(go).exists():
-        pytest.fail(f"the Go toolchain is needed to download the {kind} CRD (go mod download {module})")
+        pytest.fail(f"the Go toolchain is needed to download {module} (go mod download)")
     result = subprocess.run(
         [go, "mod", "download", "-json", module],
         capture_output=True,
@@ -187,7 +188,12 @@ def crd_schema(module: str, path_in_module: str, kind: str) -> dict[str, Any]:
         env=os.environ | {"GOFLAGS": "-mod=mod", "GO111MODULE": "on"},
     )
     assert result.returncode == 0, f"go mod download failed: {result.stdout}{result.stderr}"
-    crd = yaml.safe_load((Path(json.loads(result.stdout)["Dir"]) / path_in_module).read_text())
+    return Path(json.loads(result.stdout)["Dir"])
+
+
+def crd_schema(module: str, path_in_module: str, kind: str) -> dict[str, Any]:
+    """The strict v1 schema of `kind` from a CRD file of a published Go module (downloaded at test time)."""
+    crd = yaml.safe_load((go_module_dir(module) / path_in_module).read_text())
     assert crd["spec"]["names"]["kind"] == kind
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return _strict(v1["schema"]["openAPIV3Schema"])
@@ -327,45 +333,171 @@ def test_created_claim_is_kept_on_uninstall() -> None:
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
 
 
-def test_shm_and_gpu_resources() -> None:
+def test_shm_gpu_and_default_resources() -> None:
+    """Requests by default, scaled from the spec: CPU per process, the trainer's memory plus /dev/shm (memory the
+    pod is charged for), the scratch volume as ephemeral storage; memory and GPUs limited, CPU not."""
     template = pod_templates(objects(spec_of(**VARIANTS["multi-node-gpu"]))["PyTorchJob"])["Worker"]
     volumes = {v["name"]: v for v in template["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     container = trainer_container(template)
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    expected = {"cpu": "32", "memory": "200Gi", "nvidia.com/gpu": 8}
-    assert container["resources"] == {"requests": expected, "limits": expected}
-    assert trainer_container(pod_templates(objects(spec_of())["PyTorchJob"])["Master"])["resources"] == {}
+    assert container["resources"] == {
+        "requests": {"cpu": "32", "memory": f"{232 * 1024}Mi", "ephemeral-storage": "20Gi", "nvidia.com/gpu": 8},
+        "limits": {"memory": f"{232 * 1024}Mi", "nvidia.com/gpu": 8},
+    }
+    defaults = trainer_container(pod_templates(objects(spec_of(procsPerNode=3))["PyTorchJob"])["Master"])
+    assert defaults["resources"] == {
+        "requests": {"cpu": "6", "memory": f"{3 * 4096 + 1024}Mi", "ephemeral-storage": "20Gi"},
+        "limits": {"memory": f"{3 * 4096 + 1024}Mi"},
+    }
+    decimal = spec_of(resources={"memory": "1.5G", "shm": "512Mi", "cache": "5Gi", "cpu": "500m"})
+    resources = trainer_container(pod_templates(objects(decimal)["PyTorchJob"])["Master"])["resources"]
+    assert resources["requests"] == {"cpu": "500m", "memory": "1943Mi", "ephemeral-storage": "5Gi"}  # 1431 + 512
 
 
-def assert_restricted(pod_spec: dict[str, Any]) -> None:
-    """The Pod Security Standards "restricted" profile (Kubernetes docs, policy v1.30), rule by rule."""
-    for host in ("hostNetwork", "hostPID", "hostIPC"):
-        assert not pod_spec.get(host), host
-    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim"}
-    allowed_volumes |= {"projected", "secret"}
-    for volume in pod_spec.get("volumes", []):
-        assert set(volume) - {"name"} <= allowed_volumes, volume
-    pod_sc = pod_spec.get("securityContext", {})
-    assert pod_sc.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost")
-    assert pod_sc.get("runAsUser") != 0
-    for container in pod_spec["containers"] + pod_spec.get("initContainers", []):
-        sc = container.get("securityContext", {})
-        assert not sc.get("privileged") and "hostPort" not in json.dumps(container.get("ports", []))
-        assert sc.get("allowPrivilegeEscalation") is False
-        assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True
-        assert sc.get("runAsUser", pod_sc.get("runAsUser")) != 0
-        assert sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") in ("RuntimeDefault", "Localhost")
-        assert "ALL" in sc.get("capabilities", {}).get("drop", [])
-        assert set(sc.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}
+def test_caches_live_in_a_bounded_scratch_volume_under_a_read_only_root() -> None:
+    """HOME, the Hugging Face, torch.compile and Triton caches and /tmp are on one size-limited emptyDir, in the
+    directories the image's own ENV names (so `docker run` and a pod agree); the root filesystem is read-only."""
+    template = pod_templates(objects(spec_of(resources={"cache": "50Gi"}))["PyTorchJob"])["Master"]
+    container = trainer_container(template)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "50Gi"}} in template["spec"]["volumes"]
+    scratch = {m["mountPath"]: m["subPath"] for m in container["volumeMounts"] if m["name"] == "scratch"}
+    assert scratch == {"/home/ddpjob": "home", "/tmp": "tmp"}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    image_env = dockerfile_env()
+    for name in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert env[name] == image_env[name] and env[name].startswith("/home/ddpjob"), name
+    assert env["TMPDIR"] == "/tmp"
+    # Every other path the trainer writes is a mount of its own (nothing lands on the read-only root).
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"/checkpoints", "/dev/shm", "/run/ddpjob-metrics", "/home/ddpjob", "/tmp"}
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The image's ENV (KEY=VALUE pairs of every ENV instruction)."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    pairs = [w for line in text.splitlines() if line.startswith("ENV ") for w in line.split()[1:]]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def test_image_tag_defaults_to_the_chart_app_version() -> None:
+    app_version = yaml.safe_load((chart_path() / "Chart.yaml").read_text())["appVersion"]
+    container = trainer_container(pod_templates(objects(spec_of())["PyTorchJob"])["Master"])
+    assert container["image"] == f"ddpjob:{app_version}"
+    digest = "0.1.0@sha256:" + "a" * 64
+    pinned = trainer_container(pod_templates(objects(spec_of(image={"tag": digest}))["PyTorchJob"])["Master"])
+    assert pinned["image"] == f"ddpjob:{digest}"
+
+
+
+def operator_init_containers(job: str) -> list[dict[str, Any]]:
+    """The init containers the training operator v1.9 adds to a Worker pod of a job with a Master, as installed by
+    k8s/operator: its template file filled in as pkg/controller.v1/pytorch/initcontainer.go does (the image and
+    max tries at the operator's defaults, the master's pod name)."""
+    text = (REPO / "k8s" / "operator" / "initContainer.yaml").read_text()
+    fields = {"InitContainerImage": "alpine:3.10", "MasterAddr": f"{job}-master-0", "MaxTries": "100"}
+    for field, value in fields.items():
+        text = text.replace("{{." + field + "}}", value)
+    assert "{{" not in text, "the template uses a field the operator does not fill"
+    return yaml.safe_load(text)
+
+
+def operator_pods(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each replica's pod spec as the operator creates it: Workers of a job with a Master get its init container."""
+    pods = {}
+    for kind, template in pod_templates(job).items():
+        pod = json.loads(json.dumps(template["spec"]))
+        if kind == "Worker" and "Master" in job["spec"]["pytorchReplicaSpecs"]:
+            pod["initContainers"] = pod.get("initContainers", []) + operator_init_containers(job["metadata"]["name"])
+        pods[kind] = pod
+    return pods
 
 
 @pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
 def test_pods_satisfy_the_restricted_pod_security_profile(name: str, spec: JobSpec) -> None:
-    for template in pod_templates(objects(spec)["PyTorchJob"]).values():
-        assert_restricted(template["spec"])
-        assert template["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
-        assert template["spec"]["automountServiceAccountToken"] is False
+    """Every container of every pod, the one the operator adds included, meets "restricted"."""
+    job = objects(spec)["PyTorchJob"]
+    for kind, pod in operator_pods(job).items():
+        assert violations(pod) == [], kind
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        assert pod["automountServiceAccountToken"] is False
+    if spec.nodes > 1 and not spec.elastic.enabled:
+        assert [c["name"] for c in operator_pods(job)["Worker"]["initContainers"]] == ["init-pytorch"]
+
+
+def test_the_operator_s_built_in_init_container_would_be_refused() -> None:
+    """The check above can fail: upstream's built-in template (no securityContext) breaks the profile."""
+    builtin = {"name": "init-pytorch", "image": "alpine:3.10", "command": ["sh", "-c", "nslookup job-master-0"]}
+    pod = operator_pods(objects(spec_of(nodes=2))["PyTorchJob"])["Worker"] | {"initContainers": [builtin]}
+    assert violations(pod) == [
+        "init-pytorch: allowPrivilegeEscalation must be false",
+        "init-pytorch: capabilities must drop ALL",
+    ]  # runAsNonRoot and seccomp come from the pod's securityContext
+
+
+def test_operator_overlay_mounts_the_init_container_template(tmp_path: Path) -> None:
+    """k8s/operator builds (kustomize, on the operator's own v1.9.0 manifests) into a Deployment whose operator
+    reads the template from the ConfigMap it mounts: the flag's path is in the mounted directory and the ConfigMap
+    (name hashed by kustomize) holds initContainer.yaml as shipped."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl binary on PATH for `kubectl kustomize`")
+    overlay = tmp_path / "operator"
+    shutil.copytree(REPO / "k8s" / "operator", overlay)
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    (remote,) = kustomization["resources"]
+    assert remote == "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.0"
+    # The same base, from the operator's published Go module instead of GitHub (no network at test time).
+    base = tmp_path / "upstream"
+    shutil.copytree(go_module_dir(TRAINING_OPERATOR) / "manifests", base / "manifests")
+    kustomization["resources"] = ["../upstream/manifests/overlays/standalone"]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    built = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout) if o}
+    deployment = built["Deployment", "training-operator"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (flag,) = [a for a in container["args"] if a.startswith("--pytorch-init-container-template-file=")]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    (name,) = [n for n, path in mounts.items() if flag.split("=", 1)[1] == f"{path}/initContainer.yaml"]
+    config_map = built["ConfigMap", volumes[name]["configMap"]["name"]]
+    assert config_map["metadata"]["namespace"] == deployment["metadata"]["namespace"] == "kubeflow"
+    assert config_map["data"]["initContainer.yaml"] == (REPO / "k8s" / "operator" / "initContainer.yaml").read_text()
+
+
+def test_network_policy_admits_the_job_s_pods_and_prometheus_only() -> None:
+    assert "NetworkPolicy" not in objects(spec_of(nodes=2))
+    by_kind = objects(spec_of(nodes=2, networkPolicy={"enabled": True}))
+    policy = by_kind["NetworkPolicy"]["spec"]
+    pod_labels = pod_templates(by_kind["PyTorchJob"])["Worker"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]  # egress (DNS, registries) is left alone
+    peers, prometheus = policy["ingress"]
+    assert peers == {"from": [{"podSelector": policy["podSelector"]}]}  # every port: NCCL picks its own
+    assert prometheus["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert prometheus["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("values", "modes"),
+    [
+        ({}, ["ReadWriteOnce"]),
+        ({"nodes": 2}, ["ReadWriteMany"]),
+        ({"elastic": {"enabled": True, "maxNodes": 2}}, ["ReadWriteMany"]),
+        ({"nodes": 2, "storage": {"accessModes": ["ReadWriteOnce"]}}, ["ReadWriteOnce"]),
+    ],
+    ids=["one-node", "two-nodes", "elastic", "explicit"],
+)
+def test_claim_access_mode_follows_the_node_count(values: dict[str, Any], modes: list[str]) -> None:
+    """One pod works with ReadWriteOnce, which every cloud's default storage class gives; more need ReadWriteMany."""
+    assert objects(spec_of(**values))["PersistentVolumeClaim"]["spec"]["accessModes"] == modes
 
 
 def test_scheduling_env_and_identity_knobs() -> None:
@@ -476,6 +608,9 @@ BAD = [
     ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
     ("serviceAccount.craete=true", "serviceAccount.craete: unknown key"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
+    ("resources.memory=lots", "resources.memory: String should match pattern"),
+    ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
+    ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
     ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: String should match pattern"),
     ("metrics.alerts.slowRankFactor=1", "metrics.alerts.slowRankFactor: Input should be greater than 1"),

@@ -71,6 +71,9 @@ OPERATOR_WEBHOOK_DNS = f"training-operator.{OPERATOR_NAMESPACE}.svc"
 # The operator's cert rotator only checks that this file exists (in a cluster the Secret is mounted there); the
 # path is fixed in pkg/cert, so it is shared by every run on the machine and left in place (a public cert only).
 OPERATOR_CERT_CHECK_FILE = Path("/tmp/k8s-webhook-server/serving-certs/tls.crt")
+# How k8s/README.md installs the operator: k8s/operator's kustomization, whose Deployment patch gives it flags and
+# mounts the ConfigMap made of that directory's files (the init container template of Worker pods).
+OPERATOR_OVERLAY = Path(__file__).resolve().parents[2] / "k8s" / "operator"
 STARTUP_TIMEOUT_S = 120
 STOP_GRACE_S = 10
 
@@ -402,6 +405,15 @@ def ensure_namespace(client: kubernetes.client.ApiClient, namespace: str) -> Non
         server_side_apply(client, obj)
 
 
+def operator_flags(overlay: Path = OPERATOR_OVERLAY) -> list[str]:
+    """The flags k8s/operator's Deployment patch gives the operator, with the mounted ConfigMap's directory read
+    from the overlay directory itself (where its configMapGenerator takes the files from)."""
+    patch = yaml.safe_load((overlay / "deployment-patch.yaml").read_text())
+    (container,) = patch["spec"]["template"]["spec"]["containers"]
+    (mount,) = container["volumeMounts"]
+    return [arg.replace(mount["mountPath"], str(overlay)) for arg in container["args"]]
+
+
 def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> None:
     client = plane.api_client()
     ensure_namespace(client, OPERATOR_NAMESPACE)
@@ -427,6 +439,7 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
         f"--health-probe-bind-address={probe}",
         f"--webhook-server-port={free_port()}",
         "--leader-elect=false",
+        *operator_flags(),
     ]
     env = os.environ | {"KUBECONFIG": str(plane.kubeconfig), "MY_POD_NAMESPACE": OPERATOR_NAMESPACE}
     plane.processes["training-operator"] = process = start_process(command, log, env | {"TMPDIR": str(operator_tmp)})

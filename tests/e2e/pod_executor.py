@@ -436,7 +436,10 @@ class PodExecutor:
         for mount in container.volume_mounts or []:
             if mount.name not in volumes:
                 raise PodSetupError(f"volume {mount.name!r} is not supported by the local executor")
-            mounts[mount.mount_path.rstrip("/")] = volumes[mount.name] / (mount.sub_path or "")
+            source = volumes[mount.name] / (mount.sub_path or "")
+            if not source.exists():  # a kubelet creates a missing subPath as a directory
+                source.mkdir(parents=True)
+            mounts[mount.mount_path.rstrip("/")] = source
         rewrite = path_rewriter(mounts)
         for volume in pod.spec.volumes or []:
             if volume.config_map is not None:  # the config names paths under the other mounts

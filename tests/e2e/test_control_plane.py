@@ -2,7 +2,8 @@
 reconciled by the real Kubeflow training operator (v1.9), their pods run by the local pod executor.
 
 With DDPJOB_E2E_KUBECONFIG set, the same tests run against that cluster (kind or any cluster with the operator
-v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull (default ddpjob:latest).
+v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull (default: the chart's,
+ddpjob:<appVersion>).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_
 from container_logs import parse_timestamp, plain_text
 from pod_executor import NODE_NAME
 from pod_network import POD_CIDR, machine_addresses
+from pod_security import violations
 
 from ctl.local import parent_pid
 from ctl.operator_env import Replica, operator_env, replicas
@@ -45,7 +47,8 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
-IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", "ddpjob:latest")
+CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml').read_text())['appVersion']}"
+IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
 JOB_TIMEOUT_S = 400
 # Real text that is in the image as much as on this machine: the standard library's json package.
 STDLIB_TEXT = ["{stdlib}/json/*.py"]
@@ -83,6 +86,24 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     controlplane.ensure_namespace(client, name)
     yield name
     # The namespace controller empties and removes it meanwhile (the test may have done so already).
+    try:
+        kubernetes.client.CoreV1Api(client).delete_namespace(name)
+    except kubernetes.client.ApiException as error:
+        if error.status != 404:
+            raise
+
+
+@pytest.fixture
+def shipped_namespace(cluster: Cluster) -> Iterator[str]:
+    """k8s/namespace.yaml as shipped: Pod Security admission enforcing "restricted" (the API server's PodSecurity
+    plugin is on by default). Its pods are admitted only when every container, the operator's included, meets it."""
+    manifest = yaml.safe_load((REPO / "k8s" / "namespace.yaml").read_text())
+    assert manifest["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    name = manifest["metadata"]["name"]
+    client = cluster.client()
+    controlplane.ensure_namespace(client, name)
+    controlplane.server_side_apply(client, manifest)  # after: its apply of the bare namespace would drop the labels
+    yield name
     try:
         kubernetes.client.CoreV1Api(client).delete_namespace(name)
     except kubernetes.client.ApiException as error:
@@ -173,6 +194,11 @@ def pod_logs(cluster: Cluster, namespace: str) -> str:
     )
 
 
+def client_dict(obj: Any) -> dict[str, Any]:
+    """A kubernetes client model as the API's JSON (camelCase keys)."""
+    return kubernetes.client.ApiClient().sanitize_for_serialization(obj)
+
+
 def container_env(pod: kubernetes.client.V1Pod) -> dict[str, str]:
     (container,) = [c for c in pod.spec.containers if c.name == "pytorch"]
     return {e.name: e.value for e in container.env or [] if e.value is not None}
@@ -209,9 +235,18 @@ def test_kubectl_server_side_apply_accepts_the_rendered_examples(cluster: Cluste
         assert "pytorchjob.kubeflow.org/" in result.stdout and "(server dry run)" in result.stdout
 
 
-def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: str) -> None:
-    """The operator creates the pods with its env (as ctl.operator_env says), they train through torchrun, the
-    job ends Succeeded, and the run directory on the claim holds a committed checkpoint and the report."""
+def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_namespace: str) -> None:
+    """In the namespace ddpjob ships (enforcing Pod Security "restricted"), the operator (installed as k8s/operator
+    configures it) creates the pods with its env (as ctl.operator_env says) and its init container, the admission
+    lets them in, they train through torchrun, the job ends Succeeded, and the run directory on the claim holds a
+    committed checkpoint and the report."""
+    namespace = shipped_namespace
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    # The admission is on: a pod without the chart's security context is refused here.
+    bare = {"metadata": {"name": "bare"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        core.create_namespaced_pod(namespace, bare, dry_run="All")
+    assert refused.value.status == 403 and 'violates PodSecurity "restricted:latest"' in refused.value.body
     marker = uuid.uuid4().hex
     spec = job_spec(marker)
     apply_rendered(cluster, spec, namespace)
@@ -225,6 +260,9 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, namespace: st
         assert pod.metadata.labels["training.kubeflow.org/replica-type"] == replica.type
         assert container_env(pod).items() >= operator_env(spec, replica).items()
         assert pod.status.phase == "Succeeded" and terminated(pod).exit_code == 0
+        assert violations(client_dict(pod.spec)) == []
+    init = pods[Replica("worker", 0).pod_name(spec.name)].spec.init_containers
+    assert [c.name for c in init] == ["init-pytorch"] and init[0].security_context.run_as_non_root
     assert job["status"]["replicaStatuses"]["Master"].get("succeeded") == 1
     assert_no_process_left(cluster, marker)
 

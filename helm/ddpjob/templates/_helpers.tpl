@@ -124,19 +124,59 @@ A dashboard JSON file with the chart's defaults for its DCGM label variables. Ta
 {{- end }}
 
 {{/*
-Container resources: requests equal limits (extended resources such as GPUs require it); empty when none are set.
+A byte quantity (the spec's pattern: a number and an optional Ki/Mi/Gi/Ti or k/M/G/T suffix) in whole MiB, rounded up.
+*/}}
+{{- define "ddpjob.mebibytes" -}}
+{{- $suffix := regexFind "[kKMGT]i?$" . -}}
+{{- $factor := get (dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1e6 "G" 1e9 "T" 1e12) $suffix -}}
+{{- $bytes := mulf (float64 (trimSuffix $suffix .)) $factor -}}
+{{- ceil (divf $bytes 1048576.0) | int64 -}}
+{{- end }}
+
+{{/*
+Container resources, scaled from the spec. Requests: CPU (2 per process unless set), memory (the trainer's, 4Gi
+per process unless set, plus the /dev/shm volume, which is memory the pod is charged for) and ephemeral storage
+(the scratch volume). Limits: memory equal to its request (memory cannot be taken back, only the pod killed) and
+GPUs (extended resources require limit = request); no CPU limit, whose throttling would slow every rank.
 */}}
 {{- define "ddpjob.resources" -}}
-{{- $r := dict -}}
-{{- with .Values.resources.cpu }}{{ $_ := set $r "cpu" . }}{{ end -}}
-{{- with .Values.resources.memory }}{{ $_ := set $r "memory" . }}{{ end -}}
-{{- if gt (int .Values.resources.gpu) 0 }}{{ $_ := set $r "nvidia.com/gpu" (int .Values.resources.gpu) }}{{ end -}}
-{{- if $r -}}
-requests:
-  {{- toYaml $r | nindent 2 }}
-limits:
-  {{- toYaml $r | nindent 2 }}
+{{- $r := .Values.resources -}}
+{{- $procs := int .Values.procsPerNode -}}
+{{- $trainer := mul 4096 $procs -}}
+{{- with $r.memory }}{{ $trainer = include "ddpjob.mebibytes" . | int64 }}{{ end -}}
+{{- $memory := printf "%dMi" (add $trainer (include "ddpjob.mebibytes" $r.shm | int64)) -}}
+{{- $requests := dict "cpu" (default (toString (mul 2 $procs)) $r.cpu) "memory" $memory "ephemeral-storage" $r.cache -}}
+{{- $limits := dict "memory" $memory -}}
+{{- if gt (int $r.gpu) 0 }}
+{{- $_ := set $requests "nvidia.com/gpu" (int $r.gpu) -}}
+{{- $_ := set $limits "nvidia.com/gpu" (int $r.gpu) -}}
 {{- end -}}
+requests:
+  {{- toYaml $requests | nindent 2 }}
+limits:
+  {{- toYaml $limits | nindent 2 }}
+{{- end }}
+
+{{/*
+The container image: the chart's appVersion unless the spec pins a tag (`tag@sha256:...` digests too).
+*/}}
+{{- define "ddpjob.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end }}
+
+{{/*
+Where the scratch volume is mounted: HOME and the caches under it (the image's HOME, see the Dockerfile), and /tmp.
+*/}}
+{{- define "ddpjob.home" -}}
+/home/ddpjob
+{{- end }}
+
+{{/*
+The default access modes of the created claim: ReadWriteMany when the job's pods may run on several nodes.
+*/}}
+{{- define "ddpjob.accessModes" -}}
+{{- $pods := ternary (int .Values.elastic.maxNodes) (int .Values.nodes) .Values.elastic.enabled -}}
+{{- toYaml (default (list (ternary "ReadWriteMany" "ReadWriteOnce" (gt $pods 1))) .Values.storage.accessModes) -}}
 {{- end }}
 
 {{/*
@@ -195,7 +235,7 @@ spec:
       type: RuntimeDefault
   containers:
     - name: pytorch
-      image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+      image: {{ include "ddpjob.image" . | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       # The operator injects PET_* (torchrun's flags), MASTER_*, RANK and WORLD_SIZE. trainer.launch
       # is torchrun that exits 128 + signal when stopped by one, so restartPolicy ExitCode retries it.
@@ -215,6 +255,19 @@ spec:
           value: {{ .Values.metrics.port | int | toString | quote }}
         - name: PROMETHEUS_MULTIPROC_DIR
           value: {{ include "ddpjob.metricsDir" . | quote }}
+        # The root filesystem is read-only: every cache goes to the bounded scratch volume.
+        - name: HOME
+          value: {{ include "ddpjob.home" . | quote }}
+        - name: XDG_CACHE_HOME
+          value: {{ printf "%s/.cache" (include "ddpjob.home" .) | quote }}
+        - name: HF_HOME
+          value: {{ printf "%s/.cache/huggingface" (include "ddpjob.home" .) | quote }}
+        - name: TORCHINDUCTOR_CACHE_DIR
+          value: {{ printf "%s/.cache/torchinductor" (include "ddpjob.home" .) | quote }}
+        - name: TRITON_CACHE_DIR
+          value: {{ printf "%s/.cache/triton" (include "ddpjob.home" .) | quote }}
+        - name: TMPDIR
+          value: /tmp
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -232,14 +285,11 @@ spec:
       envFrom:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with include "ddpjob.resources" . }}
       resources:
-        {{- . | nindent 8 }}
-      {{- else }}
-      resources: {}
-      {{- end }}
+        {{- include "ddpjob.resources" . | nindent 8 }}
       securityContext:
         runAsNonRoot: true
+        readOnlyRootFilesystem: true
         allowPrivilegeEscalation: false
         capabilities:
           drop: [ALL]
@@ -255,6 +305,12 @@ spec:
           mountPath: /dev/shm
         - name: metrics
           mountPath: {{ include "ddpjob.metricsDir" . }}
+        - name: scratch
+          mountPath: {{ include "ddpjob.home" . }}
+          subPath: home
+        - name: scratch
+          mountPath: /tmp
+          subPath: tmp
   volumes:
     - name: training-config
       configMap:
@@ -271,4 +327,9 @@ spec:
     - name: metrics
       emptyDir:
         sizeLimit: 64Mi
+    # HOME with its caches (Hugging Face, torch.compile, Triton) and /tmp: one bound for both; the kubelet
+    # evicts a pod that writes more instead of filling the node's disk.
+    - name: scratch
+      emptyDir:
+        sizeLimit: {{ .Values.resources.cache | quote }}
 {{- end }}
