@@ -213,14 +213,35 @@ class AlertsSpec(SpecModel):
         default_factory=dict,
         description="Extra labels the Prometheus selects rules by, e.g. {release: kube-prometheus-stack}.",
     )
-    stalled_seconds: int = Field(900, ge=60, description="TrainingStalled: no optimizer step for this long.")
+    stalled_seconds: int = Field(
+        900,
+        ge=60,
+        description="TrainingStalled: no optimizer step for this long, once the trainer processes have completed"
+        " their first (so compilation and a resume's loading are not taken for a hang).",
+    )
+    first_step_seconds: int = Field(
+        1800,
+        ge=60,
+        description="TrainingFirstStepMissing: trainer processes running this long without completing a step"
+        " (data preparation, model loading, torch.compile and the rendezvous included).",
+    )
+    runbook_url: str = Field(
+        "https://github.com/ddpjob/ddpjob/blob/main/docs/operations.md",
+        description="Where the alerts' runbook_url annotations point: docs/operations.md of this project (or your"
+        " copy of it); each alert adds its own #anchor.",
+    )
     loss_explosion_factor: float = Field(
         3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
     )
     checkpoint_max_age_seconds: int = Field(
         7200, ge=0, description="CheckpointTooOld: no checkpoint committed for this long; 0 disables the alert."
     )
-    restart_window_seconds: int = Field(1800, ge=60, description="TrainingRestarted: a restart within this window.")
+    restart_window_seconds: int = Field(
+        1800,
+        ge=60,
+        description="TrainingRestarted: a restart within this window (a container restarted in place or a pod"
+        " recreated: evicted, preempted, retried by restartPolicy).",
+    )
     slow_rank_factor: float = Field(
         1.5, gt=1.0, description="SlowRank: a rank's mean step time above this many times the job's median."
     )
