@@ -2,13 +2,16 @@
 # `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (the chart sets
 # that command; trainer.launch is torchrun with signal exit codes, see trainer/launch.py).
 #   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
+# The tag is the chart's appVersion (helm/ddpjob/Chart.yaml), the image the chart's pods run by default.
 # The base image's torch (2.14.1, CUDA 12.6: drivers from 560, or 525 with CUDA's minor-version
 # compatibility) satisfies pyproject's torch and transformers' (which disables its PyTorch models
 # under torch 2.6), so pip keeps it. 2.12 and up also read TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which
 # the chart sets from the pod's grace period.
 FROM pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
 
-# HOME, the Hugging Face cache and torch.compile's cache must be writable by the non-root user.
+# HOME, the Hugging Face cache and torch.compile's caches must be writable by the non-root user. In a pod the
+# root filesystem is read-only and the chart mounts a size-limited scratch volume at this HOME (and /tmp),
+# setting the same variables (a test keeps them equal).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

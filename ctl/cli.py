@@ -108,11 +108,14 @@ def render(
     job = load_job(spec, set_values)
     from ctl.render import RenderError, to_json, to_yaml
     from ctl.render import render as render_spec
+    from ctl.storage import render_note
 
     try:
         manifests = render_spec(job)
     except RenderError as exc:
         raise fail(str(exc), code=1) from None
+    if message := render_note([m.obj for m in manifests]):
+        note(message)
     typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
 
 
@@ -137,12 +140,14 @@ def cluster_target(kubeconfig: str | None, context: str | None, namespace: str |
 @contextlib.contextmanager
 def cluster_errors() -> Iterator[None]:
     """A cluster failure -> its one line and exit 1; a job that does not exist -> exit 102."""
-    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound
+    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound, StorageMismatch
 
     try:
         yield
     except JobNotFound as exc:
         raise fail(str(exc), code=EXIT_NOT_FOUND) from None
+    except StorageMismatch as exc:  # the spec asks what the cluster cannot give: bad input
+        raise fail(str(exc)) from None
     except ClusterError as exc:
         raise fail(str(exc), code=1) from None
 
@@ -219,7 +224,7 @@ def submit(
 
     target = cluster_target(kubeconfig, context, namespace)
     with cluster_errors():
-        submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace)
+        submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
     ns = target.namespace
     typer.echo(f"pytorchjob.kubeflow.org/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":

@@ -21,6 +21,8 @@ import urllib3
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from ctl import storage
+
 FIELD_MANAGER = "ctl"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 CONTAINER = "pytorch"  # the operator requires every replica's training container to have this name
@@ -199,9 +201,18 @@ def delete_job(target: Target, name: str, foreground: bool = False) -> None:
     raise ClusterError(f"pytorchjob {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
 
 
-def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace: bool) -> dict[str, Any]:
-    """Apply the rendered objects in install order (volume claim and config before the job)."""
+def submit(
+    target: Target,
+    objects: list[dict[str, Any]],
+    dry_run: bool,
+    replace: bool,
+    note: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Apply the rendered objects in install order (volume claim and config before the job), once the cluster is
+    known to run them: the operator installed, a claim its storage class can give (ctl.storage)."""
     require_operator(target)
+    if (message := check_claim(target, objects)) and note:
+        note(message)
     (job,) = [obj for obj in objects if obj["kind"] == "PyTorchJob"]
     name = job["metadata"]["name"]
     try:
@@ -220,6 +231,39 @@ def submit(target: Target, objects: list[dict[str, Any]], dry_run: bool, replace
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
     return apply(target, job, dry_run=dry_run)
+
+
+class StorageMismatch(ClusterError):
+    """The claim asks an access mode its storage class cannot give: bad input (exit 2), nothing created."""
+
+
+def check_claim(target: Target, objects: list[dict[str, Any]]) -> str | None:
+    """Raise StorageMismatch when the rendered claim asks ReadWriteMany of a class (named, or the cluster's default)
+    whose provisioner cannot give it. Returns a note when the check could not be made (StorageClasses are
+    cluster-scoped: k8s/rbac.yaml does not let users read them)."""
+    claim = storage.rwx_claim(objects)
+    if claim is None:
+        return None
+    name = claim["spec"].get("storageClassName")
+    try:
+        if name:
+            storage_class = target.call(f"/apis/storage.k8s.io/v1/storageclasses/{name}")
+        else:
+            classes = target.call("/apis/storage.k8s.io/v1/storageclasses")["items"]
+            annotation = storage.DEFAULT_CLASS_ANNOTATION
+            defaults = [c for c in classes if (c["metadata"].get("annotations") or {}).get(annotation) == "true"]
+            if not defaults:
+                return None
+            # Of several defaults, the API server gives a new claim the newest.
+            storage_class = max(defaults, key=lambda c: c["metadata"]["creationTimestamp"])
+    except NotFound:
+        return None  # a class of statically provisioned volumes need not exist as an object
+    except ClusterError as error:
+        return f"note: the claim's storage class was not checked: {error}"
+    problem = storage.mismatch(claim, storage_class, default=not name)
+    if problem:
+        raise StorageMismatch(problem)
+    return None
 
 
 def condition(job: dict[str, Any]) -> str:
@@ -423,6 +467,7 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
     selector = f"app.kubernetes.io/instance={name}"
     kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
     kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
+    kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))
     if purge:
         kinds.append(("/api/v1", "persistentvolumeclaims"))
     for base, plural in kinds:
@@ -433,5 +478,6 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
             continue
         for item in items:
             target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
-            removed.append(f"{plural[:-1]}/{item['metadata']['name']}")
+            singular = plural.removesuffix("ies") + "y" if plural.endswith("ies") else plural.removesuffix("s")
+            removed.append(f"{singular}/{item['metadata']['name']}")
     return removed

@@ -20,7 +20,7 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
-# A Kubernetes quantity in bytes as the chart's `ddpjob.mebibytes` helper reads it: a number and a binary or decimal suffix.
+# A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 CPU_QUANTITY = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 

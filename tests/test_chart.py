@@ -730,6 +730,21 @@ def test_ctl_render_prints_multi_document_yaml_and_json(tmp_path: Path) -> None:
     assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "error: --output 'xml': expected yaml or json\n")
 
 
+def test_ctl_render_notes_a_read_write_many_claim_on_the_default_class(tmp_path: Path) -> None:
+    """No cluster to ask: a note on stderr (the objects still on stdout) when a multi-node job's claim relies on the
+    default class, which on EKS, GKE and AKS cannot give ReadWriteMany; none when a class is named or one node
+    needs ReadWriteOnce only."""
+    example = REPO / "examples" / "quickstart.yaml"
+    noted = run_ctl("render", str(example), "--set", "nodes=2", "--set", "storage.storageClassName=", cwd=tmp_path)
+    assert noted.returncode == 0 and "kind: PyTorchJob" in noted.stdout
+    (line,) = noted.stderr.splitlines()
+    assert line.startswith("note: claim quickstart-checkpoints asks ReadWriteMany of the cluster's default storage")
+    assert "k8s/README.md" in line
+    for override in ("storage.storageClassName=efs-sc", "nodes=1"):
+        quiet = run_ctl("render", str(example), "--set", "nodes=2", "--set", override, cwd=tmp_path)
+        assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
 def test_ctl_render_does_not_import_torch() -> None:
     code = "import sys, ctl.cli, ctl.render, ctl.schema; sys.exit('torch' in sys.modules)"
     result = subprocess.run([os.sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
@@ -795,6 +810,7 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     }
     everything = spec_of(
         serviceAccount={"create": True},
+        networkPolicy={"enabled": True},
         metrics={"podMonitor": {"enabled": True}, "alerts": {"enabled": True}, "dashboard": {"enabled": True}},
     )
     rendered = {(m.obj["apiVersion"].rpartition("/")[0], m.kind.lower() + "s") for m in render(everything)}

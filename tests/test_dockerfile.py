@@ -12,6 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import yaml
 from conftest import REPO
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -108,6 +109,15 @@ def test_runs_as_non_root_with_writable_home_and_exec_form_entry() -> None:
         assert isinstance(json.loads(args), list), f"{keyword} must be exec form"
     entrypoint = json.loads(next(a for k, a in steps if k == "ENTRYPOINT"))
     assert entrypoint == ["python", "-m", "trainer.launch", "-m", "trainer"]
+
+
+def test_the_documented_build_tag_is_the_chart_s_app_version() -> None:
+    """The chart's pods run `<repository>:<appVersion>` unless a spec pins another tag: the image is built as that
+    version (the project's own), never `latest`."""
+    chart = yaml.safe_load((REPO / "helm" / "ddpjob" / "Chart.yaml").read_text())
+    tags = re.findall(r"docker build -t \S+:(\S+) \.", DOCKERFILE.read_text())
+    assert tags == [chart["appVersion"]]
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == chart["appVersion"]
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

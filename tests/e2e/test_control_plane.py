@@ -836,6 +836,47 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     assert_no_process_left(cluster, marker)
 
 
+def test_ctl_submit_refuses_read_write_many_from_a_block_storage_class(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """A 2-node job's claim asks ReadWriteMany; from a class of EBS volumes (named, or the cluster's default, as on
+    EKS) it would never bind: ctl says so in one line, exit 2, and creates nothing. A 1-node job's claim asks
+    ReadWriteOnce, which the same class gives: it is accepted."""
+    marker = uuid.uuid4().hex
+    block = f"ebs-{marker[:8]}"
+    classes = kubernetes.client.StorageV1Api(cluster.client())
+    default = {"storageclass.kubernetes.io/is-default-class": "true"}
+    classes.create_storage_class(
+        {"metadata": {"name": block, "annotations": default}, "provisioner": "ebs.csi.aws.com"}
+    )
+    spec = spec_file(tmp_path, job_spec(marker, name=f"rwx-{marker[:6]}"))
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    try:
+        for chosen, which in (
+            (block, f"storage class {block}"),
+            ("", f"storage class {block} (the cluster's default)"),
+        ):
+            refused = ctl("submit", str(spec), "--set", f"storage.storageClassName={chosen}")
+            assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+            assert (
+                refused.stderr.count("\n") == 1 and f"asks ReadWriteMany, which {which} cannot give" in refused.stderr
+            )
+            assert "ebs.csi.aws.com" in refused.stderr and "k8s/README.md" in refused.stderr
+        core = kubernetes.client.CoreV1Api(cluster.client())
+        assert core.list_namespaced_persistent_volume_claim(namespace).items == []
+        mine = f"app.kubernetes.io/instance=rwx-{marker[:6]}"
+        assert core.list_namespaced_config_map(namespace, label_selector=mine).items == []
+        jobs = kubernetes.client.CustomObjectsApi(cluster.client())
+        assert jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"] == []
+        single = ctl("submit", str(spec), "--set", "nodes=1", "--dry-run=server")
+        assert single.returncode == 0, single.stderr
+    finally:
+        classes.delete_storage_class(block)
+
+
 def sdk_train() -> None:
     """The Kubeflow SDK's training function: it runs in the SDK job's pods under torchrun (source copied by it)."""
     import os
