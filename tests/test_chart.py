@@ -141,6 +141,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "envFrom": [{"configMapRef": {"name": "nccl-tuning"}}],
         "podAnnotations": {"example.com/team": "ml"},
         "podLabels": {"team": "ml"},
+        "networkPolicy": {
+            "enabled": True,
+            "prometheusNamespaceSelector": {"matchLabels": {"team": "observability"}},
+            "prometheusPodSelector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["prom"]}]},
+        },
         "training": {**TRAIN, "checkpoint": {"dir": "/runs/custom"}},
     },
 }
@@ -813,7 +818,10 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
         networkPolicy={"enabled": True},
         metrics={"podMonitor": {"enabled": True}, "alerts": {"enabled": True}, "dashboard": {"enabled": True}},
     )
-    rendered = {(m.obj["apiVersion"].rpartition("/")[0], m.kind.lower() + "s") for m in render(everything)}
+    plural = {"NetworkPolicy": "networkpolicies"}
+    rendered = {
+        (m.obj["apiVersion"].rpartition("/")[0], plural.get(m.kind, m.kind.lower() + "s")) for m in render(everything)
+    }
     assert rendered <= writable, rendered - writable
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
     # ctl status/logs: pods, their logs and rank 0's metrics (pods/proxy), the operator's Services and events.
