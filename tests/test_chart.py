@@ -395,7 +395,6 @@ def test_image_tag_defaults_to_the_chart_app_version() -> None:
     assert pinned["image"] == f"ddpjob:{digest}"
 
 
-
 def operator_init_containers(job: str) -> list[dict[str, Any]]:
     """The init containers the training operator v1.9 adds to a Worker pod of a job with a Master, as installed by
     k8s/operator: its template file filled in as pkg/controller.v1/pytorch/initcontainer.go does (the image and
