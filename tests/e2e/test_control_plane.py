@@ -246,7 +246,8 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_names
     bare = {"metadata": {"name": "bare"}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
     with pytest.raises(kubernetes.client.ApiException) as refused:
         core.create_namespaced_pod(namespace, bare, dry_run="All")
-    assert refused.value.status == 403 and 'violates PodSecurity "restricted:latest"' in refused.value.body
+    assert refused.value.status == 403
+    assert 'violates PodSecurity "restricted:latest"' in json.loads(refused.value.body)["message"]
     marker = uuid.uuid4().hex
     spec = job_spec(marker)
     apply_rendered(cluster, spec, namespace)
@@ -261,8 +262,16 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_names
         assert container_env(pod).items() >= operator_env(spec, replica).items()
         assert pod.status.phase == "Succeeded" and terminated(pod).exit_code == 0
         assert violations(client_dict(pod.spec)) == []
-    init = pods[Replica("worker", 0).pod_name(spec.name)].spec.init_containers
-    assert [c.name for c in init] == ["init-pytorch"] and init[0].security_context.run_as_non_root
+    worker = client_dict(pods[Replica("worker", 0).pod_name(spec.name)].spec)
+    (init,) = worker["initContainers"]
+    assert init["name"] == "init-pytorch" and init["securityContext"]["runAsNonRoot"]  # k8s/operator's template
+    # The operator's built-in template (the same container without a securityContext) would not have been admitted.
+    builtin = {k: v for k, v in init.items() if k != "securityContext"}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        core.create_namespaced_pod(
+            namespace, {"metadata": {"name": "builtin"}, "spec": worker | {"initContainers": [builtin]}}, dry_run="All"
+        )
+    assert 'container "init-pytorch" must set' in json.loads(refused.value.body)["message"]
     assert job["status"]["replicaStatuses"]["Master"].get("succeeded") == 1
     assert_no_process_left(cluster, marker)
 
