@@ -125,12 +125,14 @@ def job_spec(
     marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
 ) -> JobSpec:
     """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (locally every pod's master
-    address is 127.0.0.1); every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running."""
+    address is 127.0.0.1); every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running.
+    Its requests fit a small kind node (the defaults are sized for GPU training)."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
         "masterPort": controlplane.free_port(),
         "image": image_values(),
+        "resources": {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
         "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
     }
     return JobSpec.model_validate(spec | values)
