@@ -530,6 +530,12 @@ def test_scheduling_env_and_identity_knobs() -> None:
     assert by_kind["ServiceAccount"]["metadata"]["annotations"] == {"iam.example.com/role": "trainer"}
 
 
+def test_a_crash_looping_job_fails_after_three_retries_by_default() -> None:
+    """backoffLimit 3: a job whose pods keep failing ends Failed and frees its GPUs; lifetime limits stay unset."""
+    run_policy = objects(spec_of(nodes=2))["PyTorchJob"]["spec"]["runPolicy"]
+    assert run_policy == {"cleanPodPolicy": "None", "suspend": False, "backoffLimit": 3}
+
+
 def test_kueue_and_volcano_queues() -> None:
     kueue = objects(spec_of(**VARIANTS["kueue"]))["PyTorchJob"]
     assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
