@@ -418,14 +418,38 @@ def operator_pods(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return pods
 
 
+def pod_specs(value: Any, where: str) -> dict[str, dict[str, Any]]:
+    """Every pod spec inside a rendered object (a mapping with `containers`), by where it is."""
+    if isinstance(value, dict):
+        if isinstance(value.get("containers"), list):
+            return {where: value}
+        return {k: v for key, child in value.items() for k, v in pod_specs(child, f"{where}.{key}").items()}
+    if isinstance(value, list):
+        return {k: v for i, child in enumerate(value) for k, v in pod_specs(child, f"{where}[{i}]").items()}
+    return {}
+
+
 @pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
-def test_pods_satisfy_the_restricted_pod_security_profile(name: str, spec: JobSpec) -> None:
-    """Every container of every pod, the one the operator adds included, meets "restricted"."""
+def test_pods_satisfy_the_restricted_pod_security_profile_with_resources(name: str, spec: JobSpec) -> None:
+    """Every container of every pod any rendered object makes, the one the operator adds included, meets
+    "restricted" and says what it needs."""
+    pods = {}
+    for manifest in render(spec):
+        if manifest.kind == "PyTorchJob":
+            pods |= {f"PyTorchJob {kind}": pod for kind, pod in operator_pods(manifest.obj).items()}
+        else:
+            pods |= pod_specs(manifest.obj, f"{manifest.kind} {manifest.name}")
+    for where, pod in pods.items():
+        assert violations(pod) == [], where
+        assert pod["automountServiceAccountToken"] is False, where
+        for container in pod["containers"] + pod.get("initContainers", []):
+            # Requests (never BestEffort, first evicted) and a memory limit: nothing grows unbounded.
+            resources = container.get("resources", {})
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), (where, container["name"])
+            assert "memory" in resources.get("limits", {}), (where, container["name"])
     job = objects(spec)["PyTorchJob"]
-    for kind, pod in operator_pods(job).items():
-        assert violations(pod) == [], kind
+    for pod in operator_pods(job).values():
         assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
-        assert pod["automountServiceAccountToken"] is False
     if spec.nodes > 1 and not spec.elastic.enabled:
         assert [c["name"] for c in operator_pods(job)["Worker"]["initContainers"]] == ["init-pytorch"]
 
