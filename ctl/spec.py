@@ -51,13 +51,13 @@ class ResourcesSpec(SpecModel):
     cpu: str | None = Field(
         None,
         pattern=CPU_QUANTITY,
-        description="CPU request per pod, e.g. '8'; default: 2 per process. No CPU limit: a throttled rank"
+        description="CPU request per pod, e.g. '8' (when unset: 2 per process). No CPU limit: a throttled rank"
         " holds every other rank back at the next all-reduce.",
     )
     memory: str | None = Field(
         None,
         pattern=BYTES_QUANTITY,
-        description="Memory of the trainer processes per pod, e.g. 64Gi; default: 4Gi per process. The pod's"
+        description="Memory of the trainer processes per pod, e.g. 64Gi (when unset: 4Gi per process). The pod's"
         " memory request and limit are this plus `shm` (/dev/shm is memory the pod is charged for).",
     )
     shm: str = Field("1Gi", pattern=BYTES_QUANTITY, description="Size limit of the /dev/shm memory volume.")
@@ -124,13 +124,13 @@ class RunPolicySpec(SpecModel):
         None,
         ge=0,
         description="Delete the finished PyTorchJob (and its pods, with their logs) after this many seconds, e.g."
-        " 604800 (a week); the run directory's claim stays. Unset: kept until deleted (`ctl delete`).",
+        " 604800 (a week); the run directory's claim stays. When unset they stay until deleted (`ctl delete`).",
     )
     active_deadline_seconds: int | None = Field(
         None,
         ge=1,
-        description="Fail the job after running this long. Unset by default: how long training takes is the"
-        " spec's to say (maxSteps, epochs), not a guess here.",
+        description="Fail the job after running this long, e.g. as a cost cap; how long training takes is the"
+        " spec's to say (maxSteps, epochs).",
     )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods deleted when the job finishes; None keeps them for `ctl logs`."
