@@ -117,8 +117,10 @@ class RunPolicySpec(SpecModel):
     backoff_limit: int = Field(
         3,
         ge=0,
-        description="Pod restarts and recreations before the job is marked Failed and its GPUs are freed (a"
-        " crash-looping job otherwise holds them forever); resumed runs continue from their last checkpoint.",
+        description="Container restarts (restartPolicy OnFailure or Always, summed over the job's pods) before the"
+        " job is marked Failed and its GPUs are freed: a crash-looping job otherwise holds them forever. Each"
+        " restart resumes from the last checkpoint. The operator (v1.9) does not count ExitCode's pod"
+        " recreations; 0 fails the job at its first failure.",
     )
     ttl_seconds_after_finished: int | None = Field(
         None,
