@@ -101,11 +101,15 @@ def shipped_namespace(cluster: Cluster) -> Iterator[str]:
     assert manifest["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     name = manifest["metadata"]["name"]
     client = cluster.client()
+    core = kubernetes.client.CoreV1Api(client)
+    existed = name in {n.metadata.name for n in core.list_namespace().items}  # an external cluster's: kept
     controlplane.ensure_namespace(client, name)
     controlplane.server_side_apply(client, manifest)  # after: its apply of the bare namespace would drop the labels
     yield name
+    if existed:
+        return
     try:
-        kubernetes.client.CoreV1Api(client).delete_namespace(name)
+        core.delete_namespace(name)
     except kubernetes.client.ApiException as error:
         if error.status != 404:
             raise
