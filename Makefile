@@ -20,8 +20,9 @@ $(BIN)/uv:
 compile_venv = $(1)/bin/python -m compileall -q -j 0 -x 'py312_intrinsics' $(1)/lib
 COMPILE := $(call compile_venv,$(VENV))
 
+# The trainer's install (`ddpjob[train]`): `ctl run` needs it. The client alone is `pip install .`.
 install: $(BIN)/uv
-	$(INSTALL) -e .
+	$(INSTALL) -e '.[train]'
 	$(COMPILE)
 
 dev: $(BIN)/uv
@@ -57,7 +58,7 @@ FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py
 
 floors-env: $(BIN)/uv
 	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(FLOORS_VENV)
-	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e .
+	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e '.[train]'
 	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python -e '.[dev]'
 	$(call compile_venv,$(FLOORS_VENV))
 

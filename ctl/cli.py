@@ -83,7 +83,10 @@ def run(
 ) -> None:
     """Run the job on this machine: one torchrun agent per node, with the operator's env."""
     job = load_job(spec, set_values)
-    from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
+    from ctl.local import missing_trainer_requirements, run_local  # kept out of `ctl --help`'s import time
+
+    if missing := missing_trainer_requirements():
+        raise fail(f"ctl run needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
 
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
     code = run_local(job, directory)
