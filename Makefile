@@ -80,7 +80,7 @@ lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The chart's values.yaml and values.schema.json, generated from the job spec model.
+# The chart's values.yaml and values.schema.json, and docs/spec.md, generated from the job spec model.
 chart: install
 	$(BIN)/python -m ctl.schema
 
