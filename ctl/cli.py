@@ -468,5 +468,32 @@ def delete(
         typer.echo(f"{item} deleted")
 
 
+# Set by a completion script when it asks `ctl` for the candidates of the word being typed.
+COMPLETE_VAR = "_CTL_COMPLETE"
+SHELLS = ("bash", "zsh", "fish")
+
+
+@app.command()
+def completion(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", show_default=False)],
+) -> None:
+    """Print the shell completion script for commands, options and their values, as kubectl and helm do.
+
+    bash: `source <(ctl completion bash)` in ~/.bashrc; zsh: `source <(ctl completion zsh)` in ~/.zshrc,
+    after compinit; fish: `ctl completion fish > ~/.config/fish/completions/ctl.fish`.
+    """
+    if shell not in SHELLS:
+        raise fail(f"completion {shell!r}: expected bash, zsh or fish")
+    from typer.completion import get_completion_script
+
+    typer.echo(get_completion_script(prog_name="ctl", complete_var=COMPLETE_VAR, shell=shell))
+
+
 def main() -> None:
+    if COMPLETE_VAR in os.environ:
+        # A completion script is asking: Typer's completion for each shell, registered only then
+        # (`add_completion=False` keeps Typer's --install-completion options out of every command).
+        from typer.completion import completion_init
+
+        completion_init()
     app()
