@@ -19,23 +19,22 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from trainer.checkpoint import SaveStats
 from trainer.spec import JOB_NAME_ENV, SpecError, TrainingSpec
 
 TENSORBOARD_DIR = "tensorboard"
 RUN_IDS = "tracking.json"
-EXTRA = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"}
+# What to install for each tracker.
+PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"}
 
 
 def check_installed(spec: TrainingSpec) -> None:
     """Every tracker `reportTo` names can be imported, or one line saying what to install."""
     for name in spec.report_to:
         if importlib.util.find_spec(name) is None:
-            raise SpecError(
-                f"reportTo: {name} is not installed: pip install '{EXTRA[name]}', or leave it out of training.reportTo"
-            )
+            install = f"pip install '{PIP_NAME[name]}'"
+            raise SpecError(f"reportTo: {name} is not installed: {install}, or leave it out of training.reportTo")
 
 
 class TensorBoard:
@@ -87,22 +86,20 @@ class Tracker:
     """Rank 0's trackers; on every other rank `log` does nothing. Closed at exit."""
 
     def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path, resumed_step: int | None) -> None:
-        self.trackers: list[Any] = []
+        self.trackers: list[TensorBoard | MLflow | WandB] = []
         self.reported_save: SaveStats | None = None
         if not is_main:
             return
         name = os.environ.get(JOB_NAME_ENV) or run_dir.name
         ids_file = run_dir / RUN_IDS
         ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
-        for tracker in spec.report_to:
-            if tracker == "tensorboard":
+        for kind in spec.report_to:
+            if kind == "tensorboard":
                 self.trackers.append(TensorBoard(run_dir, resumed_step))
-            elif tracker == "mlflow":
-                self.trackers.append(MLflow(name, ids.get(tracker)))
-            else:
-                self.trackers.append(WandB(name, ids.get(tracker), run_dir))
-            if hasattr(self.trackers[-1], "run_id"):
-                ids[tracker] = self.trackers[-1].run_id
+                continue
+            service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
+            ids[kind] = service.run_id
+            self.trackers.append(service)
         if ids:
             ids_file.write_text(json.dumps(ids))
         atexit.register(self.close)
