@@ -47,11 +47,11 @@ test: dev prometheus e2e-binaries floors-env
 
 # The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution;
 # what they pull in, and the dev tools, at their newest), under the tests that reach each of them:
-# pydantic, typer and helm (spec, chart, CLI); torch, transformers, tokenizers, safetensors,
+# pydantic, typer and helm (spec, chart, CLI, shell completion); torch, transformers, tokenizers, safetensors,
 # prometheus-client, tensorboard and numpy (2-process runs of each workload, compile, checkpoint and resume,
 # metrics, TensorBoard event files). urllib3 is reached only by the cluster commands (the e2e tier).
 # The generated chart files are left out: their exact text follows the newest pydantic.
-FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py \
+FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
 	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
 	tests/test_local_run.py tests/test_classification.py tests/test_causal_lm.py \
 	tests/test_ddp.py::test_compiled_ddp_equals_single_process \

@@ -95,7 +95,8 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(REPO / name, source / name)
     for name in ("ctl", "trainer", "helm"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    uv = Path(sys.executable).parent / "uv"
+    uv = shutil.which("uv", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    assert uv, "uv is missing: `make test` installs it into .venv"
     venv = root / "venv"
     env = os.environ | {"UV_OFFLINE": "1", "VIRTUAL_ENV": str(venv)}
     for command in ([uv, "venv", "--quiet", "--python", sys.executable, venv], [uv, "pip", "install", source]):
