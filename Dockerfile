@@ -1,4 +1,4 @@
-# The training image: CUDA PyTorch with the ddpjob project installed; every pod runs
+# The training image: CUDA PyTorch with ddpjob's trainer installed; every pod runs
 # `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (the chart sets
 # that command; trainer.launch is torchrun with signal exit codes, see trainer/launch.py).
 #   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
@@ -26,9 +26,13 @@ COPY pyproject.toml README.md ./
 COPY trainer ./trainer
 COPY ctl ./ctl
 
-# pyproject.toml is the one source of the dependency set: install the project, nothing listed here.
-RUN pip install --no-cache-dir . \
-    && python -c "import torch, transformers, tokenizers, safetensors, trainer"
+# Only what pods use: the `train` extra's requirements, read from pyproject.toml (the one source of the
+# dependency set), then the project itself without the client's dependencies (kubernetes, Typer, Helm's engine).
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['train'], sep='\n')" > /tmp/train.txt \
+    && pip install --no-cache-dir -r /tmp/train.txt \
+    && pip install --no-cache-dir --no-deps . \
+    && rm /tmp/train.txt \
+    && python -c "import torch, transformers, tokenizers, safetensors, tensorboard, trainer.__main__"
 
 # The chart runs as 1000:1000 (security.runAsUser/runAsGroup/fsGroup); /checkpoints is the default mount.
 RUN groupadd --gid 1000 ddpjob \

@@ -20,8 +20,9 @@ $(BIN)/uv:
 compile_venv = $(1)/bin/python -m compileall -q -j 0 -x 'py312_intrinsics' $(1)/lib
 COMPILE := $(call compile_venv,$(VENV))
 
+# The trainer's install (`ddpjob[train]`): `ctl run` needs it. The client alone is `pip install .`.
 install: $(BIN)/uv
-	$(INSTALL) -e .
+	$(INSTALL) -e '.[train]'
 	$(COMPILE)
 
 dev: $(BIN)/uv
@@ -46,10 +47,11 @@ test: dev prometheus e2e-binaries floors-env
 
 # The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution;
 # what they pull in, and the dev tools, at their newest), under the tests that reach each of them:
-# pydantic, typer and helm (spec, chart, CLI); torch, transformers, tokenizers, safetensors and
-# prometheus-client (2-process runs of each workload, compile, checkpoint and resume, metrics).
+# pydantic, typer and helm (spec, chart, CLI, shell completion); torch, transformers, tokenizers, safetensors,
+# prometheus-client, tensorboard and numpy (2-process runs of each workload, compile, checkpoint and resume,
+# metrics, TensorBoard event files). urllib3 is reached only by the cluster commands (the e2e tier).
 # The generated chart files are left out: their exact text follows the newest pydantic.
-FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py \
+FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
 	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
 	tests/test_local_run.py tests/test_classification.py tests/test_causal_lm.py \
 	tests/test_ddp.py::test_compiled_ddp_equals_single_process \
@@ -57,7 +59,7 @@ FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py
 
 floors-env: $(BIN)/uv
 	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(FLOORS_VENV)
-	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e .
+	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e '.[train]'
 	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python -e '.[dev]'
 	$(call compile_venv,$(FLOORS_VENV))
 
@@ -79,7 +81,7 @@ lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The chart's values.yaml and values.schema.json, generated from the job spec model.
+# The chart's values.yaml and values.schema.json, and docs/spec.md, generated from the job spec model.
 chart: install
 	$(BIN)/python -m ctl.schema
 

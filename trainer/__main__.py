@@ -32,6 +32,7 @@ from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.tracking import check_installed
 from trainer.workloads import Workload, prepare
 
 EXIT_BAD_INPUT = 2
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = load_training_spec(args.config)
         metrics_endpoint()  # a bad metrics environment fails here, before any work
+        check_installed(spec)  # so does a tracker that reportTo names but nothing installed
         dist = init_distributed()
         try:
             code = run(spec, dist)

@@ -47,7 +47,7 @@ RNG = "rng.pt"
 STATE = "state.json"
 STEP_DIR = re.compile(r"step-(\d{8})")
 # Settings that do not change what is trained: they may differ between a checkpoint and its resume.
-NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile")
+NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "reportTo")
 
 
 class CheckpointError(RuntimeError):

@@ -31,6 +31,7 @@ from trainer.dist import Dist, StopRequest, all_reduce_sum
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
+from trainer.tracking import Tracker
 
 # Keys of a batch that are not model inputs.
 NOT_INPUTS = ("labels", "index")
@@ -227,12 +228,18 @@ def train(
     )
 
     metrics = TrainingMetrics(spec, dist, model, state.max_steps)
+    tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if saved is None else saved.step)
 
     def report_eval(prefix: str) -> float:
         result = evaluate(model, val_batches, dist, amp_dtype)
         metrics.evaluated(result.loss, result.accuracy)
+        tracker.log(state.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
         return result.loss
+
+    def report_checkpoint() -> None:
+        metrics.checkpoint_saved(checkpoints.last_save)
+        tracker.checkpoint_saved(checkpoints.last_save)
 
     def save(wait: bool = False) -> None:
         # Running sums summed over ranks; on resume rank 0 carries them and the other ranks start at zero.
@@ -240,7 +247,7 @@ def train(
         state.epoch_totals = all_reduce_sum(epoch_totals.clone()).tolist()
         state.epoch, state.position = batches.epoch, batches.position
         checkpoints.save(model, optimizer, scaler, state, wait=wait)
-        metrics.checkpoint_saved(checkpoints.last_save)
+        report_checkpoint()
 
     # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
     carried = dist.is_main and saved is not None
@@ -299,8 +306,19 @@ def train(
                 state.tokens += int(tokens_all)
                 tokens_per_second = tokens_all / (now - interval_start)
                 # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
-                metrics.logged(train_loss, lr, None if grad_norm is None else grad_norm.item(), tokens_per_second)
-                metrics.checkpoint_saved(checkpoints.last_save)  # a background save may have finished since
+                norm = None if grad_norm is None else grad_norm.item()
+                metrics.logged(train_loss, lr, norm, tokens_per_second)
+                tracker.log(
+                    done,
+                    {
+                        "train/loss": train_loss,
+                        "train/accuracy": correct_all / count_all,
+                        "train/learning_rate": lr,
+                        "train/grad_norm": norm,
+                        "train/tokens_per_second": tokens_per_second,
+                    },
+                )
+                report_checkpoint()  # a background save may have finished since
                 log(
                     f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
                     f" | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s"
@@ -336,7 +354,7 @@ def train(
                     state.best_val_loss, state.best_step = state.val_loss, done
                 save()
     checkpoints.wait()
-    metrics.checkpoint_saved(checkpoints.last_save)
+    report_checkpoint()
     return result(state, batches, train_loss, started, preempted=False)
 
 

@@ -166,6 +166,12 @@ class TrainingSpec(SpecModel):
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0: only at the end.")
     log_every: int = Field(10, ge=1, description="Rank 0 logs a line every N steps.")
     seed: int = Field(1337, description="Seed for init, data order and sampling.")
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers rank 0 reports to: tensorboard (event files in `<run dir>/tensorboard`),"
+        " mlflow, wandb; [] for none. MLflow and W&B read their own environment (MLFLOW_TRACKING_URI,"
+        " WANDB_API_KEY, WANDB_PROJECT...): set it with `env`/`envFrom`, secrets by reference.",
+    )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     sample: SampleSpec = Field(default_factory=SampleSpec)
 

@@ -1,0 +1,123 @@
+"""Experiment tracking: rank 0 reports what the loop logs to TensorBoard, MLflow or Weights & Biases.
+
+`training.reportTo` names the trackers (default: tensorboard). TensorBoard's event files go to
+`<run dir>/tensorboard`, on the shared volume in a cluster, so `tensorboard --logdir` on the volume
+shows every run. MLflow and W&B take their configuration and credentials from their own environment
+variables (MLFLOW_TRACKING_URI, WANDB_API_KEY, WANDB_PROJECT, ...), which a spec sets by reference
+(`env` with `valueFrom.secretKeyRef`, `envFrom`): no secret is ever a spec value.
+
+Each library is imported only when named; a named one that is not installed is bad input, found by
+`check_installed` before any work. A resumed run goes on in the same MLflow/W&B run (their ids are kept
+in `<run dir>/tracking.json`), and TensorBoard drops what the interrupted attempt logged after the
+checkpoint it resumes from.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from trainer.checkpoint import SaveStats
+from trainer.spec import JOB_NAME_ENV, SpecError, TrainingSpec
+
+TENSORBOARD_DIR = "tensorboard"
+RUN_IDS = "tracking.json"
+# What to install for each tracker.
+PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_installed(spec: TrainingSpec) -> None:
+    """Every tracker `reportTo` names can be imported, or one line saying what to install."""
+    for name in spec.report_to:
+        if importlib.util.find_spec(name) is None:
+            install = f"pip install '{PIP_NAME[name]}'"
+            raise SpecError(f"reportTo: {name} is not installed: {install}, or leave it out of training.reportTo")
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, resumed_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: events at or after it, from the attempt that was interrupted, are dropped on reading.
+        purge = None if resumed_step is None else resumed_step + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # log steps are rare: a reader (and a killed run) sees every value at once
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflow:
+    def __init__(self, name: str, run_id: str | None) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        self.run_id = mlflow.start_run(run_id=run_id, run_name=None if run_id else name).info.run_id
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class WandB:
+    def __init__(self, name: str, run_id: str | None, run_dir: Path) -> None:
+        import wandb
+
+        self.run = wandb.init(name=name, id=run_id, resume="allow", dir=str(run_dir))
+        self.run_id = self.run.id
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracker:
+    """Rank 0's trackers; on every other rank `log` does nothing. Closed at exit."""
+
+    def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path, resumed_step: int | None) -> None:
+        self.trackers: list[TensorBoard | MLflow | WandB] = []
+        self.reported_save: SaveStats | None = None
+        if not is_main:
+            return
+        name = os.environ.get(JOB_NAME_ENV) or run_dir.name
+        ids_file = run_dir / RUN_IDS
+        ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
+        for kind in spec.report_to:
+            if kind == "tensorboard":
+                self.trackers.append(TensorBoard(run_dir, resumed_step))
+                continue
+            service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
+            ids[kind] = service.run_id
+            self.trackers.append(service)
+        if ids:
+            ids_file.write_text(json.dumps(ids))
+        atexit.register(self.close)
+
+    def log(self, step: int, values: dict[str, float | None]) -> None:
+        """Scalars of one step, by name (`train/loss`, `eval/accuracy`...); None values are left out."""
+        present = {key: float(value) for key, value in values.items() if value is not None}
+        for tracker in self.trackers:
+            tracker.log(step, present)
+
+    def checkpoint_saved(self, save: SaveStats | None) -> None:
+        """The newest committed checkpoint, once (a background save is reported when the loop sees it done)."""
+        if save is None or save is self.reported_save:
+            return
+        self.reported_save = save
+        self.log(save.step, {"checkpoint/save_seconds": save.seconds, "checkpoint/size_bytes": save.size_bytes})
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
