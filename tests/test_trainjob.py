@@ -4,14 +4,16 @@ controller and webhooks do with them (pkg/runtime/framework/plugins/{torch,jobse
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from conftest import REPO, run_ctl
+from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
 from test_chart import ALL_SPECS, VARIANTS, crd_schema, objects, pod_templates, spec_of, trainer_container
 
+from ctl.operator_env import TRAINJOB_ENV
 from ctl.render import notes
 from ctl.spec import JobSpec, load_spec
 
@@ -79,15 +81,20 @@ def test_runtime_is_what_the_webhook_and_torch_plugin_expect() -> None:
     assert trainer["image"] == container["image"] and trainer["command"] == container["command"]
     assert trainer["resourcesPerNode"] == container["resources"]
     assert "env" not in trainer  # the webhook refuses PET_* there; the pod template carries the env
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env.items() >= TRAINJOB_ENV.items()  # what `ctl run` gives its TrainJob nodes too
+    assert not [name for name in env if name.startswith("PET_")]  # the torch plugin's, upserted over ours
 
 
 def without_api_differences(template: dict[str, Any]) -> dict[str, Any]:
-    """A pod template less what the two APIs need differently (container name, v1's port, Job restartPolicy)."""
+    """A pod template less what the two APIs need differently (container name, v1's port, Job restartPolicy,
+    the env the operator v1 sets itself)."""
     template["metadata"]["annotations"].pop("kubectl.kubernetes.io/default-container")
     template["spec"].pop("restartPolicy", None)
     container = trainer_container(template)
     container.pop("name")
     container["ports"] = [p for p in container["ports"] if p["name"] != "pytorchjob-port"]
+    container["env"] = [e for e in container["env"] if e["name"] not in TRAINJOB_ENV]
     return template
 
 
@@ -182,3 +189,15 @@ def test_notes_and_alerts_point_at_the_trainjob_pods() -> None:
     rules = objects(spec_of(apiKind="TrainJob", metrics={"alerts": {"enabled": True}}))["PrometheusRule"]
     runbooks = " ".join(r["annotations"].get("runbook", "") for g in rules["spec"]["groups"] for r in g["rules"])
     assert node_zero in runbooks and "kubectl describe trainjob" in runbooks and "-c pytorch" not in runbooks
+
+
+def test_ctl_run_trains_two_trainjob_nodes_with_trainer_v2s_env(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    """`ctl run` of a 2-node TrainJob: the agents rendezvous through PET_* alone, as Trainer v2's pods do."""
+    env, marker = marked_env
+    spec = tiny_spec(corpus_file) | {"apiKind": "TrainJob", "nodes": 2, "procsPerNode": 1}
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[node 1] rank 1 of 2" in result.stdout and "[node 0] step 5/5 | loss " in result.stdout
+    report = json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())
+    assert report["world_size"] == 2 and report["steps"] == 5
+    assert processes_with_marker(marker) == []

@@ -226,6 +226,11 @@ spec:
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
           value: {{ max 0 (sub (int .Values.terminationGracePeriodSeconds) 5) | toString | quote }}
+        {{- if include "ddpjob.isTrainJob" . }}
+        # The operator v1 sets it; Trainer v2 does not, and a piped stdout would show the log in blocks.
+        - name: PYTHONUNBUFFERED
+          value: "1"
+        {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.
