@@ -132,6 +132,8 @@ def test_gang_scheduling_and_kueue() -> None:
     (template,) = pod_templates(volcano).values()
     assert template["spec"]["schedulerName"] == "volcano"
     assert "podGroupPolicy" not in objects(spec_of(apiKind="TrainJob"))["TrainingRuntime"]["spec"]
+    untimed = objects(spec_of(apiKind="TrainJob", queue={"coscheduling": "sched"}))["TrainingRuntime"]["spec"]
+    assert untimed["podGroupPolicy"] == {"coscheduling": {}}  # the CRD's default timeout (60 s)
     # The same Kueue labels on a PyTorchJob.
     v1 = objects(spec_of(queue={"kueue": "team-a", "kueuePriorityClass": "high"}))["PyTorchJob"]["metadata"]["labels"]
     assert labels.items() >= {k: v for k, v in v1.items() if k.startswith("kueue.x-k8s.io/")}.items()
