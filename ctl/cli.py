@@ -213,6 +213,9 @@ def submit(
     if dry_run not in ("none", "client", "server"):
         raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
     job = load_job(spec, set_values)
+    if job.api_kind == "TrainJob" and (wait_for or follow):
+        # ctl status/logs/wait read PyTorchJobs only so far (docs/trainer-v2.md).
+        raise fail("--wait/--follow: not available for apiKind TrainJob yet; follow it with kubectl (see the notes)")
     from ctl.render import RenderError, render, to_yaml
 
     try:
@@ -229,8 +232,16 @@ def submit(
     with cluster_errors():
         submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
     ns = target.namespace
-    typer.echo(f"pytorchjob.kubeflow.org/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
+    from ctl.cluster import JOB_APIS
+
+    api = JOB_APIS[job.api_kind]
+    typer.echo(f"{api.kind.lower()}.{api.group}/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":
+        return
+    if job.api_kind == "TrainJob":  # ctl's own follow-up commands read PyTorchJobs only so far: kubectl's
+        from ctl.render import notes
+
+        typer.echo(notes(job, ns), err=True)
         return
     typer.echo(
         f"next: ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"

@@ -24,7 +24,6 @@ from kubernetes.client.exceptions import ApiException
 from ctl import storage
 
 FIELD_MANAGER = "ctl"
-GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 CONTAINER = "pytorch"  # the operator requires every replica's training container to have this name
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
@@ -44,6 +43,39 @@ OPERATOR_INSTALL = (
 )
 
 
+@dataclass(frozen=True)
+class JobApi:
+    """Where a job kind is served, and what a cluster needs installed to serve it."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    install: str
+
+    def path(self, namespace: str, name: str = "") -> str:
+        return f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
+
+
+PYTORCHJOB = JobApi(
+    "PyTorchJob",
+    "kubeflow.org",
+    "v1",
+    "pytorchjobs",
+    f"the Kubeflow training operator v1.9 first, e.g. {OPERATOR_INSTALL}",
+)
+# Kubeflow Trainer v2 (apiKind TrainJob): `ctl submit` creates TrainJobs; status, logs, list and wait read
+# PyTorchJobs only so far (docs/trainer-v2.md).
+TRAINJOB = JobApi(
+    "TrainJob",
+    "trainer.kubeflow.org",
+    "v1alpha1",
+    "trainjobs",
+    "Kubeflow Trainer v2.3 and JobSet first (docs/trainer-v2.md)",
+)
+JOB_APIS = {api.kind: api for api in (PYTORCHJOB, TRAINJOB)}
+
+
 class ClusterError(RuntimeError):
     """Talking to the cluster failed; the message is the one line `ctl` prints."""
 
@@ -53,7 +85,7 @@ class NotFound(ClusterError):
 
 
 class JobNotFound(NotFound):
-    """The PyTorchJob a command names does not exist."""
+    """The job a command names does not exist."""
 
 
 @dataclass
@@ -161,44 +193,37 @@ def apply(target: Target, obj: dict[str, Any], dry_run: bool = False) -> dict[st
     )
 
 
-def job_path(target: Target, name: str) -> str:
-    return f"/apis/{GROUP}/{VERSION}/namespaces/{target.namespace}/{PLURAL}/{name}"
-
-
-def get_job(target: Target, name: str) -> dict[str, Any]:
+def get_job(target: Target, name: str, api: JobApi = PYTORCHJOB) -> dict[str, Any]:
     try:
-        return target.call(job_path(target, name))
+        return target.call(api.path(target.namespace, name))
     except NotFound:
-        raise JobNotFound(f"pytorchjob {name} not found in namespace {target.namespace}") from None
+        raise JobNotFound(f"{api.kind.lower()} {name} not found in namespace {target.namespace}") from None
 
 
-def require_operator(target: Target) -> None:
+def require_operator(target: Target, api: JobApi = PYTORCHJOB) -> None:
     try:
-        resources = target.call(f"/apis/{GROUP}/{VERSION}")["resources"]
+        resources = target.call(f"/apis/{api.group}/{api.version}")["resources"]
     except NotFound:
         resources = []
-    if not any(r["name"] == PLURAL for r in resources):
-        raise ClusterError(
-            f"the cluster has no PyTorchJob resource ({PLURAL}.{GROUP}): install the Kubeflow training"
-            f" operator v1.9 first, e.g. {OPERATOR_INSTALL}"
-        )
+    if not any(r["name"] == api.plural for r in resources):
+        raise ClusterError(f"the cluster has no {api.kind} resource ({api.plural}.{api.group}): install {api.install}")
 
 
-def delete_job(target: Target, name: str, foreground: bool = False) -> None:
-    """Delete the PyTorchJob and wait until it is gone. In the background (the default) the cluster's garbage
+def delete_job(target: Target, name: str, foreground: bool = False, api: JobApi = PYTORCHJOB) -> None:
+    """Delete the job and wait until it is gone. In the background (the default) the cluster's garbage
     collector removes its pods and Services afterwards; in the foreground the job object goes only once the
     collector has removed them, so a job recreated under its name never meets the old pods."""
     policy = "Foreground" if foreground else "Background"
-    target.call(job_path(target, name), "DELETE", body={"propagationPolicy": policy})
+    target.call(api.path(target.namespace, name), "DELETE", body={"propagationPolicy": policy})
     deadline = time.monotonic() + DELETE_WAIT_S
     while time.monotonic() < deadline:
         try:
-            get_job(target, name)
+            get_job(target, name, api)
         except JobNotFound:
             return
         time.sleep(0.5)
     left = " (its pods and Services are still being removed)" if foreground else ""
-    raise ClusterError(f"pytorchjob {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
+    raise ClusterError(f"{api.kind.lower()} {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
 
 
 def submit(
@@ -208,25 +233,27 @@ def submit(
     replace: bool,
     note: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Apply the rendered objects in install order (volume claim and config before the job), once the cluster is
-    known to run them: the operator installed, a claim its storage class can give (ctl.storage)."""
-    require_operator(target)
+    """Apply the rendered objects in install order (volume claim, config and a TrainJob's runtime before the job),
+    once the cluster is known to run them: the operator installed, a claim its storage class can give
+    (ctl.storage)."""
+    (job,) = [obj for obj in objects if obj["kind"] in JOB_APIS]
+    api = JOB_APIS[job["kind"]]
+    require_operator(target, api)
     if (message := check_claim(target, objects)) and note:
         note(message)
-    (job,) = [obj for obj in objects if obj["kind"] == "PyTorchJob"]
     name = job["metadata"]["name"]
     try:
-        get_job(target, name)
+        get_job(target, name, api)
         exists = True
     except JobNotFound:
         exists = False
     if exists and not replace:
         raise ClusterError(
-            f"pytorchjob {name} already exists in namespace {target.namespace}:"
+            f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
     if exists and not dry_run:
-        delete_job(target, name, foreground=True)
+        delete_job(target, name, foreground=True, api=api)
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
@@ -430,7 +457,10 @@ def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any
 
 
 def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
-    path = f"/apis/{GROUP}/{VERSION}/" + ("" if all_namespaces else f"namespaces/{target.namespace}/") + PLURAL
+    api = PYTORCHJOB
+    path = (
+        f"/apis/{api.group}/{api.version}/" + ("" if all_namespaces else f"namespaces/{target.namespace}/") + api.plural
+    )
     try:
         items = target.call(path)["items"]
     except NotFound:

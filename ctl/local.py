@@ -27,7 +27,15 @@ from typing import TextIO
 
 import yaml
 
-from ctl.operator_env import ELASTIC_ENV, SHUTDOWN_TIMEOUT_ENV, Replica, operator_env, replicas, shutdown_timeout
+from ctl.operator_env import (
+    ELASTIC_ENV,
+    SHUTDOWN_TIMEOUT_ENV,
+    TRAINJOB_ENV,
+    Replica,
+    operator_env,
+    replicas,
+    shutdown_timeout,
+)
 from ctl.spec import JobSpec
 from trainer.spec import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 
@@ -102,6 +110,8 @@ def agent_env(
     env |= operator_env(spec, replica, address=LOCAL_ADDRESS, port=port)
     if spec.elastic.enabled:
         env |= ELASTIC_ENV
+    if spec.api_kind == "TrainJob":
+        env |= TRAINJOB_ENV
     # The grace period a pod would have; one exported here (like a spec's `env` in a pod) wins.
     env.setdefault(SHUTDOWN_TIMEOUT_ENV, shutdown_timeout(spec))
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)

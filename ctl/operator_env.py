@@ -1,4 +1,5 @@
-"""The environment the Kubeflow training operator (v1.9) injects into each pod.
+"""The environment the job's operator injects into each pod: the Kubeflow training operator v1.9
+(PyTorchJob) or Kubeflow Trainer v2.3's torch plugin (TrainJob).
 
 Both `ctl run` (which starts one torchrun agent per simulated pod) and the tests use
 this module, so a laptop run and a cluster run see the same variables. torchrun reads
@@ -11,13 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ctl.spec import JobSpec
+from ctl.spec import TRAINJOB_MASTER_PORT, JobSpec
 
 RDZV_BACKEND = "c10d"
 # Set by the chart (not the operator) on elastic pods: a fresh rendezvous store every round.
 # torchrun's shared store keeps the previous round's keys, and restarted workers can then
 # wait forever for peers that are gone.
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Set by the chart on TrainJob pods: the operator v1 sets it itself, Trainer v2 does not, and a trainer whose
+# stdout is a pipe would otherwise show its log in blocks.
+TRAINJOB_ENV = {"PYTHONUNBUFFERED": "1"}
 # Set by the chart on every pod: how long torchrun waits for its workers to save and exit after it
 # forwards SIGTERM, before it kills them. torch's own default is 30 s whatever the pod's grace period;
 # the chart gives them the grace period less a margin for torchrun's own exit.
@@ -32,30 +36,55 @@ def shutdown_timeout(spec: JobSpec) -> str:
 
 @dataclass(frozen=True)
 class Replica:
-    """One pod of the PyTorchJob."""
+    """One pod of the job: a PyTorchJob's master or worker, or a TrainJob's node (its completion index)."""
 
-    type: Literal["master", "worker"]
+    type: Literal["master", "worker", "node"]
     index: int
 
     def pod_name(self, job: str) -> str:
+        """The pod's name; a TrainJob's Job pods have a random suffix after this, their hostname."""
+        if self.type == "node":  # replicated job `node`, its first (only) Job, then the completion index
+            return f"{job}-node-0-{self.index}"
         return f"{job}-{self.type}-{self.index}"
 
 
 def replicas(spec: JobSpec) -> list[Replica]:
-    """Master + (nodes-1) Workers; or, elastic, `nodes` Workers and no Master."""
+    """Master + (nodes-1) Workers; or, elastic, `nodes` Workers and no Master; a TrainJob: `nodes` nodes."""
+    if spec.api_kind == "TrainJob":
+        return [Replica("node", i) for i in range(spec.nodes)]
     if spec.elastic.enabled:
         return [Replica("worker", i) for i in range(spec.nodes)]
     return [Replica("master", 0)] + [Replica("worker", i) for i in range(spec.nodes - 1)]
 
 
+def trainer_v2_env(
+    spec: JobSpec, replica: Replica, address: str | None = None, port: int | None = None
+) -> dict[str, str]:
+    """The variables Trainer v2.3's torch plugin upserts into the `node` container of `replica`.
+
+    PET_NODE_RANK comes from the pod's completion index (a fieldRef); the master is node 0's pod by its
+    hostname under the JobSet's headless Service, on the plugin's fixed port.
+    """
+    master = Replica("node", 0).pod_name(spec.name)
+    return {
+        "PET_NNODES": str(spec.nodes),
+        "PET_NPROC_PER_NODE": str(spec.procs_per_node),
+        "PET_NODE_RANK": str(replica.index),
+        "PET_MASTER_ADDR": address or f"{master}.{spec.name}",
+        "PET_MASTER_PORT": str(port or TRAINJOB_MASTER_PORT),
+    }
+
+
 def operator_env(
     spec: JobSpec, replica: Replica, address: str | None = None, port: int | None = None
 ) -> dict[str, str]:
-    """The variables the operator appends to the `pytorch` container of `replica`.
+    """The variables the operator appends to the trainer container (`pytorch`, or a TrainJob's `node`) of `replica`.
 
     `address`/`port` stand in for the master (or rendezvous) Service and the
-    `pytorchjob-port` when the pods are simulated locally.
+    rendezvous port when the pods are simulated locally.
     """
+    if spec.api_kind == "TrainJob":
+        return trainer_v2_env(spec, replica, address, port)
     port = port or spec.master_port
     env = {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": str(spec.procs_per_node)}
     if spec.elastic.enabled:

@@ -23,7 +23,7 @@ SOURCE_CHART = Path(__file__).resolve().parent.parent / "helm" / "ddpjob"  # a s
 INSTALLED_CHART = Path(sys.prefix) / "share" / "ddpjob" / "helm" / "ddpjob"  # pyproject's data-files, from a wheel
 
 # Helm's install order (pkg/release/util/kind_sorter.go): `helm template` prints objects in this order,
-# unknown kinds (custom resources such as PyTorchJob) last, alphabetically, then by name.
+# unknown kinds (custom resources such as PyTorchJob) last, alphabetically, then by name; hooks come last.
 INSTALL_ORDER = [
     "PriorityClass", "Namespace", "NetworkPolicy", "ResourceQuota", "LimitRange", "PodSecurityPolicy",
     "PodDisruptionBudget", "ServiceAccount", "Secret", "SecretList", "ConfigMap", "StorageClass",
@@ -32,6 +32,9 @@ INSTALL_ORDER = [
     "Service", "DaemonSet", "Pod", "ReplicationController", "ReplicaSet", "Deployment", "HorizontalPodAutoscaler",
     "StatefulSet", "Job", "CronJob", "IngressClass", "Ingress", "APIService", "MutatingWebhookConfiguration",
     "ValidatingWebhookConfiguration",
+    # Not Helm's: Trainer v2 refuses a TrainJob before its runtime exists. Helm installs the runtime as a
+    # pre-install hook; `ctl submit` and `kubectl apply -f` of this output create it first by this order.
+    "TrainingRuntime",
 ]  # fmt: skip
 DOC_SEPARATOR = re.compile(r"^---\s*$", re.MULTILINE)
 

