@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from trainer.spec import EXIT_BAD_INPUT
+
 if TYPE_CHECKING:
     from ctl.cluster import Target
     from ctl.logs import LogOptions
     from ctl.spec import JobSpec
 
-EXIT_BAD_INPUT = 2
 WATCH_INTERVAL_S = 2.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 PREFIX_COLOURS = ("36", "35", "33", "32", "34", "31")  # ANSI: cyan, magenta, yellow, green, blue, red
@@ -80,13 +81,22 @@ def run(
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="Also stream every rank's output and torchrun's own (else in logs/)."),
+    ] = False,
 ) -> None:
-    """Run the job on this machine: one torchrun agent per node, with the operator's env."""
+    """Run the job on this machine: one torchrun agent per node, with the operator's env.
+
+    Shows rank 0's progress, then one line: the outcome, or the root cause of a failure with the log files that
+    hold the rest (the run directory's logs/). SIGTERM stops the run as Ctrl-C does: every rank saves at one
+    agreed step; exit 143 (130 for Ctrl-C), and the same command resumes.
+    """
     job = load_job(spec, set_values)
     from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
 
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
-    code = run_local(job, directory)
+    code = run_local(job, directory, verbose)
     raise typer.Exit(code)
 
 
@@ -466,4 +476,24 @@ def delete(
 
 
 def main() -> None:
-    app()
+    """`ctl`, with Click's usage errors as one line and exit 2, as every other bad input."""
+    try:  # Typer 0.29 and later raise them from its own copy of Click
+        from typer._click import exceptions as click
+    except ImportError:
+        from click import exceptions as click  # type: ignore[no-redef]
+    try:
+        code = app(standalone_mode=False)  # an exit code (typer.Exit), or None when a command returns
+    except getattr(click, "NoArgsIsHelpError", ()) as exc:  # no arguments at all (Click 8.2 on): the help
+        exc.show()
+        code = exc.exit_code
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else "ctl"
+        typer.echo(f"error: {command}: {exc.format_message().rstrip('.')} (see '{command} --help')", err=True)
+        code = EXIT_BAD_INPUT
+    except click.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        code = exc.exit_code
+    except click.Abort:
+        typer.echo("aborted", err=True)
+        code = 1
+    sys.exit(code or 0)
