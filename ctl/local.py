@@ -374,7 +374,7 @@ def run_local(
         return EXIT_BAD_INPUT
     kept = keep_logs(logs, run_dir, started)
     if cause.kind == Kind.STOPPED:
-        console.note(stopped(run_dir, "the nodes were stopped (SIGTERM)"))
+        console.note(stopped(run_dir, "the nodes got SIGTERM"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_PREEMPTED
     console.note(failure_line(cause, by_failure[cause], spec.name, logs, kept))
