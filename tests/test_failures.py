@@ -22,6 +22,7 @@ from trainer.failures import Failure, root_cause
 from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, LATEST_CHECKPOINT
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
+TMP = "tmp"
 
 
 def terminal(result: subprocess.CompletedProcess) -> list[str]:
@@ -29,15 +30,21 @@ def terminal(result: subprocess.CompletedProcess) -> list[str]:
 
 
 def tree(path: Path) -> dict[str, int]:
-    """Every file and folder under `path`, with its modification time: what bad input must leave alone."""
-    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in path.rglob("*")}
+    """Every file and folder under `path` with its modification time: what bad input must leave alone. In the
+    temporary directory only ctl's own files count (ddpjob-*): torch keeps caches there."""
+    found = {}
+    for child in path.rglob("*"):
+        parts = child.relative_to(path).parts
+        if parts[0] != TMP or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
+            found["/".join(parts)] = child.stat().st_mtime_ns
+    return found
 
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A working directory, and an env whose temporary files (ctl's logs among them) stay inside it."""
-    (tmp_path / "tmp").mkdir()
-    return tmp_path, os.environ | {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / TMP).mkdir()
+    return tmp_path, os.environ | {"TMPDIR": str(tmp_path / TMP)}
 
 
 def assert_one_line(result: subprocess.CompletedProcess, code: int, expected: str) -> None:

@@ -59,7 +59,12 @@ class ModelSpec(SpecModel):
     n_layer: int = Field(4, ge=1, description="Transformer blocks (without pretrained/size).")
     n_head: int = Field(4, ge=1, description="Attention heads per block (without pretrained/size).")
     n_embd: int = Field(128, ge=1, description="Embedding width, a multiple of nHead (without pretrained/size).")
-    block_size: int = Field(128, ge=2, description="Context length: the packing block (LM) or truncation length.")
+    block_size: int = Field(
+        128,
+        ge=2,
+        description="Context length: the packing block (LM) or truncation length; at most the model's positions"
+        " (1024 for a named size).",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP.")
 
     @field_validator("block_size")
