@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import transformers
@@ -127,7 +127,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     return 0
 
 
-def exit_bad_input(message: str) -> None:
+def exit_bad_input(message: str) -> NoReturn:
     """Tell torchrun (and through it `ctl run`) the one-line reason, then exit 2; a traceback would only be noise."""
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         rank = int(os.environ.get("RANK", "0"))
