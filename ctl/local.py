@@ -271,6 +271,8 @@ def keep_logs(logs: Path, run_dir: Path, started: str) -> Path:
     target = run_dir / LOGS / started
     try:
         target.parent.mkdir(exist_ok=True)  # never creates the run directory itself
+        if target.exists():  # another run started in the same second
+            target = target.with_name(f"{started}-{logs.name.removeprefix('ddpjob-logs-')}")
         shutil.copytree(logs, target)
     except OSError:
         shutil.rmtree(target, ignore_errors=True)
@@ -286,7 +288,8 @@ def failure_line(cause: Failure, agent: Agent, job: str, logs: Path, kept: Path)
         who = f"rank {cause.rank} on {who}"
     where = f"logs of every rank in {kept}"
     if cause.log:
-        where = f"traceback in {kept / Path(cause.log).relative_to(logs) / 'stderr.log'}; {where}"
+        log = Path(cause.log)
+        where = f"traceback in {kept / log.relative_to(logs) if log.is_relative_to(logs) else log}/stderr.log; {where}"
     return f"error: {who} failed: {cause.message} ({where})"
 
 

@@ -210,6 +210,9 @@ def test_logs_stay_where_they_are_when_there_is_no_run_directory(tmp_path: Path)
     kept = keep_logs(logs, tmp_path / "run", "20260101-000000")
     assert kept == tmp_path / "run" / "logs" / "20260101-000000" and (kept / "node-0.log").read_text() == "torchrun\n"
     assert not logs.exists()
+    (logs / "node-0").mkdir(parents=True)  # a second run, started in the same second, keeps both
+    again = keep_logs(logs, tmp_path / "run", "20260101-000000")
+    assert again.name.startswith("20260101-000000-") and (kept / "node-0.log").exists()
 
 
 # -- signals ---------------------------------------------------------------------------------------------------
