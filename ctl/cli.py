@@ -1,7 +1,7 @@
 """The `ctl` command (Typer). Thin: each command parses, delegates, maps errors to exit codes.
 
 Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait/--follow`)
-100 failed, 101 not finished (timeout), 102 not found.
+100 failed, 101 not finished (timeout), 102 not found; `run` stopped after saving: 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PREFIX_COLOURS = ("36", "35", "33", "32", "34", "31")  # ANSI: cyan, magenta, ye
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait/--follow):"
-    " 100 failed, 101 not finished, 102 not found."
+    " 100 failed, 101 not finished, 102 not found; run stopped after saving: 130 Ctrl-C, 143 SIGTERM."
 )
 
 app = typer.Typer(
