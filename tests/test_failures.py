@@ -30,13 +30,14 @@ def terminal(result: subprocess.CompletedProcess) -> list[str]:
 
 
 def tree(path: Path) -> dict[str, int]:
-    """Every file and folder under `path` with its modification time: what bad input must leave alone. In the
-    temporary directory only ctl's own files count (ddpjob-*): torch keeps caches there."""
+    """Every file and folder under `path`, with each file's modification time: what bad input must leave alone
+    (a folder's own time changes with the trainer's write test, which leaves nothing). In the temporary
+    directory only ctl's own files count (ddpjob-*): torch keeps caches there."""
     found = {}
     for child in path.rglob("*"):
         parts = child.relative_to(path).parts
         if parts[0] != TMP or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
-            found["/".join(parts)] = child.stat().st_mtime_ns
+            found["/".join(parts)] = 0 if child.is_dir() else child.stat().st_mtime_ns
     return found
 
 
