@@ -51,13 +51,22 @@ def main() -> None:
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:
     """What torchrun knows of the failed worker of global rank `rank`, with its own record and its log directory."""
     code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
-    directory = Path(failure.error_file).parent
-    log = str(directory) if (directory / "stderr.log").exists() else None
+    log = worker_log(failure)
     recorded = read_record(Path(failure.error_file), code)
     if recorded is not None:
         return Failure(recorded.code, recorded.message, recorded.time, rank, log)
     reason = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {code}"
     return Failure(code, reason, float(failure.timestamp), rank, log)
+
+
+def worker_log(failure: ProcessFailure) -> str | None:
+    """The folder where torchrun keeps the worker's stdout.log and stderr.log (with --redirects), if any."""
+    if os.path.isfile(failure.error_file):
+        folder = Path(failure.error_file).parent
+    else:  # no record (killed by a signal): torchrun forgot the path; its local rank's folder of the newest attempt
+        attempts = Path(os.environ.get("PET_LOG_DIR") or os.devnull).glob(f"*/attempt_*/{failure.local_rank}")
+        folder = max(attempts, key=os.path.getmtime, default=Path(os.devnull))
+    return str(folder) if (folder / "stderr.log").is_file() else None
 
 
 def exit_stopped(code: int, reason: str) -> None:
