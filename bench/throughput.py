@@ -68,7 +68,7 @@ SHAPES = {
     # GPT-2 124M: its 50257-token vocabulary (a BPE of that size trains on the corpus above in seconds).
     "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 50257},
 }
-STEP_LINE = re.compile(r"^(?:\[node 0\] )?step (\d+)\b")
+STEP_LINE = re.compile(r"^(?:\[rank 0\] )?step (\d+)\b")
 # All three print it on a GPU: the trainer in its summary, the peers when they are done.
 PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
 

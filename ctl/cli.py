@@ -1,7 +1,7 @@
 """The `ctl` command (Typer). Thin: each command parses, delegates, maps errors to exit codes.
 
 Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait/--follow`)
-100 failed, 101 not finished (timeout), 102 not found.
+100 failed, 101 not finished (timeout), 102 not found; `run` stopped after saving: 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from trainer.spec import EXIT_BAD_INPUT
+
 if TYPE_CHECKING:
     from ctl.cluster import Target
     from ctl.logs import LogOptions
     from ctl.spec import JobSpec
 
-EXIT_BAD_INPUT = 2
 WATCH_INTERVAL_S = 2.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 PREFIX_COLOURS = ("36", "35", "33", "32", "34", "31")  # ANSI: cyan, magenta, yellow, green, blue, red
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait/--follow):"
-    " 100 failed, 101 not finished, 102 not found."
+    " 100 failed, 101 not finished, 102 not found; run stopped after saving: 130 Ctrl-C, 143 SIGTERM."
 )
 
 app = typer.Typer(
@@ -80,8 +81,17 @@ def run(
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="Also stream every rank's output and torchrun's own (else in logs/)."),
+    ] = False,
 ) -> None:
-    """Run the job on this machine: one torchrun agent per node, with the operator's env."""
+    """Run the job on this machine: one torchrun agent per node, with the operator's env.
+
+    Shows rank 0's progress, then one line: the outcome, or the root cause of a failure with the log files that
+    hold the rest (the run directory's logs/). SIGTERM stops the run as Ctrl-C does: every rank saves at one
+    agreed step; exit 143 (130 for Ctrl-C), and the same command resumes.
+    """
     job = load_job(spec, set_values)
     from ctl.local import missing_trainer_requirements, run_local  # kept out of `ctl --help`'s import time
 
@@ -89,7 +99,7 @@ def run(
         raise fail(f"ctl run needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
 
     directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
-    code = run_local(job, directory)
+    code = run_local(job, directory, verbose)
     raise typer.Exit(code)
 
 
@@ -506,10 +516,30 @@ def completion(
 
 
 def main() -> None:
+    """`ctl`, with Click's usage errors as one line and exit 2, as every other bad input."""
     if COMPLETE_VAR in os.environ:
         # A completion script is asking: Typer's completion for each shell, registered only then
         # (`add_completion=False` keeps Typer's --install-completion options out of every command).
         from typer.completion import completion_init
 
         completion_init()
-    app()
+    try:  # Typer 0.29 and later raise them from its own copy of Click
+        from typer._click import exceptions as click
+    except ImportError:
+        from click import exceptions as click  # type: ignore[no-redef]
+    try:
+        code = app(standalone_mode=False)  # an exit code (typer.Exit), or None when a command returns
+    except getattr(click, "NoArgsIsHelpError", ()) as exc:  # no arguments at all (Click 8.2 on): the help
+        exc.show()
+        code = exc.exit_code
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else "ctl"
+        typer.echo(f"error: {command}: {exc.format_message().rstrip('.')} (see '{command} --help')", err=True)
+        code = EXIT_BAD_INPUT
+    except click.ClickException as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        code = exc.exit_code
+    except click.Abort:
+        typer.echo("aborted", err=True)
+        code = 1
+    sys.exit(code or 0)

@@ -24,9 +24,13 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "tiny"
-    assert "[node 0] step 5/5 | loss " in result.stdout
-    assert f"[node 0] run directory: {run_dir}" in result.stdout
-    assert "[node 0] sample:\n[node 0] def " in result.stdout
+    assert "[rank 0] step 5/5 | loss " in result.stdout
+    assert f"[rank 0] run directory: {run_dir}" in result.stdout
+    assert "[rank 0] sample:\n[rank 0] def " in result.stdout
+    # Rank 1's own output is in its log, not on the terminal.
+    assert "rank 1 of 2" not in result.stdout + result.stderr
+    (rank1,) = run_dir.glob("logs/*/node-0/*/attempt_0/1/stderr.log")
+    assert rank1.read_text().startswith("rank 1 of 2 on ")
 
     report = json.loads((run_dir / "report.json").read_text())
     assert report["task"] == "char-gpt" and report["world_size"] == 2 and report["steps"] == 5
@@ -44,7 +48,7 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
 
     # TensorBoard (reportTo's default) read back with its own reader: every logged value, at its step.
     scalars = tensorboard_scalars(run_dir)
-    logged = [float(m) for m in re.findall(r"\[node 0\] step \d+/5 \| loss (\S+)", result.stdout)]
+    logged = [float(m) for m in re.findall(r"\[rank 0\] step \d+/5 \| loss (\S+)", result.stdout)]
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5]
     assert [value for _, value in scalars["train/loss"]] == pytest.approx(logged, abs=6e-5)  # float32, 4 decimals
     for tag in ("train/accuracy", "train/learning_rate", "train/grad_norm", "train/tokens_per_second"):
@@ -60,8 +64,7 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
     spec = tiny_spec(corpus_file, data={"train": str(missing)}) | {"nodes": 2, "procsPerNode": 1}
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert f"error: data.train: no file matches '{missing}'" in result.stdout
-    assert f"failed: data.train: no file matches '{missing}'" in result.stderr
+    assert (result.stdout, result.stderr) == ("", f"error: data.train: no file matches '{missing}'\n")
     assert not (tmp_path / "runs").exists()
     assert processes_with_marker(marker) == []
 
@@ -95,7 +98,9 @@ def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, m
         os.kill(rank1, signal.SIGKILL)
         _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == 1
-    assert "ctl: node 1 (tiny-worker-0) failed" in stderr
+    # Rank 1's death, not rank 0's lost connection to it; its log and everyone's named.
+    failed = re.search(r"^error: rank 1 on node 1 \(tiny-worker-0\) failed: killed by SIGKILL \((.*)\)$", stderr, re.M)
+    assert failed and failed.group(1).startswith(f"traceback in {tmp_path / 'runs' / 'tiny' / 'logs'}"), stderr
     assert processes_with_marker(marker) == []
 
 
@@ -119,5 +124,5 @@ def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, 
         time.sleep(1)
         ctl.send_signal(signal.SIGINT)
         _, stderr = ctl.communicate(timeout=120)
-    assert ctl.returncode == 130 and "ctl: interrupted; stopped all nodes" in stderr
+    assert ctl.returncode == 130 and "ctl: interrupted (SIGINT): stopped" in stderr
     assert processes_with_marker(marker) == []

@@ -139,7 +139,9 @@ def live_job(tmp_path: Path, corpus_file: Path, marked_env: tuple[dict[str, str]
             preexec_fn=ctrl_c_reaches,
         )
     try:
-        announced = wait_for("ctl run to print the metrics endpoints", lambda: endpoints(err), time.monotonic() + 30)
+        # ctl announces them with the first line of training (a run failing on its input prints only its error):
+        # after every rank has started and read its data.
+        announced = wait_for("ctl run to print the metrics endpoints", lambda: endpoints(err), time.monotonic() + 120)
         assert [int(node) for node, _ in announced] == list(range(NODES))
         yield LiveJob([url for _, url in announced], tmp_path / "runs" / "tiny")
     finally:

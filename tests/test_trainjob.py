@@ -201,7 +201,9 @@ def test_ctl_run_trains_two_trainjob_nodes_with_trainer_v2s_env(tmp_path, write_
     spec = tiny_spec(corpus_file) | {"apiKind": "TrainJob", "nodes": 2, "procsPerNode": 1}
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[node 1] rank 1 of 2" in result.stdout and "[node 0] step 5/5 | loss " in result.stdout
+    assert "[rank 0] step 5/5 | loss " in result.stdout
+    (rank1,) = (tmp_path / "runs" / "tiny").glob("logs/*/node-1/*/attempt_0/0/stderr.log")
+    assert rank1.read_text().startswith("rank 1 of 2 on ")
     report = json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 5
     assert processes_with_marker(marker) == []

@@ -3,20 +3,20 @@
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
 saving a checkpoint (128 + 15: what a terminated process reports); the next start
-resumes from it.
+resumes from it. Rank 0's progress goes to stdout; everything else (every rank's own
+line, warnings, errors) to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import transformers
@@ -25,17 +25,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.checkpoint import Checkpointer
 from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
-from trainer.launch import EXIT_PREEMPTED
+from trainer.failures import Failure, write_record
 from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
 from trainer.metrics import metrics_endpoint
 from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
-from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, SpecError, TrainingSpec, load_training_spec
 from trainer.tracking import check_installed
 from trainer.workloads import Workload, prepare
-
-EXIT_BAD_INPUT = 2
 
 
 def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[str, Any]:
@@ -68,8 +66,11 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
         if dist.is_main:
             print(message, flush=True)
 
-    # Every process says where it runs: the one line of a non-zero rank's log, for matching ranks to pods and devices.
-    print(f"rank {dist.rank} of {dist.world_size} on {socket.gethostname()} ({dist.device})", flush=True)
+    # Every process says where it runs, for matching ranks to pods and devices. On stderr: stdout stays rank 0's
+    # progress, which starts only once the inputs are accepted (bad input is one line, and nothing else).
+    print(
+        f"rank {dist.rank} of {dist.world_size} on {socket.gethostname()} ({dist.device})", file=sys.stderr, flush=True
+    )
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
@@ -82,11 +83,11 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     except SpecError:
         remove_if_empty(created)  # bad data: leave nothing behind
         raise
+    checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
+    checkpoints.check_settings()
+    checkpoints.clean()
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
-
-    checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
-    checkpoints.clean()
     result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
     if result.preempted:
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
@@ -127,12 +128,13 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     return 0
 
 
-def record_bad_input(message: str) -> None:
-    """Tell torchrun (and through it `ctl run`) the one-line reason; a traceback would only be noise."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+def exit_bad_input(message: str) -> NoReturn:
+    """Tell torchrun (and through it `ctl run`) the one-line reason, then exit 2; a traceback would only be noise."""
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        rank = int(os.environ.get("RANK", "0"))
+        write_record(Path(error_file), Failure(EXIT_BAD_INPUT, message, time.time(), rank))
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 @record
@@ -145,14 +147,12 @@ def main(argv: list[str] | None = None) -> None:
         metrics_endpoint()  # a bad metrics environment fails here, before any work
         check_installed(spec)  # so does a tracker that reportTo names but nothing installed
         dist = init_distributed()
-        try:
-            code = run(spec, dist)
-        finally:
-            shutdown()
+        code = run(spec, dist)
     except SpecError as exc:
-        record_bad_input(str(exc))
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_INPUT)
+        exit_bad_input(str(exc))
+    # Only after a success: on a failure the peers learn of it when this process exits, after its record is
+    # written (here or by @record), so that their "connection closed by peer" never comes before the cause.
+    shutdown()
     if code:
         sys.exit(code)
 

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -37,15 +36,13 @@ import torch
 import torch.distributed as torch_dist
 
 from trainer.dist import Dist, barrier
-from trainer.spec import CheckpointSpec, SpecError
+from trainer.spec import CHECKPOINT_NAME, LATEST_CHECKPOINT, CheckpointSpec, SpecError
 
 MARKER = "COMMITTED"
-LATEST = "latest"
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
-STEP_DIR = re.compile(r"step-(\d{8})")
 # Settings that do not change what is trained: they may differ between a checkpoint and its resume.
 NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "reportTo")
 
@@ -199,7 +196,7 @@ class Checkpointer:
         """(step, folder) of every complete checkpoint, oldest first."""
         found = []
         for path in self.run_dir.iterdir() if self.run_dir.is_dir() else ():
-            match = STEP_DIR.fullmatch(path.name)
+            match = CHECKPOINT_NAME.fullmatch(path.name)
             if match and self.is_complete(path):
                 found.append((int(match.group(1)), path))
         return sorted(found)
@@ -217,12 +214,29 @@ class Checkpointer:
         if self.dist.is_main and self.run_dir.is_dir():
             for path in self.run_dir.iterdir():
                 leftover = path.name.startswith((".step-", ".trash-"))
-                uncommitted = STEP_DIR.fullmatch(path.name) and not self.is_complete(path)
+                uncommitted = CHECKPOINT_NAME.fullmatch(path.name) and not self.is_complete(path)
                 if path.is_dir() and (leftover or uncommitted):
                     shutil.rmtree(path, ignore_errors=True)
         barrier()
 
     # -- resuming -----------------------------------------------------------------------------
+
+    def check_settings(self) -> None:
+        """Refuse (SpecError) to resume from the newest checkpoint when its training settings differ from this run's."""
+        checkpoints = self.committed()
+        if checkpoints:
+            self.saved_state(checkpoints[-1][1])
+
+    def saved_state(self, path: Path) -> dict[str, Any]:
+        """Checkpoint `path`'s state.json, once it is clear that this run may resume from it."""
+        saved = json.loads((path / STATE).read_text())
+        if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
+            keys = changed_keys(config_values(saved["config"]), config_values(self.config))
+            raise SpecError(
+                f"checkpoint: {path.name} was written with different settings (changed: {', '.join(keys)});"
+                " set checkpoint.allowConfigChange=true to resume anyway, or use a new checkpoint.dir"
+            )
+        return saved
 
     def load_latest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
@@ -236,13 +250,7 @@ class Checkpointer:
         if not checkpoints:
             return None
         path = checkpoints[-1][1]
-        saved = json.loads((path / STATE).read_text())
-        if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
-            keys = changed_keys(config_values(saved["config"]), config_values(self.config))
-            raise SpecError(
-                f"checkpoint: {path.name} was written with different settings (changed: {', '.join(keys)});"
-                " set checkpoint.allowConfigChange=true to resume anyway, or use a new checkpoint.dir"
-            )
+        saved = self.saved_state(path)
         safetensors.torch.load_model(model, path / MODEL, strict=True, device=str(self.dist.device))
         trainer = torch.load(path / OPTIMIZER, map_location=self.dist.device, weights_only=True)
         optimizer.load_state_dict(trainer["optimizer"])
@@ -331,10 +339,10 @@ class Checkpointer:
             shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover of the same step
             os.replace(staging, target)
             fsync_path(self.run_dir)
-            latest = self.run_dir / f".{LATEST}.tmp"
+            latest = self.run_dir / f".{LATEST_CHECKPOINT}.tmp"
             latest.write_text(name + "\n")
             fsync_path(latest)
-            os.replace(latest, self.run_dir / LATEST)
+            os.replace(latest, self.run_dir / LATEST_CHECKPOINT)
             fsync_path(self.run_dir)
         except (OSError, safetensors.SafetensorError) as exc:  # disk full, quota, permissions, I/O errors
             shutil.rmtree(staging, ignore_errors=True)

@@ -133,8 +133,16 @@ def load_char_corpus(spec: DataSpec, block_size: int) -> CharCorpus:
         vocab, TokenBlocks(vocab.encode(train_text), block_size), TokenBlocks(vocab.encode(val_text), block_size)
     )
     if not len(corpus.val):
-        raise SpecError(f"data.val: {len(val_text)} characters, fewer than one block of {block_size + 1}")
+        raise_block_too_long(block_size, len(val_text), "characters")
     return corpus
+
+
+def raise_block_too_long(block_size: int, count: int, unit: str) -> None:
+    """The validation text holds no block: blockSize is what to change (or the data)."""
+    raise SpecError(
+        f"model.blockSize: {block_size} is too long for the validation text ({count} {unit};"
+        " a block takes blockSize + 1)"
+    )
 
 
 def check_enough_samples(count: int, dist: Dist, batch_size: int, key: str) -> None:

@@ -1,25 +1,34 @@
-"""torchrun, except that a pod stopped to be resumed exits 143 (128 + SIGTERM), not 1.
+"""torchrun, except that its exit code and error file tell the root cause of a failure.
 
 Every pod (and every `ctl run` node) runs `python -m trainer.launch -m trainer --config FILE`,
-which takes torchrun's arguments and `PET_*` variables unchanged. The training operator's
-`restartPolicy: ExitCode` fails the job for exit codes 1-127 and recreates the pod for 128
-and up. On SIGTERM (eviction, preemption, a node shutting down) every rank stops at one
-agreed step, rank 0 saves a checkpoint and the trainers exit 143; plain torchrun then exits
-1, on the pod that got the signal and on every other pod, and the job would fail instead of
-resuming.
+which takes torchrun's arguments and `PET_*` variables unchanged. When a worker fails, plain
+torchrun exits 1 and copies the earliest failure (to the second) into its own error file, often
+a peer's "Connection closed by peer". Here the node's root cause is picked by
+`trainer.failures.root_cause` and:
+
+- bad input on any rank: its one line, exit 2;
+- stopped to be resumed: exit 143 (128 + SIGTERM), not 1. The training operator's
+  `restartPolicy: ExitCode` fails the job for exit codes 1-127 and recreates the pod for 128 and
+  up. On SIGTERM (eviction, preemption, a node shutting down) every rank stops at one agreed step,
+  rank 0 saves and the trainers exit 143, on the pod that got the signal and on every other pod;
+- any other failure: torchrun's own report, exit 1.
+
+The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has one (`ctl run` sets it).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun
 
-# What the trainer exits with after saving on SIGTERM: what a process ended by SIGTERM reports.
-EXIT_PREEMPTED = 128 + signal.SIGTERM
+from trainer.failures import Failure, Kind, read_record, root_cause, write_record
+from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
 
 def main() -> None:
@@ -28,10 +37,36 @@ def main() -> None:
     except SignalException as exc:
         exit_stopped(128 + int(exc.sigval), f"stopped by {signal.Signals(exc.sigval).name}")
     except ChildFailedError as exc:
-        # Another pod got the signal: this pod's trainers agreed to stop with it and saved.
-        if all(failure.exitcode == EXIT_PREEMPTED for failure in exc.failures.values()):
+        cause = root_cause(worker_failure(rank, failure) for rank, failure in exc.failures.items())
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            write_record(Path(error_file), cause)
+        if cause.kind == Kind.STOPPED:  # another pod got the signal: this pod's trainers stopped with it and saved
             exit_stopped(EXIT_PREEMPTED, "the trainers stopped to be resumed")
+        if cause.kind == Kind.BAD_INPUT:
+            print(f"error: {cause.message}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
         raise
+
+
+def worker_failure(rank: int, failure: ProcessFailure) -> Failure:
+    """What torchrun knows of the failed worker of global rank `rank`, with its own record and its log directory."""
+    code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+    log = worker_log(failure)
+    recorded = read_record(Path(failure.error_file), code)
+    if recorded is not None:
+        return Failure(recorded.code, recorded.message, recorded.time, rank, log)
+    reason = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {code}"
+    return Failure(code, reason, float(failure.timestamp), rank, log)
+
+
+def worker_log(failure: ProcessFailure) -> str | None:
+    """The folder where torchrun keeps the worker's stdout.log and stderr.log (with --redirects), if any."""
+    if os.path.isfile(failure.error_file):
+        folder = Path(failure.error_file).parent
+    else:  # no record (killed by a signal): torchrun forgot the path; its local rank's folder of the newest attempt
+        attempts = Path(os.environ.get("PET_LOG_DIR") or os.devnull).glob(f"*/attempt_*/{failure.local_rank}")
+        folder = max(attempts, key=os.path.getmtime, default=Path(os.devnull))
+    return str(folder) if (folder / "stderr.log").is_file() else None
 
 
 def exit_stopped(code: int, reason: str) -> None:

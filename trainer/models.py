@@ -19,16 +19,16 @@ from transformers import (
     PreTrainedModel,
 )
 
-from trainer.spec import ModelSpec, SpecError
+from trainer.spec import GPT2_POSITIONS, ModelSpec, SpecError
+from trainer.text import check_pretrained_source
 
-# (layers, heads, width) of the published GPT-2 sizes; all have 1024 positions.
+# (layers, heads, width) of the published GPT-2 sizes; all have GPT2_POSITIONS positions.
 GPT2_SIZES = {
     "gpt2": (12, 12, 768),
     "gpt2-medium": (24, 16, 1024),
     "gpt2-large": (36, 20, 1280),
     "gpt2-xl": (48, 25, 1600),
 }
-GPT2_POSITIONS = 1024
 
 
 def gpt2_config(spec: ModelSpec, vocab_size: int, eos_id: int, **extra: Any) -> GPT2Config:
@@ -51,6 +51,7 @@ def gpt2_config(spec: ModelSpec, vocab_size: int, eos_id: int, **extra: Any) -> 
 
 
 def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> PreTrainedModel:
+    check_pretrained_source(spec.pretrained, "model.pretrained")
     try:
         model = auto_class.from_pretrained(spec.pretrained, **kwargs)
     except (OSError, ValueError) as exc:

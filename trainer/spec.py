@@ -6,11 +6,12 @@ Keys are camelCase (as Helm and Kubernetes users write them); unknown keys are e
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 # The environment the chart (and `ctl run`, per simulated pod) gives the trainer besides training.yaml.
@@ -20,15 +21,26 @@ METRICS_HOST_ENV = "DDPJOB_METRICS_HOST"  # address it binds (default: every int
 # prometheus_client's own variable: the directory where a pod's trainer processes keep their metric files.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
+# Exit codes of the trainer, its launcher (trainer.launch) and `ctl run`; docs/errors.md explains them.
+EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2  # bad spec, flag or data: one line naming the key; retrying cannot help
+EXIT_INTERRUPTED = 130  # `ctl run` stopped by Ctrl-C (128 + SIGINT), after the trainers saved
+EXIT_PREEMPTED = 143  # stopped by SIGTERM after saving (128 + SIGTERM); the next start resumes
+# The run directory's pointer to its newest complete checkpoint, `step-<N>` (8 digits).
+LATEST_CHECKPOINT = "latest"
+CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
+# The largest context a named GPT-2 size (model.size) takes: its position embeddings.
+GPT2_POSITIONS = 1024
+
 
 class SpecError(ValueError):
     """Bad input: one line naming the key (or file) and the problem."""
 
 
 class SpecModel(BaseModel):
-    """Base for every spec section: camelCase keys, unknown keys rejected."""
+    """Base for every spec section: camelCase keys, unknown keys rejected, no infinite or NaN number anywhere."""
 
-    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True, allow_inf_nan=False)
 
     def to_values(self) -> dict[str, Any]:
         """The section as plain YAML-ready data with camelCase keys."""
@@ -47,8 +59,21 @@ class ModelSpec(SpecModel):
     n_layer: int = Field(4, ge=1, description="Transformer blocks (without pretrained/size).")
     n_head: int = Field(4, ge=1, description="Attention heads per block (without pretrained/size).")
     n_embd: int = Field(128, ge=1, description="Embedding width, a multiple of nHead (without pretrained/size).")
-    block_size: int = Field(128, ge=2, description="Context length: the packing block (LM) or truncation length.")
+    block_size: int = Field(
+        128,
+        ge=2,
+        description="Context length: the packing block (LM) or truncation length; at most the model's positions"
+        " (1024 for a named size).",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _fits_the_size(cls, block_size: int, info: ValidationInfo) -> int:
+        size = info.data.get("size")
+        if size and block_size > GPT2_POSITIONS:
+            raise ValueError(f"{block_size} is more than the {GPT2_POSITIONS} positions of {size}")
+        return block_size
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -96,12 +121,15 @@ class DataSpec(SpecModel):
         return self
 
 
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 class OptimizerSpec(SpecModel):
     """AdamW (fused on CUDA)."""
 
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay on matrices (not on biases/norms).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="Adam betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
 
 

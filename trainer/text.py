@@ -96,6 +96,15 @@ def read_labelled(paths: list[Path], text_field: str, label_field: str, key: str
     return rows
 
 
+def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str:
+    """`file:line` of the first row labelled `label`, for a message."""
+    for path in paths:
+        for number, record in read_records(path, key):
+            if str(record.get(label_field)) == label:
+                return f"{path}:{number}"
+    return ", ".join(map(str, paths))
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):  # -> PreTrainedTokenizerFast
     """A GPT-2-style byte-level BPE trained on `texts`; its one special token is eos = pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -114,10 +123,24 @@ def train_tokenizer(texts: list[str], vocab_size: int):  # -> PreTrainedTokenize
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
+def check_pretrained_source(source: str, key: str) -> None:
+    """A source that is no existing path must be a hub id: otherwise a directory is missing (and transformers
+    would answer with its rules for repo ids)."""
+    if Path(source).exists():
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        raise SpecError(f"{key}: {source}: no such directory") from None
+
+
 def load_tokenizer(source: str, key: str):  # -> PreTrainedTokenizerBase
     """From a directory (or a hub id when the network allows); pad = eos when it has no pad token."""
     from transformers import AutoTokenizer
 
+    check_pretrained_source(source, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:

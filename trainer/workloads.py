@@ -27,11 +27,12 @@ from trainer.data import (
     TokenBlocks,
     check_enough_samples,
     load_char_corpus,
+    raise_block_too_long,
 )
 from trainer.dist import Dist, barrier
 from trainer.models import build_causal_lm, build_char_gpt, build_classifier
 from trainer.spec import SpecError, TrainingSpec
-from trainer.text import expand_paths, load_tokenizer, read_documents, read_labelled, train_tokenizer
+from trainer.text import expand_paths, find_label, load_tokenizer, read_documents, read_labelled, train_tokenizer
 
 T = TypeVar("T")
 
@@ -121,7 +122,7 @@ def causal_lm(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
     train_set, val_set = TokenBlocks(train_ids, block), TokenBlocks(val_ids, block)
     check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
     if not len(val_set):
-        raise SpecError(f"data.val: {len(val_ids)} tokens, fewer than one block of {block + 1}")
+        raise_block_too_long(block, len(val_ids), "tokens")
     return Workload(build_causal_lm(spec.model, tokenizer), tokenizer, train_set, val_set)
 
 
@@ -165,7 +166,11 @@ def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
         unseen = sorted({label for _, label in split_rows} - known)
         if unseen:
             where = "data.labels" if data.labels else "training data"
-            raise SpecError(f"data.{split}: label {unseen[0]!r} is not in the {where} ({len(unseen)} such label(s))")
+            # A validation split held out of train has no files of its own: its rows are in train's.
+            row = find_label(splits.get(split, splits["train"]), data.label_field, unseen[0], f"data.{split}")
+            raise SpecError(
+                f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({len(unseen)} such label(s))"
+            )
     if len(labels) < 2:
         raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
 

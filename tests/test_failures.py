@@ -1,0 +1,271 @@
+"""Every failure told right, through `ctl run` with real processes: one line on the terminal (stdout and
+stderr together), the right exit code, nothing written for bad input, the root cause when ranks race to
+fail, and SIGTERM handled as Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import processes_with_marker, run_ctl, start_ctl, tiny_spec
+
+from ctl.cli import app
+from ctl.local import keep_logs
+from trainer.failures import Failure, root_cause
+from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, LATEST_CHECKPOINT
+
+STOPPED = re.compile(r"stopped at step (\d+), resumable")
+TMP = "tmp"
+
+
+def terminal(result: subprocess.CompletedProcess) -> list[str]:
+    return (result.stdout + result.stderr).splitlines()
+
+
+def tree(path: Path) -> dict[str, int]:
+    """Every file and folder under `path`, with each file's modification time: what bad input must leave alone
+    (a folder's own time changes with the trainer's write test, which leaves nothing). In the temporary
+    directory only ctl's own files count (ddpjob-*): torch keeps caches there."""
+    found = {}
+    for child in path.rglob("*"):
+        parts = child.relative_to(path).parts
+        if parts[0] != TMP or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
+            found["/".join(parts)] = 0 if child.is_dir() else child.stat().st_mtime_ns
+    return found
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A working directory, and an env whose temporary files (ctl's logs among them) stay inside it."""
+    (tmp_path / TMP).mkdir()
+    return tmp_path, os.environ | {"TMPDIR": str(tmp_path / TMP)}
+
+
+def assert_one_line(result: subprocess.CompletedProcess, code: int, expected: str) -> None:
+    lines = terminal(result)
+    assert result.returncode == code, "\n".join(lines)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], "\n".join(lines)
+
+
+def run_bad_input(
+    workdir: tuple[Path, dict[str, str]], spec: dict, flags: list[str], expected: str, times: int
+) -> None:
+    """`ctl run` `times` times (rank races differ from run to run): one line naming the key, exit 2, nothing written."""
+    path, env = workdir
+    (path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    before = tree(path)
+    for _ in range(times):
+        assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
+        assert tree(path) == before
+
+
+# -- found by ctl: the spec and the command line ------------------------------------------------------------
+
+SPEC_CASES = {
+    "infinite-lr": (["training.optimizer.lr=.inf"], "training.optimizer.lr: Input should be a finite number"),
+    "nan-beta": (["training.optimizer.betas=[.nan, 0.9]"], "training.optimizer.betas.0: Input should be a finite"),
+    "infinite-chart-value": (
+        ["metrics.alerts.lossExplosionFactor=.inf"],
+        "metrics.alerts.lossExplosionFactor: Input should be a finite number",
+    ),
+    "beta-of-one": (["training.optimizer.betas=[0.9, 1.0]"], "training.optimizer.betas.1: Input should be less than 1"),
+    "block-size-beyond-gpt2": (
+        ["training.task=causal-lm", "training.model.size=gpt2", "training.model.blockSize=2048"],
+        "training.model.blockSize: 2048 is more than the 1024 positions of gpt2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_bad_spec_values_are_one_line_and_exit_2(workdir, corpus_file: Path, case: str) -> None:
+    overrides, expected = SPEC_CASES[case]
+    flags = [arg for override in overrides for arg in ("--set", override)]
+    run_bad_input(workdir, tiny_spec(corpus_file), flags, expected, times=1)
+
+
+COMMANDS = sorted(
+    command.name or command.callback.__name__.removesuffix("_command") for command in app.registered_commands
+)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, command: str) -> None:
+    result = run_ctl(command, "--bogus", cwd=tmp_path)
+    assert_one_line(result, EXIT_BAD_INPUT, f"ctl {command}: No such option: --bogus")
+    assert f"ctl {command} --help" in result.stderr
+
+
+def test_run_without_a_spec_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    assert_one_line(run_ctl("run", cwd=tmp_path), EXIT_BAD_INPUT, "ctl run: Missing argument")
+
+
+# -- found by the trainer, on any rank ----------------------------------------------------------------------
+
+
+def causal_lm(corpus: Path, procs: int, **model: object) -> dict:
+    spec = tiny_spec(corpus, task="causal-lm", sample={"maxNewTokens": 0}) | {"procsPerNode": procs}
+    spec["training"]["model"] |= model
+    return spec
+
+
+def test_block_size_beyond_the_data_names_model_block_size(workdir, corpus_file: Path) -> None:
+    spec = tiny_spec(corpus_file, model={"nLayer": 1, "nHead": 2, "nEmbd": 32, "blockSize": 1_000_000_000})
+    run_bad_input(workdir, spec, [], "model.blockSize: 1000000000 is too long for the validation text", times=1)
+
+
+def test_missing_tokenizer_directory_is_named_as_such(workdir, corpus_file: Path) -> None:
+    missing = workdir[0] / "no-tokenizer"
+    spec = causal_lm(corpus_file, procs=1)
+    spec["training"]["tokenizer"] = {"path": str(missing)}
+    run_bad_input(workdir, spec, [], f"error: tokenizer.path: {missing}: no such directory", times=1)
+
+
+# Rank 0 rejects the input while the other rank waits for it in a collective, and loses its connection to
+# rank 0, maybe before rank 0's agent has reported: rank 0's line must win, every time.
+
+
+def test_race_run_dir_is_an_existing_file(workdir, corpus_file: Path) -> None:
+    """Two nodes: `ctl run` picks the root cause among them."""
+    (workdir[0] / "taken").write_text("a file, not a directory\n")
+    spec = tiny_spec(corpus_file) | {"nodes": 2}
+    expected = f"error: checkpoint.dir: cannot create {workdir[0] / 'taken'}: File exists"
+    run_bad_input(workdir, spec, ["--run-dir", "taken"], expected, times=3)
+
+
+def test_race_missing_pretrained_directory(workdir, corpus_file: Path) -> None:
+    """Two processes on one node: the launcher picks the root cause among them."""
+    missing = workdir[0] / "no-model"
+    spec = causal_lm(corpus_file, procs=2, pretrained=str(missing))
+    run_bad_input(workdir, spec, [], f"error: model.pretrained: {missing}: no such directory", times=3)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory no run may write to: a read-only mount for root (who ignores permissions), else mode 555."""
+    path = tmp_path / "readonly"
+    path.mkdir()
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def test_race_read_only_run_dir(workdir, corpus_file: Path, read_only_dir: Path) -> None:
+    spec = tiny_spec(corpus_file) | {"nodes": 2}
+    expected = f"error: checkpoint.dir: {read_only_dir} is not writable: "
+    run_bad_input(workdir, spec, ["--run-dir", str(read_only_dir)], expected, times=2)
+
+
+def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpus_file: Path) -> None:
+    path, env = workdir
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0})))
+    assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
+    before = tree(path)
+    flags = ["--set", "training.optimizer.lr=0.01"]
+    expected = "error: checkpoint: step-00000002 was written with different settings (changed: optimizer.lr);"
+    assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path) == before
+    # --verbose: every rank's own output and torchrun's, on the terminal.
+    verbose = run_ctl("run", "spec.yaml", *flags, "--verbose", cwd=path, env=env)
+    assert verbose.returncode == EXIT_BAD_INPUT
+    assert (
+        "[rank 0] rank 0 of 1 on " in verbose.stderr and "[rank 0] error: checkpoint: step-00000002" in verbose.stderr
+    )
+
+
+# -- the root cause, and where the rest is --------------------------------------------------------------------
+
+
+def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers() -> None:
+    peer = Failure(1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:5", time=1.0, rank=1)
+    stop = Failure(EXIT_PREEMPTED, "stopped", time=1.5, rank=2)
+    own = Failure(1, "FloatingPointError: training loss is nan", time=2.0, rank=0)
+    killed = Failure(137, "killed by SIGKILL", time=3.0, rank=3)
+    bad = Failure(EXIT_BAD_INPUT, "data.train: no file matches 'x'", time=4.0, rank=0)
+    assert root_cause([peer, stop, own, killed, bad]) == bad
+    assert root_cause([peer, stop, killed, own]) == own  # the earliest own error
+    assert root_cause([peer, killed]) == killed and root_cause([peer, stop]) == stop
+    assert [f.exit_code for f in (bad, own, stop, peer)] == [EXIT_BAD_INPUT, 1, EXIT_PREEMPTED, 1]
+
+
+def test_logs_stay_where_they_are_when_there_is_no_run_directory(tmp_path: Path) -> None:
+    logs = tmp_path / "logs-tmp"
+    (logs / "node-0").mkdir(parents=True)
+    (logs / "node-0.log").write_text("torchrun\n")
+    (tmp_path / "file").write_text("")
+    assert keep_logs(logs, tmp_path / "file", "20260101-000000") == logs
+    assert keep_logs(logs, tmp_path / "absent", "20260101-000000") == logs and not (tmp_path / "absent").exists()
+    (tmp_path / "run").mkdir()
+    kept = keep_logs(logs, tmp_path / "run", "20260101-000000")
+    assert kept == tmp_path / "run" / "logs" / "20260101-000000" and (kept / "node-0.log").read_text() == "torchrun\n"
+    assert not logs.exists()
+    (logs / "node-0").mkdir(parents=True)  # a second run, started in the same second, keeps both
+    again = keep_logs(logs, tmp_path / "run", "20260101-000000")
+    assert again.name.startswith("20260101-000000-") and (kept / "node-0.log").exists()
+
+
+# -- signals ---------------------------------------------------------------------------------------------------
+
+
+def start_long_run(path: Path, env: dict[str, str], corpus: Path) -> tuple[subprocess.Popen, str]:
+    """A 2-node `ctl run` that trains until stopped, once it has logged its first step: (ctl, its stdout so far)."""
+    spec = tiny_spec(corpus, maxSteps=100_000, checkpoint={"every": 0}, sample={"maxNewTokens": 0}) | {"nodes": 2}
+    (path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    ctl = start_ctl("run", "spec.yaml", cwd=path, env=env, merge_stderr=False)
+    assert ctl.stdout is not None
+    seen = []
+    for line in ctl.stdout:
+        seen.append(line)
+        if "| loss " in line:
+            return ctl, "".join(seen)
+    raise AssertionError(f"the run ended before its first step: {ctl.communicate()}")
+
+
+def assert_stopped(ctl: subprocess.Popen, run_dir: Path) -> int:
+    """ctl exited 143 and said where the run resumes: that step, the newest checkpoint's."""
+    _, stderr = ctl.communicate(timeout=120)
+    assert ctl.returncode == EXIT_PREEMPTED, stderr
+    assert "error" not in stderr and "failed" not in stderr, stderr
+    stopped = STOPPED.search(stderr)
+    assert stopped, stderr
+    assert (run_dir / LATEST_CHECKPOINT).read_text().strip() == f"step-{int(stopped.group(1)):08d}"
+    return int(stopped.group(1))
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_the_nodes_or_to_ctl_stops_at_a_saved_step_and_resumes(workdir, corpus_file, marked_env) -> None:
+    """Preemption (SIGTERM to every agent, as pods get it), then SIGTERM to ctl itself (a CI runner's cancel,
+    `timeout`): each time every rank saves at one agreed step; exit 143 with the step, never a failure."""
+    path, env = workdir
+    marker = marked_env[1]
+    env |= {"DDPJOB_TEST_MARKER": marker}
+    run_dir = path / "runs" / "tiny"
+    ctl, _ = start_long_run(path, env, corpus_file)
+    try:
+        agents = subprocess.run(["pgrep", "-P", str(ctl.pid)], capture_output=True, text=True).stdout.split()
+        assert len(agents) == 2, agents
+        for agent in agents:
+            os.killpg(int(agent), signal.SIGTERM)
+        preempted = assert_stopped(ctl, run_dir)
+
+        ctl, started = start_long_run(path, env, corpus_file)
+        assert f"resuming from step-{preempted:08d}" in started
+        time.sleep(1)
+        ctl.send_signal(signal.SIGTERM)
+        assert assert_stopped(ctl, run_dir) > preempted
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+    assert processes_with_marker(marker) == []
