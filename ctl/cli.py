@@ -523,10 +523,8 @@ def main() -> None:
         from typer.completion import completion_init
 
         completion_init()
-    try:  # Typer 0.29 and later raise them from its own copy of Click
-        from typer._click import exceptions as click
-    except ImportError:
-        from click import exceptions as click  # type: ignore[no-redef]
+    # Click's exceptions module, whichever Click Typer uses (Typer 0.29 on carries its own copy).
+    click = sys.modules[typer.BadParameter.__module__]
     try:
         code = app(standalone_mode=False)  # an exit code (typer.Exit), or None when a command returns
     except getattr(click, "NoArgsIsHelpError", ()) as exc:  # no arguments at all (Click 8.2 on): the help
@@ -539,7 +537,7 @@ def main() -> None:
     except click.ClickException as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)
         code = exc.exit_code
-    except click.Abort:
+    except typer.Abort:
         typer.echo("aborted", err=True)
         code = 1
     sys.exit(code or 0)
