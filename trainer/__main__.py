@@ -9,12 +9,9 @@ resumes from it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,7 @@ from trainer.models import sample_tokens
 from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.watchdog import write_error_file
 from trainer.workloads import Workload, prepare
 
 EXIT_BAD_INPUT = 2
@@ -122,16 +120,13 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
             )
             log(f"sample:\n{spec.sample.prompt}{text}\n")
         log(f"run directory: {run_dir}")
-    barrier()
+    barrier(dist)
     return 0
 
 
 def record_bad_input(message: str) -> None:
     """Tell torchrun (and through it `ctl run`) the one-line reason; a traceback would only be noise."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+    write_error_file(message)
 
 
 @record
@@ -142,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = load_training_spec(args.config)
         metrics_endpoint()  # a bad metrics environment fails here, before any work
-        dist = init_distributed()
+        dist = init_distributed(spec.timeouts)
         try:
             code = run(spec, dist)
         finally:

@@ -47,7 +47,7 @@ RNG = "rng.pt"
 STATE = "state.json"
 STEP_DIR = re.compile(r"step-(\d{8})")
 # Settings that do not change what is trained: they may differ between a checkpoint and its resume.
-NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile")
+NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "timeouts")
 
 
 class CheckpointError(RuntimeError):
@@ -220,7 +220,7 @@ class Checkpointer:
                 uncommitted = STEP_DIR.fullmatch(path.name) and not self.is_complete(path)
                 if path.is_dir() and (leftover or uncommitted):
                     shutil.rmtree(path, ignore_errors=True)
-        barrier()
+        barrier(self.dist)
 
     # -- resuming -----------------------------------------------------------------------------
 
@@ -287,7 +287,7 @@ class Checkpointer:
             else:
                 self.write(snapshot)
         if not background:
-            barrier()
+            barrier(self.dist)
 
     def write_in_background(self, snapshot: Snapshot) -> None:
         try:
