@@ -244,7 +244,7 @@ class Watchdog:
                 continue
             age = now - beat["time"]
             if age > STALE_POLLS * self.poll:
-                # Its heartbeat may be a poll old; its gradients were in the others' last step, or they would not have it.
+                # Its heartbeat may be a poll old; its gradients were in the others' last step (or they would lack it).
                 lines.append(
                     f"rank {rank}: stopped responding after step {max(newest, beat['step'])} (it took part in that"
                     f" step's gradient all-reduce; no heartbeat for {age:.0f} s): process stopped or frozen,"
