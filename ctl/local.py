@@ -27,7 +27,7 @@ import yaml
 
 from ctl.operator_env import ELASTIC_ENV, SHUTDOWN_TIMEOUT_ENV, Replica, operator_env, replicas, shutdown_timeout
 from ctl.spec import JobSpec
-from trainer.spec import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
+from trainer.spec import EXIT_HUNG, JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
 
 LOCAL_ADDRESS = "127.0.0.1"
 STOP_GRACE_SECONDS = 15
@@ -217,5 +217,12 @@ def run_local(spec: JobSpec, run_dir: Path, out: TextIO = sys.stdout, err: TextI
         if failed is None:
             return 0
         code, message = failed.failure()
+        if code == EXIT_HUNG:  # the watchdog's report names the ranks behind; a rerun resumes, as a pod restart would
+            print(
+                f"ctl: the job hung (exit code {EXIT_HUNG}, retryable); rerun the same command to resume from the"
+                f" last checkpoint: {message}",
+                file=err,
+            )
+            return 1
         print(f"ctl: node {failed.node} ({failed.replica.pod_name(spec.name)}) failed: {message}", file=err)
         return EXIT_BAD_INPUT if code == EXIT_BAD_INPUT else 1
