@@ -161,7 +161,10 @@ class AlertsSpec(SpecModel):
     )
     restart_window_seconds: int = Field(1800, ge=60, description="TrainingRestarted: a restart within this window.")
     slow_rank_factor: float = Field(
-        1.5, gt=1.0, description="SlowRank: a rank's mean step time above this many times the job's median."
+        1.5,
+        gt=1.0,
+        description="SlowRank: a rank's busy time per step (without the wait for the others) above this many"
+        " times the median rank's, for 10 minutes.",
     )
 
 

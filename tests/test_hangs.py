@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import yaml
-from conftest import processes_with_marker, run_ctl, start_ctl
+from conftest import REPO, processes_with_marker, prometheus_tool, run_ctl, start_ctl
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
@@ -32,6 +34,7 @@ from trainer.checkpoint import step_name
 from trainer.spec import EXIT_HUNG, SLOW_RANK_ENV
 
 T = TypeVar("T")
+RULE_TESTS = REPO / "tests" / "rules"
 SLOWDOWN = 0.5  # seconds rank 1 sleeps in every step: slow enough to stand out, and to stop it mid-run
 FLOOR = 5  # timeouts.hangFloorSeconds
 
@@ -177,3 +180,15 @@ def test_pods_get_the_nccl_flight_recorder_by_default_and_the_spec_env_overrides
     # One entry per name (server-side apply rejects duplicates), the spec's value.
     overridden = env(env=[{"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "0"}])
     assert overridden["TORCH_NCCL_TRACE_BUFFER_SIZE"] == ["0"]
+
+
+def test_slow_rank_alert_fires_for_a_rank_that_stays_slower_and_only_then(tmp_path: Path) -> None:
+    """promtool runs the chart's own rule against series a straggler leaves (tests/rules/slow_rank_test.yaml)."""
+    rule = objects(spec_of(metrics={"alerts": {"enabled": True}}))["PrometheusRule"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    test_file = tmp_path / "slow_rank_test.yaml"
+    shutil.copy(RULE_TESTS / test_file.name, test_file)
+    result = subprocess.run(
+        [prometheus_tool("promtool"), "test", "rules", str(test_file)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

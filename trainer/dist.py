@@ -83,10 +83,10 @@ def step_timeouts(dist: Dist) -> None:
             set_timeout(timeout, group)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks, in place; returns it for chaining."""
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum `tensor` over all ranks (of `group`), in place; returns it for chaining."""
     if torch_dist.is_initialized():
-        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -119,14 +119,12 @@ class StopRequest:
     """SIGTERM (eviction, preemption, `ctl run` interrupted) asks training to stop at a step boundary.
 
     Ranks receive the signal at slightly different times, or only one pod gets it (an eviction),
-    so the ranks agree on the flag with a small all-reduce, but not after every step: at check
-    steps, spaced so that the steps between two checks take at most a quarter of the time
-    torchrun gives its workers to save and exit (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). The spacing is
-    computed from the slowest rank's step time, reduced in the same all-reduce, so every rank
-    checks at the same steps and all stop after the same one.
+    so the ranks sum their flags before acting on them, at the same steps: at every log step,
+    inside the reduction the log line makes anyway, and in between only where the steps since
+    the last check would take more than a quarter of the time torchrun gives its workers to save
+    and exit (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), with a reduction of its own. The spacing comes from
+    the ranks' mean step time, summed with the flags, so every rank checks at the same steps.
     """
-
-    MAX_SPACING = 100  # steps between checks, however fast they are
 
     def __init__(self, dist: Dist) -> None:
         self.dist = dist
@@ -145,13 +143,17 @@ class StopRequest:
     def request(self, signum: int, frame: object) -> None:
         self.requested = True
 
-    def agreed(self, step: int, step_seconds: float) -> bool:
-        """At check steps: whether any rank was asked to stop; False in between."""
-        if step < self.next_check:
-            return False
-        flag_and_time = torch.tensor([float(self.requested), step_seconds], dtype=torch.float64)
-        if torch_dist.is_initialized():
-            torch_dist.all_reduce(flag_and_time, op=torch_dist.ReduceOp.MAX, group=self.dist.control_group)
-        requested, slowest = flag_and_time.tolist()
-        self.next_check = step + max(1, min(self.MAX_SPACING, int(self.budget / max(slowest, 1e-6))))
-        return bool(requested)
+    def vote(self, step_seconds: float, device: torch.device | None = None) -> torch.Tensor:
+        """(flag, step time), to be summed over ranks."""
+        return torch.tensor([float(self.requested), step_seconds], dtype=torch.float64, device=device)
+
+    def agreed(self, step: int, step_seconds: float, votes: list[float] | None) -> bool:
+        """Whether every rank stops after `step`. `votes`: `vote()` summed over ranks by the log step's
+        reduction; without it, the ranks reduce their votes here when a check is due."""
+        if votes is None:
+            if step < self.next_check:
+                return False
+            votes = all_reduce_sum(self.vote(step_seconds), self.dist.control_group).tolist()
+        requested, seconds = votes
+        self.next_check = step + max(1, int(self.budget / max(seconds / self.dist.world_size, 1e-6)))
+        return requested > 0

@@ -308,8 +308,11 @@ def train(
                 settle_heap()
                 step_timeouts(dist)  # the first step (compile, warm-up) had the long bound
 
+            stop_votes = None
             if done % spec.log_every == 0 or done == max_steps:
-                loss_sum_all, correct_all, count_all, tokens_all = all_reduce_sum(interval).tolist()
+                # The stop flags ride along: no reduction of their own at log steps.
+                logged = all_reduce_sum(torch.cat([interval, stop_request.vote(step_seconds, device)]))
+                loss_sum_all, correct_all, count_all, tokens_all, *stop_votes = logged.tolist()
                 train_loss = loss_sum_all / count_all
                 now = time.perf_counter()
                 state.tokens += int(tokens_all)
@@ -339,7 +342,7 @@ def train(
             elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
                 state.val_loss = report_eval(f"step {done}/{max_steps}")
 
-            if stop_request.agreed(done, step_seconds):
+            if stop_request.agreed(done, step_seconds, stop_votes):
                 save(wait=True)  # synchronous, after any background save still running
                 log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
                 return result(state, batches, train_loss, started, preempted=True)
