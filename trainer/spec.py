@@ -156,7 +156,7 @@ class TimeoutsSpec(SpecModel):
     watchdog: bool = Field(
         True,
         description="Every rank watches for steps that stop completing, names the ranks behind, dumps its"
-        " Python stacks and exits 200 (retryable) so the pods restart and resume from the last checkpoint.",
+        f" Python stacks and exits {EXIT_HUNG} (retryable) so the pods restart and resume from the last checkpoint.",
     )
     hang_factor: float = Field(
         10.0, ge=2.0, description="Watchdog: the job is hung when no step completed for this many recent step times."
