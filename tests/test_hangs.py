@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import yaml
-from conftest import REPO, processes_with_marker, prometheus_tool, run_ctl, start_ctl
+from conftest import REPO, processes_with_marker, prometheus_tool, run_ctl, start_ctl, trainer_pids
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
@@ -58,19 +58,6 @@ def samples(text: str, name: str) -> dict[str, float]:
         for sample in family.samples
         if sample.name == name
     }
-
-
-def trainer_pid(marker: str, rank: int) -> int:
-    """The trainer process (not its torchrun agent, not ctl) of the run with `marker` that has global rank `rank`."""
-    for pid in processes_with_marker(marker):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and b"trainer" in cmdline and b"trainer.launch" not in cmdline:
-            return pid
-    raise AssertionError(f"no trainer process of rank {rank}")
 
 
 def poll(what: str, check: Callable[[], T | None], deadline: float) -> T:
@@ -118,7 +105,8 @@ def hung(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> Hung:
             return text if seen else None
 
         metrics = poll("rank 1 to show as the slowest, and a checkpoint", straggler_seen, deadline)
-        os.kill(trainer_pid(marker, 1), signal.SIGSTOP)
+        (rank_1,) = trainer_pids(marker, rank=1, local_rank=1)
+        os.kill(rank_1, signal.SIGSTOP)
         with urllib.request.urlopen(endpoint, timeout=5) as response:
             stopped_after = int(samples(response.read().decode(), "ddpjob_step")["1"])
         process.wait(timeout=120)

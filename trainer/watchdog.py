@@ -108,8 +108,9 @@ class Watchdog:
         # Four looks per floor, at most every 5 s: a hang is named within about a quarter of the floor.
         self.poll = min(5.0, max(0.5, self.spec.hang_floor_seconds / 4))
         self.step = 0
-        self.phase = "first step"
-        self.progress = time.monotonic()  # last completed step or change of phase
+        self.one_off: str | None = None  # the one-off work under way (an evaluation, a checkpoint save)
+        self.waiting = False  # for the next batch
+        self.progress = time.monotonic()  # last completed step, or start or end of one-off work
         self.step_seconds: deque[float] = deque(maxlen=32)
         self.wall_seconds = 0.0  # all steps' wall time; with sync.waited_seconds: the busy time
         self.steps = 0
@@ -135,30 +136,38 @@ class Watchdog:
             self.exit_hung(f"{report} (this rank's collective then failed: {str(exc).splitlines()[0]})")
 
     def step_done(self, step: int, seconds: float) -> None:
-        self.step, self.phase, self.progress = step, "compute", time.monotonic()
         self.step_seconds.append(seconds)
         self.wall_seconds += seconds
         self.steps += 1
+        self.step, self.progress = step, time.monotonic()
 
     def waiting_for_data(self, waiting: bool) -> None:
-        self.phase = "waiting for data" if waiting else "compute"
+        self.waiting = waiting
 
     @contextlib.contextmanager
     def long_work(self, what: str) -> Iterator[None]:
         """One-off work (an evaluation, a checkpoint save): bounded by longWorkSeconds, not by the step time."""
-        phase, self.phase, self.progress = self.phase, what, time.monotonic()
+        self.one_off, self.progress = what, time.monotonic()
         try:
             yield
         finally:
-            self.phase, self.progress = phase, time.monotonic()
+            self.one_off, self.progress = None, time.monotonic()
+
+    @property
+    def phase(self) -> str:
+        if self.one_off:
+            return self.one_off
+        if not self.steps:
+            return "first step"
+        return "waiting for data" if self.waiting else "compute"
 
     # -- the watchdog thread ------------------------------------------------------------------
 
     def limit(self) -> tuple[float, str]:
         """(seconds without progress that mean a hang, why that many)."""
-        if self.phase not in ("compute", "waiting for data"):
+        if self.one_off or not self.steps:
             return self.spec.long_work_seconds, f"timeouts.longWorkSeconds, during the {self.phase}"
-        recent = statistics.median(self.step_seconds)
+        recent = statistics.median(tuple(self.step_seconds))  # a copy: the training thread appends to it
         limit = max(self.spec.hang_floor_seconds, self.spec.hang_factor * recent)
         return limit, (
             f"{self.spec.hang_factor:g} x the recent step time of {recent:.2f} s,"
@@ -167,9 +176,11 @@ class Watchdog:
 
     def watch(self) -> None:
         while not self.stopped.wait(self.poll):
-            with contextlib.suppress(Exception):  # a store that does not answer must not end the watch
+            try:
                 self.publish()
                 self.straggler_ratios()
+            except Exception as exc:  # a store that does not answer must not end the watch
+                print(f"[rank {self.dist.rank}] watchdog: the rendezvous store: {exc}", file=sys.stderr, flush=True)
             report = self.read(HUNG)
             if report:
                 self.exit_hung(f"{report} (found by another rank)")
