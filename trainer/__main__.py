@@ -3,7 +3,8 @@
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
 saving a checkpoint (128 + 15: what a terminated process reports); the next start
-resumes from it.
+resumes from it. 200 (EXIT_HUNG): the watchdog found the job hung (trainer.watchdog);
+retryable too, the next start resumes from the last checkpoint.
 """
 
 from __future__ import annotations
