@@ -31,6 +31,7 @@ from test_checkpoint import uninterrupted as uninterrupted  # the fixture: an un
 from ctl.cli import progress_text
 from ctl.cluster import metrics_progress
 from trainer.checkpoint import step_name
+from trainer.dist import Dist, StopRequest
 from trainer.spec import EXIT_HUNG, SLOW_RANK_ENV
 
 T = TypeVar("T")
@@ -182,3 +183,16 @@ def test_slow_rank_alert_fires_for_a_rank_that_stays_slower_and_only_then(tmp_pa
         [prometheus_tool("promtool"), "test", "rules", str(test_file)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_between_log_steps_the_stop_flag_is_checked_as_often_as_the_grace_period_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quarter of torchrun's shutdown timeout (4 s here) between checks: with 0.3 s steps, every third step."""
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
+    stop = StopRequest(Dist(0, 0, 1, torch.device("cpu")))
+    assert not any(stop.agreed(step, 0.3, None) for step in range(1, 11))  # checked at 1, 4, 7 and 10
+    stop.request(signal.SIGTERM, None)
+    # Asked during step 11: the ranks act on it at the next check, 13, not at once; a log step's reduction checks too.
+    assert [stop.agreed(step, 0.3, None) for step in (11, 12, 13)] == [False, False, True]
+    assert stop.agreed(14, 0.3, [1.0, 0.3]) and not StopRequest(stop.dist).agreed(1, 0.3, [0.0, 0.3])
