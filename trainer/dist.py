@@ -70,9 +70,9 @@ def init_distributed(timeouts: TimeoutsSpec) -> Dist:
             device_id=device if device.type == "cuda" else None,
         )
         control_group = torch_dist.new_group(backend="gloo") if backend == "nccl" else None
-        # Per attempt: a store that outlives a torchrun restart must not hand stale keys to the next one.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = torch_dist.PrefixStore(f"ddpjob/{attempt}/", _get_default_store())
+        # torchrun gives every attempt a fresh store (the chart makes elastic rendezvous do so too): no stale
+        # keys. Not keyed by TORCHELASTIC_RESTART_COUNT, which differs between nodes after an elastic restart.
+        store = torch_dist.PrefixStore("ddpjob/", _get_default_store())
         return Dist(rank, local_rank, world_size, device, timeouts, control_group, store)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, timeouts=timeouts)
 
