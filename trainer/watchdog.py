@@ -116,21 +116,27 @@ class Watchdog:
         self.steps = 0
         self.published = (0.0, 0.0, 0)  # (wall, waited, steps) at the last heartbeat
         self.busy: float | None = None
+        self.peer_report: str | None = None  # another rank found the job hung (read by the heartbeat thread)
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.watch, name="ddpjob-watchdog", daemon=True)
+        # Two threads: the store may be served by a rank that is frozen too (elastic jobs: rank 0's process),
+        # and then a store call blocks; the watch itself never waits on the store for longer than a poll.
+        self.threads = [
+            threading.Thread(target=self.watch, name="ddpjob-watchdog", daemon=True),
+            threading.Thread(target=self.heartbeat, name="ddpjob-heartbeat", daemon=True),
+        ]
 
     # -- the training thread ------------------------------------------------------------------
 
     def __enter__(self) -> Watchdog:
         if self.dist.store is not None:
             self.publish()  # every rank's heartbeat exists before anyone could look for it
-            self.thread.start()
+            for thread in self.threads:
+                thread.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self.stopped.set()
-        if self.thread.is_alive():
-            self.thread.join()
+        self.threads[0].join()  # the heartbeat thread may be inside a store call: it ends with the process
         # A collective that failed because a peer found the job hung and exited: this rank is hung too.
         if isinstance(exc, Exception) and (report := self.read(HUNG)):
             self.exit_hung(f"{report} (this rank's collective then failed: {str(exc).splitlines()[0]})")
@@ -174,16 +180,19 @@ class Watchdog:
             f" at least timeouts.hangFloorSeconds = {self.spec.hang_floor_seconds}"
         )
 
-    def watch(self) -> None:
+    def heartbeat(self) -> None:
         while not self.stopped.wait(self.poll):
             try:
                 self.publish()
                 self.straggler_ratios()
-            except Exception as exc:  # a store that does not answer must not end the watch
+            except Exception as exc:  # a store that does not answer must not end the heartbeats
                 print(f"[rank {self.dist.rank}] watchdog: the rendezvous store: {exc}", file=sys.stderr, flush=True)
-            report = self.read(HUNG)
-            if report:
-                self.exit_hung(f"{report} (found by another rank)")
+            self.peer_report = self.read(HUNG)
+
+    def watch(self) -> None:
+        while not self.stopped.wait(self.poll):
+            if self.peer_report:
+                self.exit_hung(f"{self.peer_report} (found by another rank)")
             stalled = time.monotonic() - self.progress
             limit, why = self.limit()
             if self.spec.watchdog and stalled > limit:
@@ -229,17 +238,22 @@ class Watchdog:
         return None
 
     def found_hung(self, stalled: float, limit: float, why: str) -> None:
-        try:
-            behind = self.behind(self.heartbeats())
-        except Exception as exc:  # the store's host is gone too: say so, and still dump and exit
-            behind = f"the other ranks' heartbeats are unreadable ({str(exc).splitlines()[0]})"
-        report = (
-            f"hang: rank {self.dist.rank} completed no step for {stalled:.0f} s (limit {limit:.0f} s: {why}); {behind}"
-        )
-        with contextlib.suppress(Exception):
-            self.dist.store.compare_set(HUNG, "", report)  # the first finder's report is the one all ranks give
+        hang = f"hang: rank {self.dist.rank} completed no step for {stalled:.0f} s (limit {limit:.0f} s: {why})"
+        behind: list[str] = []
+
+        def tell_the_others() -> None:
+            try:
+                behind.append(self.behind(self.heartbeats()))
+            except Exception as exc:  # the store's host is gone too
+                behind.append(f"the other ranks' heartbeats are unreadable ({str(exc).splitlines()[0]})")
+            with contextlib.suppress(Exception):  # the first finder's report is the one all ranks give
+                self.dist.store.compare_set(HUNG, "", f"{hang}; {behind[0]}")
+
+        # In a thread of its own: a store served by a frozen process does not answer at all.
+        threading.Thread(target=tell_the_others, name="ddpjob-hang-report", daemon=True).start()
         time.sleep(EXIT_GRACE_POLLS * self.poll)
-        self.exit_hung(report)
+        silent = f"the rendezvous store did not answer within {EXIT_GRACE_POLLS * self.poll:g} s"
+        self.exit_hung(f"{hang}; {behind[0] if behind else silent}")
 
     def behind(self, beats: dict[int, dict[str, Any]]) -> str:
         """Which ranks hold the others up: no heartbeat, an older step, or doing something else than most."""
