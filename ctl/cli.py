@@ -367,6 +367,8 @@ def progress_text(progress: dict[str, Any]) -> str:
     parts += [f"{progress['tokensPerSecond']:,.0f} tok/s"] if progress["tokensPerSecond"] is not None else []
     checkpoint = progress["checkpoint"]
     parts += [f"checkpoint step-{checkpoint['step']} at {checkpoint['time']}"] if checkpoint else []
+    slowest = progress.get("slowestRank")
+    parts += [f"slowest rank {slowest['rank']} ({slowest['stepTimeRatioToMedian']:.2f}x the median)"] if slowest else []
     return ", ".join(parts)
 
 

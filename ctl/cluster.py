@@ -375,17 +375,21 @@ def progress(target: Target, pod: dict[str, Any]) -> dict[str, Any] | None:
         return None
     pod_port = f"{pod['metadata']['name']}:{ports[0]['containerPort']}"
     path = f"/api/v1/namespaces/{target.namespace}/pods/{pod_port}/proxy/metrics"
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         response = target.open(path, [], timeout=PROGRESS_TIMEOUT_S)
         try:
-            text = response.read().decode()
+            return metrics_progress(response.read().decode())
         finally:
             response.release_conn()
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except (ClusterError, urllib3.exceptions.HTTPError, ValueError):  # not up yet, restarting, not ours
         return None
+
+
+def metrics_progress(text: str) -> dict[str, Any] | None:
+    """Rank 0's progress from its pod's metrics page (Prometheus text); None before there is any."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     value = {s.name: s.value for s in samples if s.labels.get("rank") == "0"}.get
     if value("ddpjob_step") is None and value("ddpjob_planned_steps") is None:
         return None
@@ -401,6 +405,13 @@ def progress(target: Target, pod: dict[str, Any]) -> dict[str, Any] | None:
         else {
             "step": int(value("ddpjob_checkpoint_step") or 0),
             "time": datetime.fromtimestamp(saved_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        },
+        # Rank 0's watchdog compares every rank's busy time per step with the median (trainer.watchdog).
+        "slowestRank": None
+        if value("ddpjob_slowest_rank") is None
+        else {
+            "rank": int(value("ddpjob_slowest_rank")),
+            "stepTimeRatioToMedian": value("ddpjob_slowest_rank_step_time_ratio_to_median"),
         },
     }
 

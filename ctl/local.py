@@ -46,6 +46,8 @@ from trainer.failures import Failure, Kind, read_record, root_cause
 from trainer.spec import (
     CHECKPOINT_NAME,
     EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     JOB_NAME_ENV,
@@ -413,6 +415,12 @@ def run_local(
         console.note(stopped(run_dir, "the nodes got SIGTERM"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_PREEMPTED
+    if cause.kind == Kind.HUNG:  # the watchdog's report names the ranks behind; a rerun resumes, as a pod restart would
+        console.note(
+            f"ctl: the job hung (exit code {EXIT_HUNG}, retryable); rerun the same command to resume from the last"
+            f" checkpoint (logs of every rank in {kept}): {cause.message}"
+        )
+        return EXIT_ERROR
     console.note(failure_line(cause, by_failure[cause], spec.name, logs, kept))
     return cause.exit_code
 

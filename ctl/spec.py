@@ -13,7 +13,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
+from trainer.spec import (
+    EXIT_HUNG,
+    SpecError,
+    SpecModel,
+    TrainingSpec,
+    describe_validation_error,
+    read_yaml_mapping,
+)
 
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -260,7 +267,10 @@ class AlertsSpec(SpecModel):
         " recreated: evicted, preempted, retried by restartPolicy).",
     )
     slow_rank_factor: float = Field(
-        1.5, gt=1.0, description="SlowRank: a rank's mean step time above this many times the job's median."
+        1.5,
+        gt=1.0,
+        description="SlowRank: a rank's busy time per step (without the wait for the others) above this many"
+        " times the median rank's, for 10 minutes.",
     )
 
 
@@ -304,7 +314,8 @@ class JobSpec(SpecModel):
     restart_policy: Literal["OnFailure", "Never", "Always", "ExitCode"] = Field(
         "OnFailure",
         description="What the operator does when a pod's container fails (every replica type). ExitCode recreates"
-        " the pod for exit codes 128 and up (143: stopped by SIGTERM after saving) and fails the job for 1-127"
+        f" the pod for exit codes 128 and up (143: stopped by SIGTERM after saving; {EXIT_HUNG}: found hung by the"
+        " watchdog) and fails the job for 1-127"
         " (1: error, 2: bad input).",
     )
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)

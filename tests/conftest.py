@@ -121,8 +121,8 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-def trainer_pids(marker: str, rank: int) -> list[int]:
-    """Trainer processes (not torchrun agents) of this run with the given global rank."""
+def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:
+    """Trainer processes (not torchrun agents) of this run with the given global (and local) rank."""
     pids = []
     for pid in processes_with_marker(marker):
         try:
@@ -132,7 +132,7 @@ def trainer_pids(marker: str, rank: int) -> list[int]:
             continue
         if (
             f"RANK={rank}".encode() in environ
-            and b"LOCAL_RANK=0" in environ
+            and f"LOCAL_RANK={local_rank}".encode() in environ
             and b"torch.distributed.run" not in cmdline
             and b"trainer.launch" not in cmdline
         ):

@@ -47,6 +47,8 @@ VARIABLES = {
 # Series the trainer exports only on CUDA devices (MFU only where the GPU's peak is known).
 CUDA_ONLY = ("ddpjob_mfu_ratio", "ddpjob_gpu_memory_")
 CHECKPOINT = "ddpjob_checkpoint_"  # exported once a checkpoint has been saved
+# From the watchdog thread, once every rank has reported its step time (the slowest rank: rank 0 only).
+STRAGGLERS = ("ddpjob_step_time_ratio_to_median", "ddpjob_slowest_rank")
 COUNTERS = {"ddpjob_steps", "ddpjob_samples", "ddpjob_tokens"}
 HISTOGRAMS = {"ddpjob_step_duration_seconds", "ddpjob_data_wait_seconds"}
 GAUGES = {
@@ -247,7 +249,7 @@ def test_prometheus_scrapes_every_rank_and_every_dashboard_query_works(live_job:
         ranks = {s.labels["rank"] for s in scraped["ddpjob_steps"].samples}
         assert ranks == {str(node * PROCS + local) for local in range(PROCS)}
         assert {name for name, f in scraped.items() if f.type == "counter"} == COUNTERS
-        optional = {name for name in scraped if name.startswith((*CUDA_ONLY, CHECKPOINT))}
+        optional = {name for name in scraped if name.startswith((*CUDA_ONLY, CHECKPOINT, *STRAGGLERS))}
         assert {name for name, f in scraped.items() if f.type == "histogram"} - optional == HISTOGRAMS
         assert {name for name, f in scraped.items() if f.type == "gauge"} - GAUGES <= optional
         assert set(scraped) >= GAUGES

@@ -3,8 +3,9 @@
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
 saving a checkpoint (128 + 15: what a terminated process reports); the next start
-resumes from it. Rank 0's progress goes to stdout; everything else (every rank's own
-line, warnings, errors) to stderr.
+resumes from it. 200 (EXIT_HUNG): the watchdog found the job hung (trainer.watchdog);
+retryable too, the next start resumes from the last checkpoint. Rank 0's progress goes to
+stdout; everything else (every rank's own line, warnings, errors) to stderr.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
             )
             log(f"sample:\n{spec.sample.prompt}{text}\n")
         log(f"run directory: {run_dir}")
-    barrier()
+    barrier(dist)
     return 0
 
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = load_training_spec(args.config)
         metrics_endpoint()  # a bad metrics environment fails here, before any work
         check_installed(spec)  # so does a tracker that reportTo names but nothing installed
-        dist = init_distributed()
+        dist = init_distributed(spec.timeouts)
         code = run(spec, dist)
     except SpecError as exc:
         exit_bad_input(str(exc))

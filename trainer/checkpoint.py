@@ -44,7 +44,7 @@ OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
 # Settings that do not change what is trained: they may differ between a checkpoint and its resume.
-NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "reportTo")
+NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "reportTo", "timeouts")
 
 
 class CheckpointError(RuntimeError):
@@ -217,7 +217,7 @@ class Checkpointer:
                 uncommitted = CHECKPOINT_NAME.fullmatch(path.name) and not self.is_complete(path)
                 if path.is_dir() and (leftover or uncommitted):
                     shutil.rmtree(path, ignore_errors=True)
-        barrier()
+        barrier(self.dist)
 
     # -- resuming -----------------------------------------------------------------------------
 
@@ -295,7 +295,7 @@ class Checkpointer:
             else:
                 self.write(snapshot)
         if not background:
-            barrier()
+            barrier(self.dist)
 
     def write_in_background(self, snapshot: Snapshot) -> None:
         try:

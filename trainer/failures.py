@@ -6,9 +6,11 @@ timestamp, in whole seconds) finds the cause reliably. This order does, for the 
 (trainer.launch, among a node's ranks) and for `ctl run` (among the nodes) alike:
 
 1. bad input (exit code 2) on any rank: its one line names the key;
-2. a rank's own error (an exception, a crash, a signal other than the stopping ones), earliest first;
-3. a stop (SIGTERM or SIGINT after saving, exit 143 or 130): the run is resumable;
-4. a lost connection to a peer: the consequence of another process's failure.
+2. a rank's own error (an exception, an exit code below 128), earliest first;
+3. a hang found by a rank's watchdog (EXIT_HUNG): the ranks torchrun kills after it are its consequences;
+4. a process ended by a signal other than the stopping ones (a crash, the OOM killer, a teardown);
+5. a stop (SIGTERM or SIGINT after saving, exit 143 or 130): the run is resumable;
+6. a lost connection to a peer: the consequence of another process's failure.
 
 Records are torchelastic error files (what `@record` writes per rank and torchrun copies for the
 node), with the exit code, rank, exact time and log directory added. Torch-free: `ctl` imports it.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from trainer.spec import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from trainer.spec import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 # What gloo, NCCL and the rendezvous store say when the other end of a connection has gone.
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError")
@@ -34,8 +36,10 @@ class Kind(IntEnum):
 
     BAD_INPUT = 0
     ERROR = 1
-    STOPPED = 2
-    PEER_LOST = 3
+    HUNG = 2
+    KILLED = 3
+    STOPPED = 4
+    PEER_LOST = 5
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,18 @@ class Failure:
             return Kind.BAD_INPUT
         if self.code in (EXIT_INTERRUPTED, EXIT_PREEMPTED):
             return Kind.STOPPED
+        if self.code == EXIT_HUNG:
+            return Kind.HUNG
         if any(text in self.message for text in PEER_LOST):
             return Kind.PEER_LOST
-        return Kind.ERROR
+        return Kind.KILLED if self.code > 128 else Kind.ERROR
 
     @property
     def exit_code(self) -> int:
         """What the launcher and `ctl run` exit with when this failure is the root cause."""
-        return {Kind.BAD_INPUT: EXIT_BAD_INPUT, Kind.STOPPED: EXIT_PREEMPTED}.get(self.kind, EXIT_ERROR)
+        return {Kind.BAD_INPUT: EXIT_BAD_INPUT, Kind.HUNG: EXIT_HUNG, Kind.STOPPED: EXIT_PREEMPTED}.get(
+            self.kind, EXIT_ERROR
+        )
 
 
 def root_cause(failures: Iterable[Failure]) -> Failure:

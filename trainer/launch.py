@@ -11,6 +11,8 @@ a peer's "Connection closed by peer". Here the node's root cause is picked by
   `restartPolicy: ExitCode` fails the job for exit codes 1-127 and recreates the pod for 128 and
   up. On SIGTERM (eviction, preemption, a node shutting down) every rank stops at one agreed step,
   rank 0 saves and the trainers exit 143, on the pod that got the signal and on every other pod;
+- found hung by a rank's watchdog (trainer.watchdog): exit EXIT_HUNG (200), retried by ExitCode
+  too, and the restarted pods resume from the last checkpoint;
 - any other failure: torchrun's own report, exit 1.
 
 The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has one (`ctl run` sets it).
@@ -28,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
-from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from trainer.spec import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED
 
 
 def main() -> None:
@@ -42,6 +44,8 @@ def main() -> None:
             write_record(Path(error_file), cause)
         if cause.kind == Kind.STOPPED:  # another pod got the signal: this pod's trainers stopped with it and saved
             exit_stopped(EXIT_PREEMPTED, "the trainers stopped to be resumed")
+        if cause.kind == Kind.HUNG:
+            exit_stopped(EXIT_HUNG, "a rank's watchdog found the job hung; a restart resumes from the last checkpoint")
         if cause.kind == Kind.BAD_INPUT:
             print(f"error: {cause.message}", file=sys.stderr, flush=True)
             sys.exit(EXIT_BAD_INPUT)

@@ -27,11 +27,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
 from trainer.data import Collate, TrainBatches, eval_loader
-from trainer.dist import Dist, StopRequest, all_reduce_sum
+from trainer.dist import Dist, StopRequest, all_reduce_sum, step_timeouts
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
 from trainer.spec import ScheduleSpec, TrainingSpec
 from trainer.tracking import Tracker
+from trainer.watchdog import GradientSync, Watchdog, test_slowdown
 
 # Keys of a batch that are not model inputs.
 NOT_INPUTS = ("labels", "index")
@@ -193,6 +194,10 @@ def train(
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
+    # The wait for the other ranks' gradients, measured where DDP starts the all-reduce: busy time = step - wait.
+    sync = GradientSync(device) if dist.is_distributed else None
+    if sync is not None:
+        forward_model.register_comm_hook(sync, GradientSync.hook)
     optimizer = torch.optim.AdamW(
         parameter_groups(model, spec.optimizer.weight_decay),
         lr=spec.optimizer.lr,
@@ -229,9 +234,12 @@ def train(
 
     metrics = TrainingMetrics(spec, dist, model, state.max_steps)
     tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if saved is None else saved.step)
+    watchdog = Watchdog(dist, sync, metrics)
+    slowdown = test_slowdown(dist.rank)
 
     def report_eval(prefix: str) -> float:
-        result = evaluate(model, val_batches, dist, amp_dtype)
+        with watchdog.long_work("evaluation"):
+            result = evaluate(model, val_batches, dist, amp_dtype)
         metrics.evaluated(result.loss, result.accuracy)
         tracker.log(state.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
         log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
@@ -246,7 +254,8 @@ def train(
         state.interval_totals = all_reduce_sum(interval.clone()).tolist()
         state.epoch_totals = all_reduce_sum(epoch_totals.clone()).tolist()
         state.epoch, state.position = batches.epoch, batches.position
-        checkpoints.save(model, optimizer, scaler, state, wait=wait)
+        with watchdog.long_work("checkpoint save"):
+            checkpoints.save(model, optimizer, scaler, state, wait=wait)
         report_checkpoint()
 
     # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
@@ -264,15 +273,19 @@ def train(
     first_step = state.step + 1
     reuse_freed_memory()
     started = interval_start = time.perf_counter()
-    with StopRequest(dist) as stop_request:
+    with StopRequest(dist) as stop_request, watchdog:
         while state.step < state.max_steps:
             step_started, step_tokens = time.perf_counter(), 0
             lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             epochs_before = batches.completed_epochs
+            if slowdown:
+                time.sleep(slowdown)
             for micro in range(spec.grad_accum):
+                watchdog.waiting_for_data(True)
                 batch = to_device(next(stream), device)
+                watchdog.waiting_for_data(False)
                 last_micro = micro == spec.grad_accum - 1
                 with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
                     with autocast(device, amp_dtype):
@@ -284,6 +297,8 @@ def train(
                 epoch_totals += stats
                 interval[3] += batch["input_ids"].numel()
                 step_tokens += batch["input_ids"].numel()
+            if sync is not None:
+                sync.backward_done()
             if spec.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
@@ -292,15 +307,19 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples += samples_per_step
-            metrics.step_done(
-                state.step, time.perf_counter() - step_started, spec.batch_size * spec.grad_accum, step_tokens
-            )
+            step_seconds = time.perf_counter() - step_started
+            metrics.step_done(state.step, step_seconds, spec.batch_size * spec.grad_accum, step_tokens)
+            watchdog.step_done(state.step, step_seconds)
             done, max_steps = state.step, state.max_steps
             if done == first_step:
                 settle_heap()
+                step_timeouts(dist)  # the first step (compile, warm-up) had the long bound
 
+            stop_votes = None
             if done % spec.log_every == 0 or done == max_steps:
-                loss_sum_all, correct_all, count_all, tokens_all = all_reduce_sum(interval).tolist()
+                # The stop flags ride along: no reduction of their own at log steps.
+                logged = all_reduce_sum(torch.cat([interval, stop_request.vote(step_seconds, device)]))
+                loss_sum_all, correct_all, count_all, tokens_all, *stop_votes = logged.tolist()
                 train_loss = loss_sum_all / count_all
                 now = time.perf_counter()
                 state.tokens += int(tokens_all)
@@ -341,7 +360,7 @@ def train(
             elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
                 state.val_loss = report_eval(f"step {done}/{max_steps}")
 
-            if stop_request.agreed():
+            if stop_request.agreed(done, step_seconds, stop_votes):
                 save(wait=True)  # synchronous, after any background save still running
                 log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
                 return result(state, batches, train_loss, started, preempted=True)

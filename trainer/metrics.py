@@ -113,7 +113,7 @@ class TrainingMetrics:
             if dist.local_rank == 0:
                 shutil.rmtree(directory, ignore_errors=True)  # a mount point (the chart's emptyDir) stays, emptied
                 Path(directory).mkdir(parents=True, exist_ok=True)
-            barrier()
+            barrier(dist)
         self.registry = CollectorRegistry()
         self.rank = str(dist.rank)
         self.world_size = dist.world_size
@@ -181,6 +181,16 @@ class TrainingMetrics:
             "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint was committed."
         )
         self.checkpoint_step = self.gauge("checkpoint_step", "Step of the last committed checkpoint (step-N).")
+        # From the watchdog thread (trainer.watchdog), once every rank has stepped: stragglers.
+        self.step_time_ratio_gauge = self.gauge(
+            "step_time_ratio_to_median",
+            "This rank's busy time per step (step time less the wait for the other ranks' gradients) over the"
+            " median of all ranks; 1: typical, 2: twice as slow as most (a straggler everyone waits for).",
+        ).labels(self.rank)
+        self.slowest_rank_gauge = self.gauge("slowest_rank", "Rank 0 only: the rank with the highest step time ratio.")
+        self.slowest_ratio_gauge = self.gauge(
+            "slowest_rank_step_time_ratio_to_median", "Rank 0 only: the step time ratio of the slowest rank."
+        )
         self.reported_save: SaveStats | None = None
         self._step_data_wait = 0.0
         if port and dist.local_rank == 0:
@@ -250,6 +260,13 @@ class TrainingMetrics:
     def evaluated(self, loss: float, accuracy: float) -> None:
         self.eval_loss.labels(self.rank).set(loss)
         self.eval_accuracy.labels(self.rank).set(accuracy)
+
+    def step_time_ratio(self, ratio: float) -> None:
+        self.step_time_ratio_gauge.set(ratio)
+
+    def slowest_rank(self, rank: int, ratio: float) -> None:
+        self.slowest_rank_gauge.labels(self.rank).set(rank)
+        self.slowest_ratio_gauge.labels(self.rank).set(ratio)
 
     def checkpoint_saved(self, save: SaveStats | None) -> None:
         """The newest checkpoint this process committed (rank 0; a background save reports when it is done)."""

@@ -52,10 +52,10 @@ class Workload:
 def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
     """Rank 0 does `work` first (it may write or download); the others then do it from what it left."""
     if not dist.is_main:
-        barrier()
+        barrier(dist)
     result = work()
     if dist.is_main:
-        barrier()
+        barrier(dist)
     return result
 
 

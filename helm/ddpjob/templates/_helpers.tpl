@@ -179,6 +179,29 @@ The default access modes of the created claim: ReadWriteMany when the job's pods
 {{- end }}
 
 {{/*
+PyTorch's NCCL error handling and flight recorder, set on every pod by default (docs/hangs.md): a collective
+that times out tears the process down, and each rank first dumps its last NCCL operations into the run
+directory on the shared volume (nccl_trace_rank_<rank>, read with torch's flight-recorder analyzer). An
+entry of the same name in `env` replaces a default here.
+*/}}
+{{- define "ddpjob.ncclEnv" -}}
+{{- $overridden := dict -}}
+{{- range .Values.env }}{{ $_ := set $overridden .name true }}{{ end -}}
+{{- $defaults := list
+  (dict "name" "TORCH_NCCL_ASYNC_ERROR_HANDLING" "value" "3")
+  (dict "name" "TORCH_NCCL_DUMP_ON_TIMEOUT" "value" "1")
+  (dict "name" "TORCH_NCCL_TRACE_BUFFER_SIZE" "value" "2000")
+  (dict "name" "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" "value" (printf "%s/nccl_trace_rank_" (include "ddpjob.checkpointDir" .)))
+-}}
+{{- range $defaults }}
+{{- if not (hasKey $overridden .name) }}
+- name: {{ .name }}
+  value: {{ .value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 The pod template shared by Master and Worker replicas (PyTorchJob) and by the TrainingRuntime's replicated
 job `node` (TrainJob); what differs between the two APIs comes from _apikind.tpl.
 */}}
@@ -289,6 +312,9 @@ spec:
         # previous round, and restarted workers can wait forever on peers that are gone.
         - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
           value: "1"
+        {{- end }}
+        {{- with include "ddpjob.ncclEnv" . | trim }}
+        {{- . | nindent 8 }}
         {{- end }}
         {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}

@@ -1,0 +1,184 @@
+"""Hung and slow ranks on real runs (`ctl run`, two gloo ranks): a slowed rank shows in the straggler
+metric and in `ctl status`'s progress; a rank stopped with SIGSTOP fails the job through the watchdog, which
+names it and its last step, dumps stacks and exits retryably; running the job again resumes bitwise exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, processes_with_marker, run_ctl, start_ctl, trainer_pids
+from prometheus_client.parser import text_string_to_metric_families
+from test_chart import objects, pod_templates, spec_of, trainer_container
+from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
+from test_checkpoint import uninterrupted as uninterrupted  # the fixture: an uninterrupted run of the same spec
+
+from ctl.cli import progress_text
+from ctl.cluster import metrics_progress
+from trainer.checkpoint import step_name
+from trainer.dist import Dist, StopRequest
+from trainer.spec import EXIT_HUNG, SLOW_RANK_ENV
+
+T = TypeVar("T")
+RULE_TESTS = REPO / "tests" / "rules"
+SLOWDOWN = 0.5  # seconds rank 1 sleeps in every step: slow enough to stand out, and to stop it mid-run
+FLOOR = 5  # timeouts.hangFloorSeconds
+
+
+@dataclass
+class Hung:
+    output: str  # `ctl run`'s stdout and stderr
+    returncode: int
+    stopped_after: int  # rank 1's last completed step when it was stopped, from its own metrics
+    metrics: str  # node 0's metrics page (both ranks) while rank 1 was the slow one
+    spec: Path
+    run_dir: Path
+    marker: str
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """{rank: value} of one metric in a metrics page."""
+    return {
+        sample.labels["rank"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def poll(what: str, check: Callable[[], T | None], deadline: float) -> T:
+    while (result := check()) is None:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> Hung:
+    """`ctl run` with rank 1 slowed down; once the straggler shows and a checkpoint exists, rank 1 is SIGSTOPped."""
+    tmp = tmp_path_factory.mktemp("hung")
+    run_dir = tmp / "run"
+    spec = {
+        "name": "hang",
+        "procsPerNode": 2,
+        "terminationGracePeriodSeconds": 8,  # torchrun waits 3 s for a stopped worker before killing it
+        "training": training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR}),
+    }
+    spec_path = tmp / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    marker = uuid.uuid4().hex
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
+    process = start_ctl("run", str(spec_path), cwd=tmp, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        endpoint = poll(
+            "node 0's metrics endpoint",
+            lambda: next((m.group(1) for line in lines if (m := re.search(r"metrics of node 0 at (\S+)", line))), None),
+            deadline,
+        )
+
+        def straggler_seen() -> str | None:
+            try:
+                with urllib.request.urlopen(endpoint, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                return None
+            saved = samples(text, "ddpjob_checkpoint_step").get("0", 0) >= EVERY
+            slow = samples(text, "ddpjob_step_time_ratio_to_median").get("1", 0) > 1.3
+            return text if saved and slow and samples(text, "ddpjob_slowest_rank").get("0") == 1 else None
+
+        # The first readings include the first step, alike on both ranks; rank 1's sleep shows from then on.
+        metrics = poll("rank 1 to stand out as the slowest, and a checkpoint", straggler_seen, deadline)
+        (rank_1,) = trainer_pids(marker, rank=1, local_rank=1)
+        os.kill(rank_1, signal.SIGSTOP)
+        with urllib.request.urlopen(endpoint, timeout=5) as response:
+            stopped_after = int(samples(response.read().decode(), "ddpjob_step")["1"])
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        reader.join(timeout=10)
+    assert not processes_with_marker(marker), "a process of the hung run outlived `ctl run`"
+    return Hung("".join(lines), process.returncode, stopped_after, metrics, spec_path, run_dir, marker)
+
+
+def test_a_slowed_rank_raises_its_step_time_ratio_and_ctl_status_names_it(hung: Hung) -> None:
+    ratios = samples(hung.metrics, "ddpjob_step_time_ratio_to_median")
+    # Two ranks: the median is their mean, so the slow one is above 1 and the other below.
+    assert ratios["1"] > 1.3 and ratios["0"] < 0.7, ratios
+    progress = metrics_progress(hung.metrics)
+    assert progress is not None and progress["slowestRank"]["rank"] == 1
+    ratio = progress["slowestRank"]["stepTimeRatioToMedian"]  # rank 0's copy: maybe from another poll than rank 1's
+    assert ratio > 1.3 and f"slowest rank 1 ({ratio:.2f}x the median)" in progress_text(progress)
+
+
+def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_exactly(
+    hung: Hung, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    output = hung.output
+    assert hung.returncode == 1, output
+    report = re.search(r"ctl: the job hung \(exit code (\d+), retryable\).*: (hang: .*)", output)
+    assert report and int(report.group(1)) == EXIT_HUNG, output
+    named = re.search(r"rank 1: stopped responding after step (\d+)", report.group(2))
+    assert named, report.group(2)
+    # The others finished the step with rank 1's gradients; rank 1 may have been stopped before its optimizer step.
+    assert int(named.group(1)) in (hung.stopped_after, hung.stopped_after + 1), (hung.stopped_after, report.group(2))
+    assert f"at least timeouts.hangFloorSeconds = {FLOOR}" in report.group(2)
+    # Rank 0 (the one not stopped) dumped its Python stacks: its training thread waits in the gradient all-reduce.
+    dump = output[output.index("Python stacks of every thread of this rank") :]
+    assert re.search(r'File ".*trainer/loop\.py", line \d+ in train', dump), dump
+
+    saved = sorted(int(p.name[5:]) for p in hung.run_dir.glob("step-*"))
+    assert saved and saved[-1] < STEPS and not (hung.run_dir / "final").exists()
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    rerun = run_ctl("run", str(hung.spec), cwd=hung.spec.parent, env=env)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resuming from {step_name(saved[-1])}:" in rerun.stdout
+    assert_bitwise_equal(weights(hung.run_dir), uninterrupted)
+
+
+def test_pods_get_the_nccl_flight_recorder_by_default_and_the_spec_env_overrides_it() -> None:
+    def env(**values: Any) -> dict[str, list[str]]:
+        template = pod_templates(objects(spec_of(**values))["PyTorchJob"])["Master"]
+        names: dict[str, list[str]] = {}
+        for var in trainer_container(template)["env"]:
+            names.setdefault(var["name"], []).append(var.get("value"))
+        return names
+
+    defaults = env(storage={"mountPath": "/ckpt"})
+    assert defaults["TORCH_NCCL_DUMP_ON_TIMEOUT"] == ["1"] and defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == ["3"]
+    assert int(defaults["TORCH_NCCL_TRACE_BUFFER_SIZE"][0]) > 0
+    # The traces land in the run directory on the shared volume, one file per rank.
+    assert defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == ["/ckpt/job/nccl_trace_rank_"]
+    # One entry per name (server-side apply rejects duplicates), the spec's value.
+    overridden = env(env=[{"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "0"}])
+    assert overridden["TORCH_NCCL_TRACE_BUFFER_SIZE"] == ["0"]
+
+
+def test_between_log_steps_the_stop_flag_is_checked_as_often_as_the_grace_period_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quarter of torchrun's shutdown timeout (4 s here) between checks: with 0.3 s steps, every third step."""
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
+    stop = StopRequest(Dist(0, 0, 1, torch.device("cpu")))
+    assert not any(stop.agreed(step, 0.3, None) for step in range(1, 11))  # checked at 1, 4, 7 and 10
+    stop.request(signal.SIGTERM, None)
+    # Asked during step 11: the ranks act on it at the next check, 13, not at once; a log step's reduction checks too.
+    assert [stop.agreed(step, 0.3, None) for step in (11, 12, 13)] == [False, False, True]
+    assert stop.agreed(14, 0.3, [1.0, 0.3]) and not StopRequest(stop.dist).agreed(1, 0.3, [0.0, 0.3])
