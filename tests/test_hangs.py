@@ -140,8 +140,10 @@ def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_ex
     # The others finished the step with rank 1's gradients; rank 1 may have been stopped before its optimizer step.
     assert int(named.group(1)) in (hung.stopped_after, hung.stopped_after + 1), (hung.stopped_after, report.group(2))
     assert f"at least timeouts.hangFloorSeconds = {FLOOR}" in report.group(2)
-    # Rank 0 (the one not stopped) dumped its Python stacks: its training thread waits in the gradient all-reduce.
-    dump = output[output.index("Python stacks of every thread of this rank") :]
+    # Rank 0 (the one not stopped) dumped its Python stacks into its log: its training thread waits in the gradient
+    # all-reduce.
+    (log,) = hung.run_dir.glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+    dump = log.read_text()[log.read_text().index("Python stacks of every thread of this rank") :]
     assert re.search(r'File ".*trainer/loop\.py", line \d+ in train', dump), dump
 
     saved = sorted(int(p.name[5:]) for p in hung.run_dir.glob("step-*"))
