@@ -49,6 +49,9 @@ SetOpt = Annotated[
     list[str],
     typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
 ]
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
+]
 
 
 @app.callback()
@@ -73,21 +76,49 @@ def load_job(spec: Path, set_values: list[str]) -> JobSpec:
         raise fail(str(exc)) from None
 
 
+def run_directory(job: JobSpec, run_dir: Path | None) -> Path:
+    """--run-dir, else training.checkpoint.dir, else ./runs/<name>: where `ctl run` trains."""
+    return (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
+
+
 @app.command()
 def run(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
-    run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
-    ] = None,
+    run_dir: RunDirOpt = None,
 ) -> None:
     """Run the job on this machine: one torchrun agent per node, with the operator's env."""
     job = load_job(spec, set_values)
     from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
 
-    directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
-    code = run_local(job, directory)
+    code = run_local(job, run_directory(job, run_dir))
     raise typer.Exit(code)
+
+
+@app.command()
+def prepare(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    run_dir: RunDirOpt = None,
+) -> None:
+    """Prepare the job's data on this machine: tokenized once into the dataset cache, which runs then map.
+
+    Prints the prepared dataset's directory. The cache is `training.data.cacheDir`, by default
+    `_datasets` next to the run directory; `ctl run` and the trainer find the data there by its fingerprint.
+    """
+    job = load_job(spec, set_values)
+    from trainer.spec import SpecError
+
+    try:
+        # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
+        from trainer.prepare import prepare_spec
+    except ImportError as exc:
+        raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
+    try:
+        plan = prepare_spec(job.training, run_directory(job, run_dir), note)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+    typer.echo(str(plan.entry))
 
 
 @app.command()

@@ -48,7 +48,7 @@ CASES = {
             (d / "latin1.csv").write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
             and {"train": str(d / "latin1.csv")}
         ),
-        "latin1.csv is not UTF-8 text",
+        "latin1.csv:2: not UTF-8 text",
     ),
     "invalid-json": (
         lambda d: (
@@ -80,4 +80,8 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
     assert len(failure) == 1 and message in failure[0], result.stderr
     assert "] error: data." in result.stdout  # every rank says it too, in the job's own output
     assert "raise SpecError" not in result.stdout + result.stderr  # the trainer's own output has no traceback
-    assert not (tmp_path / "runs").exists()
+    if case == "fewer-samples-than-ranks-x-batch":  # found after preparing: the complete dataset stays for a rerun
+        assert [p.name for p in (tmp_path / "runs").iterdir()] == ["_datasets"]
+        assert all((entry / "manifest.json").exists() for entry in (tmp_path / "runs" / "_datasets").iterdir())
+    else:
+        assert not (tmp_path / "runs").exists()
