@@ -91,8 +91,26 @@ def run(
     job = load_job(spec, set_values)
     from ctl.local import run_local  # starts processes; kept out of `ctl --help`'s import time
 
-    code = run_local(job, run_directory(job, run_dir))
+    directory = run_directory(job, run_dir)
+    if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
+        prepare_data(job, directory)
+    code = run_local(job, directory)
     raise typer.Exit(code)
+
+
+def prepare_data(job: JobSpec, directory: Path):  # -> trainer.prepare.Plan
+    """The job's dataset in its cache, prepared here unless it is there already; exit 2 on bad data."""
+    from trainer.spec import SpecError
+
+    try:
+        # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
+        from trainer.prepare import prepare_spec
+    except ImportError as exc:
+        raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
+    try:
+        return prepare_spec(job.training, directory, note)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
@@ -107,17 +125,7 @@ def prepare(
     `_datasets` next to the run directory; `ctl run` and the trainer find the data there by its fingerprint.
     """
     job = load_job(spec, set_values)
-    from trainer.spec import SpecError
-
-    try:
-        # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
-        from trainer.prepare import prepare_spec
-    except ImportError as exc:
-        raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
-    try:
-        plan = prepare_spec(job.training, run_directory(job, run_dir), note)
-    except SpecError as exc:
-        raise fail(str(exc)) from None
+    plan = prepare_data(job, run_directory(job, run_dir))
     typer.echo(str(plan.entry))
 
 

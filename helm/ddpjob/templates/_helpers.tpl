@@ -219,6 +219,11 @@ spec:
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
           value: {{ max 0 (sub (int .Values.terminationGracePeriodSeconds) 5) | toString | quote }}
+        {{- if .Values.prepare.enabled }}
+        # The prepare Job tokenizes the data: the trainer waits for its manifest instead of preparing.
+        - name: DDPJOB_PREPARED_BY_JOB
+          value: "1"
+        {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.
