@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -382,6 +383,22 @@ def chunks(docs: Iterable[Document], chunk_bytes: int) -> Iterator[list[Document
         yield chunk
 
 
+@contextlib.contextmanager
+def without_main() -> Iterator[None]:
+    """Start processes that do not import the parent's `__main__` first.
+
+    A spawned process runs the parent's main module before anything else: for a trainer rank that
+    is `trainer.__main__` (torch, transformers: seconds and hundreds of MB per process) when the
+    pool's processes need only this module.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def encoded(
     encoder: Encoder, docs: Iterable[Document], workers: int, buffer_bytes: int
 ) -> Iterator[tuple[list[Document], np.ndarray, np.ndarray]]:
@@ -392,7 +409,9 @@ def encoded(
         return
     in_flight = 2 * workers
     # spawn: the parent may hold threads (a process group, the tokenizer's pool) that fork would copy half-alive.
-    with multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,)) as pool:
+    with without_main():
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,))
+    with pool:
         pending: deque = deque()
         for chunk in chunks(docs, max(1, buffer_bytes // in_flight)):
             pending.append((chunk, pool.apply_async(_encode_in_pool, ([d.text for d in chunk],))))
@@ -436,7 +455,7 @@ class Progress:
     def show(self, rate: float, eta: float, end: str = "") -> None:
         share = min(1.0, self.done_bytes / self.total)
         text = (
-            f"{self.label}: {share:6.1%} {self.done_bytes / 2**20:,.0f}/{self.total / 2**20:,.0f} MiB"
+            f"{self.label}: {share:6.1%} {self.done_bytes / 2**20:,.1f}/{self.total / 2**20:,.1f} MiB"
             f" | {rate / 2**20:.1f} MiB/s | {self.documents:,} docs, {self.tokens:,} tokens"
             f" | ETA {eta:,.0f} s"
         )
