@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import socket
 import sysconfig
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from conftest import run_ctl, tiny_spec
 from transformers import AutoTokenizer
 
 from trainer.data import CharVocab
-from trainer.prepare import MANIFEST, prepare_spec
+from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
 
@@ -191,3 +193,21 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     failure = [line for line in resumed.stderr.splitlines() if line.startswith("ctl: node")]
     assert len(failure) == 1 and f"data.train: {corpus} changed since this run's checkpoints" in failure[0]
+
+
+def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("words and more words\n" * 2000)
+    spec = training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with PrepareMetrics.serving(port, "127.0.0.1") as metrics:
+        Builder(make_plan(spec, tmp_path / "run", None), None, 1, print, metrics).build()
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines() if line[0] != "#"}
+    assert values["ddpjob_prepare_tokens_total"] == 2000 * len("words and more words\n")
+    assert values["ddpjob_prepare_read_bytes_total"] == 2 * corpus.stat().st_size  # the vocabulary pass, then tokens
+    assert values["ddpjob_prepare_eta_seconds"] == 0 and values["ddpjob_prepare_finished_timestamp_seconds"] > 0
+    with pytest.raises(OSError):  # the port is free again for the training metrics
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)

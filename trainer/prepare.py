@@ -47,6 +47,7 @@ import numpy as np
 
 from trainer.spec import (
     JOB_NAME_ENV,
+    METRICS_HOST_ENV,
     METRICS_PORT_ENV,
     METRICS_PREFIX,
     DataSpec,
@@ -499,10 +500,30 @@ class PrepareMetrics:
         self.job = job
         self.stage = ""
 
-    def serve(self, port: int, host: str) -> None:
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, port: int, host: str, directory: str | None = None) -> Iterator[PrepareMetrics | None]:
+        """Metrics served on `port` while the preparation runs (none when `port` is 0); the port is free after.
+
+        `directory`: prometheus_client's multiprocess directory (a trainer pod's), created if missing.
+        """
+        if not port:
+            yield None
+            return
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr=host, registry=self.registry)
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        metrics = cls()
+        try:
+            server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as exc:
+            raise RuntimeError(f"metrics: cannot serve on {host}:{port}: {exc}") from exc
+        try:
+            yield metrics
+        finally:
+            server.shutdown()
+            server.server_close()
 
     def start(self, stage: str, total: int) -> None:
         self.stage = stage
@@ -724,16 +745,13 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     if manifest is not None:
         log(f"already prepared: {plan.entry}")
         return plan
-    metrics = None
-    port = int(os.environ.get(METRICS_PORT_ENV) or 0)
-    if port:
-        metrics = PrepareMetrics()
-        metrics.serve(port, "0.0.0.0")
     workers = worker_count(spec.data)
     log(f"preparing {plan.entry} with {workers} process(es)")
     tokenizer = load_tokenizer(source, key) if source else None
+    port = int(os.environ.get(METRICS_PORT_ENV) or 0)
     try:
-        manifest = Builder(plan, tokenizer, workers, log, metrics).build()
+        with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
+            manifest = Builder(plan, tokenizer, workers, log, metrics).build()
     except SpecError as exc:
         if error_file:
             plan.error_path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,9 +36,10 @@ from trainer.data import (
     open_tokens,
 )
 from trainer.dist import Dist, barrier
+from trainer.metrics import metrics_endpoint
 from trainer.models import build_causal_lm, build_char_gpt, build_classifier
-from trainer.prepare import TOKENIZER_DIR, Builder, Plan, make_plan, read_manifest, worker_count
-from trainer.spec import PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.prepare import TOKENIZER_DIR, Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
+from trainer.spec import METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
 from trainer.text import load_tokenizer
 
 T = TypeVar("T")
@@ -136,9 +137,13 @@ def outcome_key(plan: Plan) -> str:
 def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
     """Rank 0 prepares; the outcome (or the one-line bad-data error) goes to the waiting ranks through the store."""
     store = rendezvous_store()
-    say(f"preparing {plan.entry} with {worker_count(plan.spec.data)} process(es)")
+    workers = worker_count(plan.spec.data)
+    say(f"preparing {plan.entry} with {workers} process(es)")
+    # Rank 0 is its pod's local rank 0, which serves the pod's metrics: the preparation's until training starts.
+    port, directory = metrics_endpoint()
     try:
-        manifest = Builder(plan, tokenizer, worker_count(plan.spec.data), say).build()
+        with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory) as metrics:
+            manifest = Builder(plan, tokenizer, workers, say, metrics).build()
     except SpecError as exc:
         if store is not None:
             store.set(outcome_key(plan), f"error {exc}")
