@@ -163,6 +163,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
     by_job = bool(os.environ.get(PREPARED_BY_JOB_ENV))
     who = "the prepare Job" if by_job else "rank 0"
     started = logged = time.monotonic()
+    done_at: float | None = None
     say(f"rank {dist.rank}: waiting for {who} to prepare {plan.entry}")
     while True:
         manifest = read_manifest(plan)
@@ -173,6 +174,13 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
             outcome = store.get(key).decode()
             if outcome != "ok":
                 failure = outcome
+            else:
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > WAIT_LOG_S:  # long after rank 0 finished: not the same volume
+                    failure = (
+                        f"error data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
+                        f" rank 0 prepared {plan.entry.name} there and this node does not see it"
+                    )
         if failure is not None:
             kind, _, message = failure.partition(" ")
             if kind == "error":
