@@ -1,4 +1,4 @@
-"""Per task: find (or prepare) the data, get the tokenizer, build the model. Everything after is shared.
+"""What every task's `load` shares: the Workload it returns, its tokenizer, and its prepared data.
 
 Every rank stats the data files and computes the dataset's fingerprint (trainer/prepare.py), so
 a missing file fails fast and identically everywhere. When the dataset cache has no prepared
@@ -19,26 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch.utils.data import Dataset
 
-from trainer import stdlib_docstrings
 from trainer.checkpoint import LATEST
-from trainer.data import (
-    CharVocab,
-    Collate,
-    LabelledExamples,
-    PadCollator,
-    TokenBlocks,
-    check_enough_samples,
-    open_tokens,
-)
+from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.metrics import metrics_endpoint
-from trainer.models import build_causal_lm, build_char_gpt, build_classifier
-from trainer.prepare import TOKENIZER_DIR, Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
+from trainer.prepare import Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
 from trainer.spec import METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
 from trainer.text import load_tokenizer
 
@@ -47,15 +36,14 @@ T = TypeVar("T")
 
 @dataclass
 class Workload:
+    """What a task hands the training loop (trainer/tasks adds its own fields)."""
+
     model: torch.nn.Module
     tokenizer: Any  # a transformers tokenizer, exported with the model
     train: Dataset
     val: Dataset
-    test: Dataset | None = None  # classification: the split of the final report (val when None)
+    data: Plan  # the prepared dataset it reads
     collate: Collate | None = None
-    labels: list[str] | None = None
-    char_vocab: CharVocab | None = None  # char-gpt: encodes the sample prompt
-    data: Plan | None = None  # the prepared dataset it reads
 
 
 def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
@@ -192,93 +180,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
         time.sleep(WAIT_POLL_S)
 
 
-def token_splits(plan: Plan, manifest: dict[str, Any], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Train and validation token streams: the val files' own, else the end of train."""
-    train = open_tokens(plan.entry, "train", manifest)
-    if "val" in manifest["splits"]:
-        return train, open_tokens(plan.entry, "val", manifest)
-    cut = int(len(train) * (1 - val_fraction))
-    return train[:cut], train[cut:]
-
-
-def blocks(
-    spec: TrainingSpec, dist: Dist, plan: Plan, manifest: dict[str, Any], unit: str
-) -> tuple[TokenBlocks, TokenBlocks]:
-    block = spec.model.block_size
-    train_ids, val_ids = token_splits(plan, manifest, spec.data.val_fraction)
-    train_set, val_set = TokenBlocks(train_ids, block), TokenBlocks(val_ids, block)
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
-    if not len(val_set):
-        raise SpecError(f"data.val: {len(val_ids)} {unit}, fewer than one block of {block + 1}")
-    return train_set, val_set
-
-
-def char_gpt(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    plan, manifest = prepared(spec, dist, run_dir, None)
-    vocab = CharVocab(list(manifest["chars"]))
-    train_set, val_set = blocks(spec, dist, plan, manifest, "characters")
-    model = build_char_gpt(spec.model, vocab.size, vocab.special_id)
-    return Workload(model, vocab.to_hf_tokenizer(), train_set, val_set, char_vocab=vocab, data=plan)
-
-
-def causal_lm(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    tokenizer = given_tokenizer(spec, dist)
-    plan, manifest = prepared(spec, dist, run_dir, tokenizer)
-    tokenizer = tokenizer or load_tokenizer(str(plan.entry / TOKENIZER_DIR), "tokenizer")
-    train_set, val_set = blocks(spec, dist, plan, manifest, "tokens")
-    return Workload(build_causal_lm(spec.model, tokenizer), tokenizer, train_set, val_set, data=plan)
-
-
-def builtin_files(spec: TrainingSpec, dist: Dist, run_dir: Path) -> dict[str, Path] | None:
-    """classification's built-in dataset, built by rank 0 into the run directory; None without one."""
-    if not spec.data.builtin:
-        return None
-    built = run_dir / "data" / spec.data.builtin
-    return main_rank_first(
-        dist,
-        lambda: (
-            stdlib_docstrings.build(built)
-            if dist.is_main
-            else {s: built / f"{s}.jsonl" for s in stdlib_docstrings.SPLITS}
-        ),
-    )
-
-
-def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    tokenizer = given_tokenizer(spec, dist)
-    plan, manifest = prepared(spec, dist, run_dir, tokenizer, builtin_files(spec, dist, run_dir))
-    tokenizer = tokenizer or load_tokenizer(str(plan.entry / TOKENIZER_DIR), "tokenizer")
-    splits = manifest["splits"]
-    if "val" in splits:
-        train_set = LabelledExamples(plan.entry, "train", manifest)
-        val_set = LabelledExamples(plan.entry, "val", manifest)
-    else:  # a seeded shuffle, so a file sorted by label still gives a mixed validation split
-        documents = splits["train"]["documents"]
-        order = np.random.default_rng(spec.seed).permutation(documents)
-        held_out = max(1, int(documents * spec.data.val_fraction))
-        train_set = LabelledExamples(plan.entry, "train", manifest, np.sort(order[held_out:]))
-        val_set = LabelledExamples(plan.entry, "train", manifest, np.sort(order[:held_out]))
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
-    labels = manifest["labels"]
-    return Workload(
-        model=build_classifier(spec.model, tokenizer, labels),
-        tokenizer=tokenizer,
-        train=train_set,
-        val=val_set,
-        test=LabelledExamples(plan.entry, "test", manifest) if "test" in splits else None,
-        collate=PadCollator(tokenizer.pad_token_id),
-        labels=labels,
-        data=plan,
-    )
-
-
-PREPARE = {"char-gpt": char_gpt, "causal-lm": causal_lm, "classification": classification}
-
-
-def prepare(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    work = PREPARE[spec.task](spec, dist, run_dir)
-    if dist.is_main and work.data is not None:  # the data checked out: the run reads this dataset from now on
-        plan = work.data
-        record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
-        (run_dir / RUN_DATASET).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    return work
+def record_dataset(plan: Plan, run_dir: Path) -> None:
+    """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
+    record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
+    (run_dir / RUN_DATASET).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
