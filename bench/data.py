@@ -51,14 +51,14 @@ TOKENIZER_SAMPLE_BYTES = 5 * 2**20
 
 
 def stdlib_documents() -> list[Path]:
-    """The standard library's `.py` files that are UTF-8 text (a few test files deliberately are not)."""
+    """The standard library's `.py` files that hold UTF-8 text (a few test files deliberately are not UTF-8)."""
     files = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         try:
-            path.read_text(encoding="utf-8")
+            if path.read_text(encoding="utf-8").strip():  # a row without text is a bad row
+                files.append(path)
         except (UnicodeDecodeError, OSError):
             continue
-        files.append(path)
     return files
 
 
@@ -183,7 +183,7 @@ def reference_prepare(corpus: Path, tokenizer_dir: Path, out: Path) -> None:
         flush(batch)
 
 
-def job_spec(name: str, corpus: Path, tokenizer_dir: Path, cache: Path) -> dict:
+def job_spec(name: str, corpus: Path, val: Path, tokenizer_dir: Path, cache: Path) -> dict:
     return {
         "name": name,
         "procsPerNode": 2,
@@ -191,17 +191,18 @@ def job_spec(name: str, corpus: Path, tokenizer_dir: Path, cache: Path) -> dict:
             "task": "causal-lm",
             "model": {"nLayer": 2, "nHead": 2, "nEmbd": 64, "blockSize": 128},
             "tokenizer": {"path": str(tokenizer_dir)},
-            "data": {"train": str(corpus), "cacheDir": str(cache)},
+            # A small validation file: the final evaluation stays a fixed cost, not a share of the corpus.
+            "data": {"train": str(corpus), "val": str(val), "cacheDir": str(cache)},
             "maxSteps": 3,
             "batchSize": 4,
             "logEvery": 1,
-            "checkpoint": {"every": 0},
+            "checkpoint": {"every": 0, "keepBest": False},
             "sample": {"maxNewTokens": 0},
         },
     }
 
 
-def run_case(label: str, corpus: Path, tokenizer_dir: Path, workdir: Path, with_reference: bool) -> dict:
+def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: Path, with_reference: bool) -> dict:
     env = os.environ | {"PYTHONPATH": str(REPO)}
     cache = workdir / f"cache-{label}"
     result: dict = {"corpus_mb": round(corpus.stat().st_size / 2**20, 1)}
@@ -214,7 +215,7 @@ def run_case(label: str, corpus: Path, tokenizer_dir: Path, workdir: Path, with_
         result["reference"] = {"wall_s": round(usage.wall_s, 1), "peak_rss_gib": round(usage.tree_peak / 2**30, 2)}
     for run in ("first_start", "restart"):
         spec = workdir / f"{label}-{run}.yaml"
-        spec.write_text(yaml.safe_dump(job_spec(f"{label}-{run.replace('_', '-')}", corpus, tokenizer_dir, cache)))
+        spec.write_text(yaml.safe_dump(job_spec(f"{label}-{run.replace('_', '-')}", corpus, val, tokenizer_dir, cache)))
         usage = measure([sys.executable, "-m", "ctl", "run", str(spec)], workdir, env)
         result[run] = {
             "wall_s": round(usage.wall_s, 1),
@@ -241,6 +242,7 @@ def main() -> None:
         corpora = {"small": workdir / "small.jsonl", "large": workdir / "large.jsonl"}
         build_corpus(corpora["small"], args.small_mb, sources)
         build_corpus(corpora["large"], args.large_mb, sources)
+        build_corpus(workdir / "val.jsonl", 1, sources[::-1])
         sample, size = [], 0
         for source in sources:
             sample.append(source.read_text(encoding="utf-8"))
@@ -249,7 +251,9 @@ def main() -> None:
                 break
         train_tokenizer(sample, 8192).save_pretrained(workdir / "tokenizer")
         results = {
-            label: run_case(label, corpus, workdir / "tokenizer", workdir, with_reference=label == "small")
+            label: run_case(
+                label, corpus, workdir / "val.jsonl", workdir / "tokenizer", workdir, with_reference=label == "small"
+            )
             for label, corpus in corpora.items()
         }
 

@@ -63,7 +63,9 @@ TOKENIZER_DIR = "tokenizer"
 CACHE_DIR_NAME = "_datasets"  # next to run directories; `_` is never in a job name (DNS-1035), so no run collides
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
-PROGRESS_INTERVAL_S = 10.0  # a progress line this often when stderr is not a terminal
+PROGRESS_INTERVAL_S = 10.0
+# Text per chunk at most: a process holds its chunk's ids as Python ints (~36 bytes per token) for a moment.
+CHUNK_BYTES = 4 * 2**20  # a progress line this often when stderr is not a terminal
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,7 @@ def encoded(
 ) -> Iterator[tuple[list[Document], np.ndarray, np.ndarray]]:
     """(chunk, tokens, lengths) in document order; at most `buffer_bytes` of text in flight."""
     if workers == 1:
-        for chunk in chunks(docs, buffer_bytes // 2):
+        for chunk in chunks(docs, min(CHUNK_BYTES, buffer_bytes)):
             yield (chunk, *encoder.encode([d.text for d in chunk]))
         return
     in_flight = 2 * workers
@@ -414,7 +416,7 @@ def encoded(
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,))
     with pool:
         pending: deque = deque()
-        for chunk in chunks(docs, max(1, buffer_bytes // in_flight)):
+        for chunk in chunks(docs, max(1, min(CHUNK_BYTES, buffer_bytes // in_flight))):
             pending.append((chunk, pool.apply_async(_encode_in_pool, ([d.text for d in chunk],))))
             if len(pending) >= in_flight:
                 done, result = pending.popleft()
