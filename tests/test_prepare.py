@@ -16,14 +16,17 @@ import numpy as np
 import pyarrow
 import pyarrow.parquet
 import pytest
+import torch
 import yaml
 from conftest import run_ctl, tiny_spec
 from transformers import AutoTokenizer
 
 from trainer.data import CharVocab
+from trainer.dist import Dist
 from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
-from trainer.spec import SpecError, TrainingSpec
+from trainer.spec import PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
 from trainer.text import train_tokenizer
+from trainer.workloads import wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB of real text in ~30 files, some empty
@@ -184,8 +187,10 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     again = run_ctl("prepare", "spec.yaml", cwd=tmp_path)
     assert again.returncode == 0 and again.stdout == prepared.stdout and "already prepared" in again.stderr
 
-    run = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    # prepare.enabled: ctl run prepares first (here: finds it done), then its ranks take the prepare Job's path.
+    run = run_ctl("run", "spec.yaml", "--set", "prepare.enabled=true", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "already prepared" in run.stderr
     assert f"rank 0: prepared data {entry}" in run.stdout and "preparing" not in run.stdout
 
     corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data
@@ -211,3 +216,14 @@ def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:
     assert values["ddpjob_prepare_eta_seconds"] == 0 and values["ddpjob_prepare_finished_timestamp_seconds"] > 0
     with pytest.raises(OSError):  # the port is free again for the training metrics
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_ranks_waiting_for_the_prepare_job_exit_with_its_bad_data_line(tmp_path, monkeypatch) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n")
+    plan = make_plan(training("char-gpt", [str(corpus)], tmp_path), tmp_path / "run", None)
+    plan.error_path.parent.mkdir(parents=True)
+    plan.error_path.write_text(f"error data.train: {corpus}:1: something wrong")
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "1")
+    with pytest.raises(SpecError, match=f"^data.train: {corpus}:1: something wrong$"):
+        wait_for(plan, Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu")))
