@@ -742,14 +742,14 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
         builtin = stdlib_docstrings.build(run_dir / "data" / spec.data.builtin)
     source = spec.tokenizer.path or spec.model.pretrained
     key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
-    plan = make_plan(spec, run_dir, load_tokenizer(source, key) if source else None, builtin)
+    tokenizer = load_tokenizer(source, key) if source else None
+    plan = make_plan(spec, run_dir, tokenizer, builtin)
     manifest = read_manifest(plan)
     if manifest is not None:
         log(f"already prepared: {plan.entry}")
         return plan
     workers = worker_count(spec.data)
     log(f"preparing {plan.entry} with {workers} process(es)")
-    tokenizer = load_tokenizer(source, key) if source else None
     port = int(os.environ.get(METRICS_PORT_ENV) or 0)
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
