@@ -181,16 +181,17 @@ class TrainBatches:
     def epochs_done(self) -> float:
         return self.epoch + self.position / max(1, self.batches_per_epoch * self.global_batch)
 
-    def epoch_order(self, epoch: int) -> list[int]:
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The epoch's shuffled sample order, as a tensor: 8 bytes a sample, where a list of ints takes 36."""
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.dataset), generator=generator).tolist()
+        return torch.randperm(len(self.dataset), generator=generator)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             order = self.epoch_order(self.epoch)
             while self.position + self.global_batch <= len(order):
                 start = self.position + self.rank
-                indices = order[start : self.position + self.global_batch : self.world_size]
+                indices = order[start : self.position + self.global_batch : self.world_size].tolist()
                 self.position += self.global_batch
                 batch = self.collate([self.dataset[i] for i in indices])
                 yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
