@@ -68,7 +68,8 @@ e2e: dev e2e-binaries
 	$(BIN)/python -m pytest -m e2e tests/e2e
 
 # Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
-# transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step.
+# transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step, and data
+# preparation at real size (vs a nanoGPT-style prepare).
 bench: $(BIN)/uv
 	$(INSTALL) -e '.[bench]'
 	$(COMPILE)
@@ -76,6 +77,7 @@ bench: $(BIN)/uv
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/cli.py
 	$(BIN)/python bench/metrics_overhead.py
+	$(BIN)/python bench/data.py
 
 lint: dev
 	$(BIN)/ruff check .

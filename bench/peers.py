@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,12 +26,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.data import TokenBlocks
-from trainer.text import expand_paths, read_documents
-from trainer.workloads import tokenize_packed
+from trainer.prepare import read_texts
+from trainer.text import expand_paths
+
+
+def tokenize_packed(tokenizer, documents: list[str]) -> np.ndarray:
+    """One stream of token ids, documents separated by eos (GPT-2's packing), in this process."""
+    ids: list[int] = []
+    for encoded in tokenizer(documents, add_special_tokens=False, verbose=False)["input_ids"]:
+        ids += encoded
+        ids.append(tokenizer.eos_token_id)
+    return np.array(ids, dtype=np.int32)
 
 
 def load_blocks(settings: dict) -> TokenBlocks:
-    documents = read_documents(expand_paths(settings["train"], "data.train"), "text", "data.train")
+    documents = list(read_texts(expand_paths(settings["train"], "data.train"), "text", "data.train"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(settings["tokenizer"])
     return TokenBlocks(tokenize_packed(tokenizer, documents), settings["block"])
 

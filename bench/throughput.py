@@ -52,7 +52,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.peers import gpt2  # noqa: E402
 from trainer.metrics import BF16_PEAK_FLOPS, flops_per_token  # noqa: E402
-from trainer.text import expand_paths, read_documents, train_tokenizer  # noqa: E402
+from trainer.prepare import read_texts  # noqa: E402
+from trainer.text import expand_paths, train_tokenizer  # noqa: E402
 
 CORPUS = ["{stdlib}/json/*.py", "{stdlib}/email/*.py", "{stdlib}/http/*.py", "{stdlib}/logging/*.py"]
 # About 9 MB of the standard library's own packages, named one by one: `{stdlib}/**` would
@@ -181,7 +182,7 @@ def prepare(workdir: Path, device: str, fast: bool, procs: int, steps: int, warm
     """
     shape = SHAPES[device]
     corpus = GPU_CORPUS if device == "cuda" else CORPUS
-    documents = read_documents(expand_paths(corpus, "data.train"), "text", "data.train")
+    documents = read_texts(expand_paths(corpus, "data.train"), "text", "data.train")
     tokenizer = train_tokenizer(documents, shape["vocab_size"])
     tokenizer.save_pretrained(workdir / "tokenizer")
     settings = {

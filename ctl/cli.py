@@ -50,6 +50,9 @@ SetOpt = Annotated[
     list[str],
     typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
 ]
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
+]
 
 
 @app.callback()
@@ -74,13 +77,16 @@ def load_job(spec: Path, set_values: list[str]) -> JobSpec:
         raise fail(str(exc)) from None
 
 
+def run_directory(job: JobSpec, run_dir: Path | None) -> Path:
+    """--run-dir, else training.checkpoint.dir, else ./runs/<name>: where `ctl run` trains."""
+    return (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
+
+
 @app.command()
 def run(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
-    run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
-    ] = None,
+    run_dir: RunDirOpt = None,
     verbose: Annotated[
         bool,
         typer.Option("--verbose", "-v", help="Also stream every rank's output and torchrun's own (else in logs/)."),
@@ -93,14 +99,54 @@ def run(
     agreed step; exit 143 (130 for Ctrl-C), and the same command resumes.
     """
     job = load_job(spec, set_values)
-    from ctl.local import missing_trainer_requirements, run_local  # kept out of `ctl --help`'s import time
+    require_trainer("run")
+    from ctl.local import run_local  # kept out of `ctl --help`'s import time
 
-    if missing := missing_trainer_requirements():
-        raise fail(f"ctl run needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
-
-    directory = (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
+    directory = run_directory(job, run_dir)
+    if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
+        prepare_data(job, directory)
     code = run_local(job, directory, verbose)
     raise typer.Exit(code)
+
+
+def require_trainer(command: str) -> None:
+    """Exit 2 naming the install when the client lacks the `train` extra that `command` runs."""
+    from ctl.local import missing_trainer_requirements
+
+    if missing := missing_trainer_requirements():
+        raise fail(f"ctl {command} needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
+
+
+def prepare_data(job: JobSpec, directory: Path):  # -> trainer.prepare.Plan
+    """The job's dataset in its cache, prepared here unless it is there already; exit 2 on bad data."""
+    from trainer.spec import SpecError
+
+    try:
+        # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
+        from trainer.prepare import prepare_spec
+    except ImportError as exc:
+        raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
+    try:
+        return prepare_spec(job.training, directory, note)
+    except SpecError as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command()
+def prepare(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    run_dir: RunDirOpt = None,
+) -> None:
+    """Prepare the job's data on this machine: tokenized once into the dataset cache, which runs then map.
+
+    Prints the prepared dataset's directory. The cache is `training.data.cacheDir`, by default
+    `_datasets` next to the run directory; `ctl run` and the trainer find the data there by its fingerprint.
+    """
+    job = load_job(spec, set_values)
+    require_trainer("prepare")
+    plan = prepare_data(job, run_directory(job, run_dir))
+    typer.echo(str(plan.entry))
 
 
 @app.command()

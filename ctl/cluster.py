@@ -509,6 +509,7 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
     kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
     kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
     kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))
+    kinds.append(("/apis/batch/v1", "jobs"))  # prepare.enabled: the prepare Job
     if purge:
         kinds.append(("/api/v1", "persistentvolumeclaims"))
     for base, plural in kinds:

@@ -286,6 +286,25 @@ class MetricsSpec(SpecModel):
     alerts: AlertsSpec = Field(default_factory=AlertsSpec)
 
 
+class PrepareSpec(SpecModel):
+    """A CPU-only Kubernetes Job that prepares the training data on the shared volume while the GPU pods wait."""
+
+    enabled: bool = Field(
+        False,
+        description="Render the prepare Job; the training pods then wait for its prepared data instead of"
+        " preparing it themselves.",
+    )
+    cpu: str = Field("4", description="CPU request and limit of the prepare pod: it tokenizes with every core.")
+    memory: str = Field("4Gi", description="Memory request and limit of the prepare pod.")
+    backoff_limit: int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="nodeSelector of the prepare pod (the training pods' is not used: no GPU)."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations of the prepare pod (Kubernetes form)."
+    )
+
+
 class JobSpec(SpecModel):
     """A whole training job."""
 
@@ -346,6 +365,7 @@ class JobSpec(SpecModel):
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every pod.")
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    prepare: PrepareSpec = Field(default_factory=PrepareSpec)
     training: TrainingSpec
 
     @field_validator("name")

@@ -48,7 +48,7 @@ CASES = {
             (d / "latin1.csv").write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
             and {"train": str(d / "latin1.csv")}
         ),
-        "latin1.csv is not UTF-8 text",
+        "latin1.csv:2: not UTF-8 text",
     ),
     "invalid-json": (
         lambda d: (
@@ -79,4 +79,8 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
     # One line on the terminal, whichever rank found it first; ranks' own output is not shown.
     assert result.stdout == "" and result.stderr.startswith("error: data.") and result.stderr.count("\n") == 1
     assert message in result.stderr, result.stderr
-    assert not (tmp_path / "runs").exists()
+    if case == "fewer-samples-than-ranks-x-batch":  # found after preparing: the complete dataset stays for a rerun
+        assert [p.name for p in (tmp_path / "runs").iterdir()] == ["_datasets"]
+        assert all((entry / "manifest.json").exists() for entry in (tmp_path / "runs" / "_datasets").iterdir())
+    else:
+        assert not (tmp_path / "runs").exists()

@@ -59,7 +59,8 @@ def test_pretrained_directory_fine_tunes_and_exports(tmp_path, corpus_file, pret
     report = json.loads((run_dir / "report.json").read_text())
     assert report["task"] == "causal-lm" and report["world_size"] == 2
     assert report["perplexity"] == pytest.approx(2.718281828 ** report["eval_loss"])
-    assert list((run_dir / "cache").glob("tokens-*.pt")), "tokenized once and cached in the run directory"
+    prepared = list((tmp_path / "runs" / "_datasets").glob("causal-lm-*/manifest.json"))
+    assert len(prepared) == 1, "tokenized once into the dataset cache next to the run directory"
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
@@ -112,5 +113,7 @@ def test_trained_tokenizer_and_model_from_dimensions(tmp_path, corpus_file) -> N
     result = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "scratch"
-    assert len(AutoTokenizer.from_pretrained(run_dir / "tokenizer")) == 300
+    (trained,) = (tmp_path / "runs" / "_datasets").glob("causal-lm-*/tokenizer")  # prepared with the data
+    assert len(AutoTokenizer.from_pretrained(trained)) == 300
+    assert len(AutoTokenizer.from_pretrained(run_dir / "final")) == 300
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.vocab_size == 300

@@ -36,7 +36,7 @@ from ctl.render import (
 )
 from ctl.schema import generated_files
 from ctl.spec import JobSpec, load_spec
-from trainer.spec import load_training_spec
+from trainer.spec import PREPARED_BY_JOB_ENV, load_training_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"
@@ -116,6 +116,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "checkpointMaxAgeSeconds": 3600,
             },
         },
+    },
+    "prepare-job": {
+        "nodes": 2,
+        "resources": {"gpu": 8},
+        "nodeSelector": {"pool": "gpu"},
+        "queue": {"volcano": "research"},
+        "prepare": {"enabled": True, "cpu": "16", "memory": "8Gi", "nodeSelector": {"pool": "cpu"}},
     },
     "elastic-monitoring": {
         "nodes": 2,
@@ -257,6 +264,34 @@ def test_pytorchjob_validates_against_the_real_crd(name: str, spec: JobSpec, pyt
     job = objects(spec)["PyTorchJob"]
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     jsonschema.validate(job, pytorchjob_schema, cls=jsonschema.Draft7Validator)
+
+
+def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() -> None:
+    by_kind = objects(spec_of(**VARIANTS["prepare-job"]))
+    job = by_kind["Job"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    training = pod_templates(by_kind["PyTorchJob"])["Master"]["spec"]
+    assert container["command"] == ["python", "-m", "trainer.prepare", "--config", "/etc/ddpjob/training.yaml"]
+    assert container["resources"] == {
+        "requests": {"cpu": "16", "memory": "8Gi"},
+        "limits": {"cpu": "16", "memory": "8Gi"},
+    }
+    assert [p["name"] for p in container["ports"]] == ["metrics"]
+    assert pod["nodeSelector"] == {"pool": "cpu"} and "schedulerName" not in pod and pod["restartPolicy"] == "Never"
+    # The same volumes, mounts, image and security as training: it writes the dataset cache on the same claim.
+    assert pod["volumes"] == training["volumes"] and pod["securityContext"] == training["securityContext"]
+    assert container["volumeMounts"] == trainer_container({"spec": training})["volumeMounts"]
+    assert container["image"] == trainer_container({"spec": training})["image"]
+    assert violations(pod) == []
+    # The training pods wait for the Job's manifest rather than preparing the data themselves.
+    for template in pod_templates(by_kind["PyTorchJob"]).values():
+        assert {"name": PREPARED_BY_JOB_ENV, "value": "1"} in trainer_container(template)["env"]
+    assert not {e["name"] for e in container["env"]} & {PREPARED_BY_JOB_ENV, "PROMETHEUS_MULTIPROC_DIR"}
+    assert "Job" not in objects(spec_of())
+    assert PREPARED_BY_JOB_ENV not in {
+        e["name"] for e in trainer_container(pod_templates(objects(spec_of())["PyTorchJob"])["Master"])["env"]
+    }
 
 
 @pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
@@ -877,6 +912,7 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     everything = spec_of(
         serviceAccount={"create": True},
         networkPolicy={"enabled": True},
+        prepare={"enabled": True},
         metrics={"podMonitor": {"enabled": True}, "alerts": {"enabled": True}, "dashboard": {"enabled": True}},
     )
     plural = {"NetworkPolicy": "networkpolicies"}

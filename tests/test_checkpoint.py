@@ -297,8 +297,8 @@ def test_training_batches_reshard_without_repeating_or_skipping_a_sample() -> No
     seen = take(before, steps=2)
     after = streams(3, epoch=before[0].epoch, position=before[0].position)
     seen += take(after, steps=(len(dataset) - 16) // 6)
-    assert sorted(seen) == sorted(before[0].epoch_order(0)[:100]) and len(set(seen)) == 100
-    assert after[0].completed_epochs == 1 and next(iter(after[0]))[0] in before[0].epoch_order(1)
+    assert sorted(seen) == sorted(before[0].epoch_order(0)[:100].tolist()) and len(set(seen)) == 100
+    assert after[0].completed_epochs == 1 and next(iter(after[0]))[0] in before[0].epoch_order(1).tolist()
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -11,53 +11,26 @@ stdout; everything else (every rank's own line, warnings, errors) to stderr.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import transformers
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.checkpoint import Checkpointer
-from trainer.data import eval_loader
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
-from trainer.loop import autocast_dtype, evaluate, gather_predictions, train
+from trainer.loop import train
 from trainer.metrics import metrics_endpoint
-from trainer.models import sample_tokens
-from trainer.report import classification_report, format_report
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, SpecError, TrainingSpec, load_training_spec
+from trainer.tasks import load
 from trainer.tracking import check_installed
-from trainer.workloads import Workload, prepare
-
-
-def final_report(spec: TrainingSpec, dist: Dist, work: Workload, log) -> dict[str, Any]:
-    """Evaluate the trained model: loss (and perplexity) everywhere, the classification report where it applies."""
-    split, dataset = ("test", work.test) if work.test is not None else ("val", work.val)
-    amp_dtype = autocast_dtype(spec.precision, dist.device)
-    pairs: list[tuple[int, int]] | None = None if work.labels is None else []
-    loader = eval_loader(dataset, dist, spec.batch_size, work.collate)
-    result = evaluate(work.model, loader, dist, amp_dtype, predictions=pairs)
-    report: dict[str, Any] = {"task": spec.task, "split": split, "eval_loss": result.loss}
-    if work.labels is None:
-        report |= {"perplexity": math.exp(result.loss), "eval_tokens": result.count, "token_accuracy": result.accuracy}
-        log(f"final | {split} loss {result.loss:.4f} | perplexity {math.exp(result.loss):.2f}")
-        return report
-    predictions = gather_predictions(pairs, dist, len(dataset))
-    metrics = classification_report(work.labels, dataset.labels, predictions)
-    majority = max(metrics["per_class"].values(), key=lambda c: c["support"])["support"] / metrics["support"]
-    log(
-        f"final | {split} loss {result.loss:.4f} | accuracy {metrics['accuracy']:.4f}"
-        f" (best constant prediction: {majority:.4f})"
-    )
-    log(format_report(metrics))
-    return report | metrics
 
 
 def run(spec: TrainingSpec, dist: Dist) -> int:
@@ -80,7 +53,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
         prepare_run_dir(run_dir)
     try:
         torch.manual_seed(spec.seed)
-        work = prepare(spec, dist, run_dir)
+        task, work = load(spec, dist, run_dir)
     except SpecError:
         remove_if_empty(created)  # bad data: leave nothing behind
         raise
@@ -93,7 +66,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     if result.preempted:
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
-    report = final_report(spec, dist, work, log) | {
+    report = task.final_report(spec, dist, work, log) | {
         "train_loss": result.train_loss,
         "steps": result.steps,
         "epochs": result.epochs,
@@ -108,22 +81,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     if dist.is_main:
         export_final(run_dir, work.model, work.tokenizer)
         write_report(run_dir, report)
-        if spec.task != "classification" and spec.sample.max_new_tokens:
-            torch.manual_seed(spec.seed)
-            encode = work.char_vocab.encode if work.char_vocab else lambda text: work.tokenizer(text)["input_ids"]
-            decode = work.char_vocab.decode if work.char_vocab else work.tokenizer.decode
-            prompt = torch.as_tensor(encode(spec.sample.prompt)).tolist()
-            text = decode(
-                sample_tokens(
-                    work.model,
-                    prompt,
-                    spec.sample.max_new_tokens,
-                    spec.model.block_size,
-                    spec.sample.temperature,
-                    spec.sample.top_k,
-                )
-            )
-            log(f"sample:\n{spec.sample.prompt}{text}\n")
+        task.sample(spec, work, log)
         log(f"run directory: {run_dir}")
     barrier(dist)
     return 0

@@ -45,11 +45,12 @@ from trainer.spec import (
     METRICS_DIR_ENV,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
+    METRICS_PREFIX,
     SpecError,
     TrainingSpec,
 )
 
-PREFIX = "ddpjob_"
+PREFIX = METRICS_PREFIX
 # Dense bf16 peak FLOP/s per GPU (SXM parts), matched against the CUDA device name.
 BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

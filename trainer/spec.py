@@ -37,6 +37,9 @@ LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
 # The largest context a named GPT-2 size (model.size) takes: its position embeddings.
 GPT2_POSITIONS = 1024
+# Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
+PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
+METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
 
 
 class SpecError(ValueError):
@@ -112,6 +115,28 @@ class DataSpec(SpecModel):
     text_field: str = Field("text", min_length=1, description="JSONL/CSV field holding the text.")
     label_field: str = Field("label", min_length=1, description="classification: JSONL/CSV field holding the label.")
     labels: list[str] | None = Field(None, min_length=2, description="classification: label set; default: from train.")
+    cache_dir: str | None = Field(
+        None,
+        description="Dataset cache: prepared token files, one directory per fingerprint, shared by runs and jobs."
+        " Default: `_datasets` next to the run directory (<storage.mountPath>/_datasets in a cluster).",
+    )
+    on_bad_file: Literal["error", "skip"] = Field(
+        "error",
+        description="A file that cannot be read, is not UTF-8 or has a bad row: error (exit 2), or skip it"
+        " (counted, the first names logged).",
+    )
+    fingerprint: Literal["metadata", "content"] = Field(
+        "metadata",
+        description="What identifies the sources in the cache: size and modification time, or a hash of their"
+        " contents (reads every file at each start).",
+    )
+    prepare_workers: int = Field(0, ge=0, description="Processes that tokenize during preparation; 0: every core.")
+    prepare_buffer_mib: int = Field(
+        256,
+        ge=1,
+        alias="prepareBufferMiB",
+        description="Text in flight during preparation (MiB): bounds its memory, whatever the corpus size.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -51,9 +51,12 @@ def build(out_dir: Path) -> dict[str, Path]:
     for split in SPLITS:
         path = out_dir / f"{split}.jsonl"
         rows = [json.dumps({"text": e["text"], "label": e["label"]}) for e in examples if e["split"] == split]
-        staging = path.with_suffix(".tmp")
-        staging.write_text("\n".join(rows) + "\n", encoding="utf-8")
-        staging.replace(path)
+        text = "\n".join(rows) + "\n"
+        # Unchanged files keep their modification time: the prepared data's fingerprint stays valid.
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            staging = path.with_suffix(".tmp")
+            staging.write_text(text, encoding="utf-8")
+            staging.replace(path)
         files[split] = path
     return files
 

@@ -1,18 +1,14 @@
-"""Reading text datasets (plain text, JSONL, CSV) and getting a tokenizer for them.
+"""Finding data files and getting a tokenizer for them (trainer/prepare.py reads the files).
 
-Every problem with a data file is a SpecError naming the spec key, the file and,
-where it applies, the line: the trainer turns it into one line and exit code 2.
+Every problem is a SpecError naming the spec key: the trainer turns it into one line and exit code 2.
 """
 
 from __future__ import annotations
 
-import csv
 import glob
-import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from trainer.spec import SpecError
 
@@ -33,79 +29,7 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
     return sorted(files)
 
 
-def _open_text(path: Path, key: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"{key}: {path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
-
-
-def read_records(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) for each row of a JSONL or CSV file."""
-    text = _open_text(path, key)
-    if path.suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        for row in reader:
-            yield reader.line_num, row
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"{key}: {path}:{number}: invalid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
-        yield number, record
-
-
-def field(record: dict[str, Any], name: str, where: str, key: str) -> str:
-    value = record.get(name)
-    if value is None or value == "":
-        raise SpecError(f"{key}: {where}: no {name!r} field")
-    return str(value)
-
-
-def read_documents(paths: list[Path], text_field: str, key: str) -> list[str]:
-    """causal-lm: a plain text file is one document; JSONL/CSV rows are one each."""
-    documents = []
-    for path in paths:
-        if path.suffix in RECORD_SUFFIXES:
-            documents += [field(r, text_field, f"{path}:{n}", key) for n, r in read_records(path, key)]
-        else:
-            documents.append(_open_text(path, key))
-    if not any(doc.strip() for doc in documents):
-        raise SpecError(f"{key}: no text in {', '.join(map(str, paths))}")
-    return documents
-
-
-def read_labelled(paths: list[Path], text_field: str, label_field: str, key: str) -> list[tuple[str, str]]:
-    """classification: (text, label) rows from JSONL/CSV files."""
-    rows = []
-    for path in paths:
-        if path.suffix not in RECORD_SUFFIXES:
-            raise SpecError(f"{key}: {path}: expected a .jsonl or .csv file of {text_field}/{label_field} rows")
-        for number, record in read_records(path, key):
-            where = f"{path}:{number}"
-            rows.append((field(record, text_field, where, key), field(record, label_field, where, key)))
-    if not rows:
-        raise SpecError(f"{key}: no examples in {', '.join(map(str, paths))}")
-    return rows
-
-
-def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str:
-    """`file:line` of the first row labelled `label`, for a message."""
-    for path in paths:
-        for number, record in read_records(path, key):
-            if str(record.get(label_field)) == label:
-                return f"{path}:{number}"
-    return ", ".join(map(str, paths))
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):  # -> PreTrainedTokenizerFast
+def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> PreTrainedTokenizerFast
     """A GPT-2-style byte-level BPE trained on `texts`; its one special token is eos = pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

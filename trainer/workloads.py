@@ -1,52 +1,49 @@
-"""Per task: read the data, get the tokenizer, build the model. Everything after is shared.
+"""What every task's `load` shares: the Workload it returns, its tokenizer, and its prepared data.
 
-Data files are read and checked on every rank before anything is written, so bad
-data fails fast and identically everywhere. Work that writes (a trained tokenizer,
-the token cache, the built-in dataset) is done by rank 0 first, into the run
-directory; the other ranks wait at a barrier and read it.
+Every rank stats the data files and computes the dataset's fingerprint (trainer/prepare.py), so
+a missing file fails fast and identically everywhere. When the dataset cache has no prepared
+copy, rank 0 prepares it while the others poll the rendezvous store for its outcome: no
+collective waits on the tokenizing, so no process-group timeout limits how long it may take.
+Smaller work that writes (the built-in dataset, a hub download) is done by rank 0 first behind a
+barrier.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
+import json
+import os
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as torch_dist
 from torch.utils.data import Dataset
 
-from trainer import stdlib_docstrings
-from trainer.data import (
-    CharVocab,
-    Collate,
-    LabelledExamples,
-    PadCollator,
-    TokenBlocks,
-    check_enough_samples,
-    load_char_corpus,
-    raise_block_too_long,
-)
+from trainer.checkpoint import LATEST
+from trainer.data import Collate
 from trainer.dist import Dist, barrier
-from trainer.models import build_causal_lm, build_char_gpt, build_classifier
-from trainer.spec import SpecError, TrainingSpec
-from trainer.text import expand_paths, find_label, load_tokenizer, read_documents, read_labelled, train_tokenizer
+from trainer.metrics import metrics_endpoint
+from trainer.prepare import Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
+from trainer.spec import METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.text import load_tokenizer
 
 T = TypeVar("T")
 
 
 @dataclass
 class Workload:
+    """What a task hands the training loop (trainer/tasks adds its own fields)."""
+
     model: torch.nn.Module
     tokenizer: Any  # a transformers tokenizer, exported with the model
     train: Dataset
     val: Dataset
-    test: Dataset | None = None  # classification: the split of the final report (val when None)
+    data: Plan  # the prepared dataset it reads
     collate: Collate | None = None
-    labels: list[str] | None = None
-    char_vocab: CharVocab | None = None  # char-gpt: encodes the sample prompt
 
 
 def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
@@ -59,146 +56,131 @@ def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
     return result
 
 
-def tokenizer_for(spec: TrainingSpec, dist: Dist, run_dir: Path, texts: list[str]) -> Any:
-    """The spec's tokenizer (or the pretrained model's), else a byte-level BPE trained on `texts` by rank 0."""
+RUN_DATASET = "dataset.json"  # in the run directory: the fingerprint and sources its checkpoints were trained on
+WAIT_POLL_S = 1.0
+WAIT_LOG_S = 60.0
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def given_tokenizer(spec: TrainingSpec, dist: Dist) -> Any:
+    """The spec's tokenizer (or the pretrained model's); None when preparation trains one."""
     source = spec.tokenizer.path or spec.model.pretrained
-    if source:
-        key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
-        return main_rank_first(dist, lambda: load_tokenizer(source, key))
-    trained = run_dir / "tokenizer"
-
-    def train_once() -> Any:
-        if dist.is_main and not (trained / "tokenizer.json").exists():
-            train_tokenizer(texts, spec.tokenizer.vocab_size).save_pretrained(trained)
-        return load_tokenizer(str(trained), "tokenizer")
-
-    return main_rank_first(dist, train_once)
+    if not source:
+        return None
+    key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
+    return main_rank_first(dist, lambda: load_tokenizer(source, key))
 
 
-def char_gpt(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    corpus = load_char_corpus(spec.data, spec.model.block_size)
-    check_enough_samples(len(corpus.train), dist, spec.batch_size, "data.train")
-    model = build_char_gpt(spec.model, corpus.vocab.size, corpus.vocab.special_id)
-    return Workload(model, corpus.vocab.to_hf_tokenizer(), corpus.train, corpus.val, char_vocab=corpus.vocab)
+def check_same_sources(plan: Plan, run_dir: Path) -> None:
+    """A run resuming from checkpoints must read the data they were trained on, or the resume is not a resume."""
+    recorded = run_dir / RUN_DATASET
+    if plan.spec.checkpoint.allow_config_change or not (run_dir / LATEST).exists() or not recorded.exists():
+        return
+    before = json.loads(recorded.read_text(encoding="utf-8"))
+    if before["fingerprint"] == plan.fingerprint:
+        return
+    for split, sources in plan.key["sources"].items():
+        old = {s["path"]: s for s in before["sources"].get(split, [])}
+        for source in sources:
+            previous = old.get(source["path"])
+            if previous is None:
+                raise SpecError(f"data.{split}: {source['path']} is new since this run's checkpoints were written")
+            if previous != source:
+                raise SpecError(
+                    f"data.{split}: {source['path']} changed since this run's checkpoints were written"
+                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new checkpoint.dir"
+                )
+        gone = sorted(set(old) - {s["path"] for s in sources})
+        if gone:
+            raise SpecError(f"data.{split}: {gone[0]} is gone since this run's checkpoints were written")
 
 
-def tokenize_packed(tokenizer: Any, documents: list[str]) -> torch.Tensor:
-    """One stream of token ids, documents separated by eos (GPT-2's packing)."""
-    ids: list[int] = []
-    for encoded in tokenizer(documents, add_special_tokens=False, verbose=False)["input_ids"]:
-        ids += encoded
-        ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.int32)
+def rendezvous_store() -> Any:
+    return torch_dist.distributed_c10d._get_default_store() if torch_dist.is_initialized() else None
 
 
-def causal_lm(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    data = spec.data
-    train_docs = read_documents(expand_paths(data.train, "data.train"), data.text_field, "data.train")
-    val_docs = read_documents(expand_paths(data.val, "data.val"), data.text_field, "data.val") if data.val else []
-    tokenizer = tokenizer_for(spec, dist, run_dir, train_docs)
-
-    # Tokenize once: rank 0 writes the packed tokens to the run directory, keyed by what they depend on.
-    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
-    for doc in [*train_docs, "\0val\0", *val_docs]:
-        digest.update(doc.encode())
-    cache = run_dir / "cache" / f"tokens-{digest.hexdigest()[:16]}.pt"
-
-    def load_tokens() -> dict[str, torch.Tensor]:
-        if dist.is_main and not cache.exists():
-            tokens = {"train": tokenize_packed(tokenizer, train_docs)}
-            tokens["val"] = tokenize_packed(tokenizer, val_docs) if val_docs else tokens["train"][:0]
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            staging = cache.with_suffix(".tmp")
-            torch.save(tokens, staging)
-            staging.replace(cache)
-        return torch.load(cache)
-
-    tokens = main_rank_first(dist, load_tokens)
-    train_ids, val_ids = tokens["train"], tokens["val"]
-    if not val_docs:
-        cut = int(len(train_ids) * (1 - data.val_fraction))
-        train_ids, val_ids = train_ids[:cut], train_ids[cut:]
-    block = spec.model.block_size
-    train_set, val_set = TokenBlocks(train_ids, block), TokenBlocks(val_ids, block)
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
-    if not len(val_set):
-        raise_block_too_long(block, len(val_ids), "tokens")
-    return Workload(build_causal_lm(spec.model, tokenizer), tokenizer, train_set, val_set)
-
-
-def classification(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    data = spec.data
-    if data.builtin:
-        built = run_dir / "data" / data.builtin
-        files = main_rank_first(
-            dist,
-            lambda: (
-                stdlib_docstrings.build(built)
-                if dist.is_main
-                else {s: built / f"{s}.jsonl" for s in stdlib_docstrings.SPLITS}
-            ),
-        )
-        splits = {split: [path] for split, path in files.items()}
+def prepared(
+    spec: TrainingSpec, dist: Dist, run_dir: Path, tokenizer: Any, builtin: dict[str, Path] | None = None
+) -> tuple[Plan, dict[str, Any]]:
+    """The dataset's plan and manifest: from the cache, else prepared by rank 0 (or the chart's prepare Job)."""
+    plan = make_plan(spec, run_dir, tokenizer, builtin)
+    check_same_sources(plan, run_dir)
+    manifest = read_manifest(plan)
+    if manifest is None:
+        prepares = dist.is_main and not os.environ.get(PREPARED_BY_JOB_ENV)
+        manifest = prepare_now(plan, tokenizer) if prepares else wait_for(plan, dist)
     else:
-        splits = {
-            split: expand_paths(patterns, f"data.{split}")
-            for split, patterns in (("train", data.train), ("val", data.val), ("test", data.test))
-            if patterns
-        }
-
-    def rows(split: str) -> list[tuple[str, str]]:
-        return read_labelled(splits[split], data.text_field, data.label_field, f"data.{split}")
-
-    train_rows = rows("train")
-    if "val" in splits:
-        val_rows = rows("val")
-    else:  # a seeded shuffle, so a file sorted by label still gives a mixed validation split
-        order = list(range(len(train_rows)))
-        random.Random(spec.seed).shuffle(order)
-        held_out = set(order[: max(1, int(len(order) * data.val_fraction))])
-        val_rows = [row for i, row in enumerate(train_rows) if i in held_out]
-        train_rows = [row for i, row in enumerate(train_rows) if i not in held_out]
-    test_rows = rows("test") if "test" in splits else None
-
-    labels = data.labels or sorted({label for _, label in train_rows})
-    known = set(labels)
-    for split, split_rows in (("train", train_rows), ("val", val_rows), ("test", test_rows or [])):
-        unseen = sorted({label for _, label in split_rows} - known)
-        if unseen:
-            where = "data.labels" if data.labels else "training data"
-            # A validation split held out of train has no files of its own: its rows are in train's.
-            row = find_label(splits.get(split, splits["train"]), data.label_field, unseen[0], f"data.{split}")
-            raise SpecError(
-                f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({len(unseen)} such label(s))"
-            )
-    if len(labels) < 2:
-        raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
-
-    check_enough_samples(len(train_rows), dist, spec.batch_size, "data.train")
-
-    tokenizer = tokenizer_for(spec, dist, run_dir, [text for text, _ in train_rows])
-    label_id = {label: i for i, label in enumerate(labels)}
-
-    def examples(split_rows: list[tuple[str, str]]) -> LabelledExamples:
-        encoded = tokenizer(
-            [text for text, _ in split_rows], truncation=True, max_length=spec.model.block_size, verbose=False
-        )["input_ids"]
-        return LabelledExamples(encoded, [label_id[label] for _, label in split_rows])
-
-    train_set = examples(train_rows)
-    return Workload(
-        model=build_classifier(spec.model, tokenizer, labels),
-        tokenizer=tokenizer,
-        train=train_set,
-        val=examples(val_rows),
-        test=examples(test_rows) if test_rows else None,
-        collate=PadCollator(tokenizer.pad_token_id),
-        labels=labels,
-    )
+        say(f"rank {dist.rank}: prepared data {plan.entry} ({manifest['splits']['train']['tokens']:,} train tokens)")
+    return plan, manifest
 
 
-PREPARE = {"char-gpt": char_gpt, "causal-lm": causal_lm, "classification": classification}
+def outcome_key(plan: Plan) -> str:
+    # Per attempt: a restarted group must not read the previous attempt's outcome.
+    return f"ddpjob/prepared/{plan.fingerprint}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def prepare(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
-    return PREPARE[spec.task](spec, dist, run_dir)
+def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
+    """Rank 0 prepares; the outcome (or the one-line bad-data error) goes to the waiting ranks through the store."""
+    store = rendezvous_store()
+    workers = worker_count(plan.spec.data)
+    say(f"preparing {plan.entry} with {workers} process(es)")
+    # Rank 0 is its pod's local rank 0, which serves the pod's metrics: the preparation's until training starts.
+    port, directory = metrics_endpoint()
+    try:
+        with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory) as metrics:
+            manifest = Builder(plan, tokenizer, workers, say, metrics).build()
+    except SpecError as exc:
+        if store is not None:
+            store.set(outcome_key(plan), f"error {exc}")
+        raise
+    except BaseException as exc:
+        if store is not None:
+            store.set(outcome_key(plan), f"failed {type(exc).__name__}: {exc}")
+        raise
+    if store is not None:
+        store.set(outcome_key(plan), "ok")
+    return manifest
+
+
+def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
+    """Poll for rank 0's (or the prepare Job's) outcome: the store's key, the manifest, or the Job's error file."""
+    store, key = rendezvous_store(), outcome_key(plan)
+    by_job = bool(os.environ.get(PREPARED_BY_JOB_ENV))
+    who = "the prepare Job" if by_job else "rank 0"
+    started = logged = time.monotonic()
+    done_at: float | None = None
+    say(f"rank {dist.rank}: waiting for {who} to prepare {plan.entry}")
+    while True:
+        manifest = read_manifest(plan)
+        if manifest is not None:
+            return manifest
+        failure = plan.error_path.read_text(encoding="utf-8") if by_job and plan.error_path.exists() else None
+        if store is not None and not by_job and store.check([key]):
+            outcome = store.get(key).decode()
+            if outcome != "ok":
+                failure = outcome
+            else:
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > WAIT_LOG_S:  # long after rank 0 finished: not the same volume
+                    failure = (
+                        f"error data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
+                        f" rank 0 prepared {plan.entry.name} there and this node does not see it"
+                    )
+        if failure is not None:
+            kind, _, message = failure.partition(" ")
+            if kind == "error":
+                raise SpecError(message)
+            raise RuntimeError(f"{who} failed to prepare {plan.entry}: {message}")
+        if time.monotonic() - logged >= WAIT_LOG_S:
+            logged = time.monotonic()
+            say(f"rank {dist.rank}: still waiting for {who} ({logged - started:.0f} s)")
+        time.sleep(WAIT_POLL_S)
+
+
+def record_dataset(plan: Plan, run_dir: Path) -> None:
+    """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
+    record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
+    (run_dir / RUN_DATASET).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

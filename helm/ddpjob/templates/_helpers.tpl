@@ -307,6 +307,11 @@ spec:
         - name: PYTHONUNBUFFERED
           value: "1"
         {{- end }}
+        {{- if .Values.prepare.enabled }}
+        # The prepare Job tokenizes the data: the trainer waits for its manifest instead of preparing.
+        - name: DDPJOB_PREPARED_BY_JOB
+          value: "1"
+        {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.

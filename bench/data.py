@@ -1,0 +1,295 @@
+"""Data at real size: ddpjob's first start, restart and per-rank memory, against a nanoGPT-style prepare.
+
+Builds its corpora offline from the Python standard library's UTF-8 `.py` files (one document
+each, JSONL rows): the small one as is (about 130 MB with the test suites), the large one as
+several passes over them with per-pass variation (every `self` renamed per pass), until the size
+asked for. An 8k byte-level BPE is trained on the first 5 MB and given as `tokenizer.path`.
+
+Measured in one invocation, on the small corpus and then the large one:
+
+- reference:      a nanoGPT-style prepare (the Rust tokenizer's batch encode, all cores, into a
+                  uint16 file), in its own process: wall time and peak RSS;
+- first start:    `ctl run` of a causal-lm spec (2 processes, 3 steps of a tiny GPT-2) with an
+                  empty dataset cache: preparation + training; wall time, peak RSS summed over the
+                  whole process tree, and each rank's peak RSS;
+- restart:        the same spec in a new run directory with the cache filled (what a restarted pod
+                  does: fingerprint from file metadata, map the files): seconds to the first step,
+                  and each rank's peak RSS while training.
+
+    python bench/data.py                            # 130 MB and 1 GB
+    python bench/data.py --small-mb 30 --large-mb 120   # a busy or small machine
+
+Prints a table and one JSON line (ratios: first start / reference wall, restart large / small,
+rank RSS large / small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from trainer.text import train_tokenizer  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+SAMPLE_S = 0.2
+TOKENIZER_SAMPLE_BYTES = 5 * 2**20
+
+
+def stdlib_documents() -> list[Path]:
+    """The standard library's `.py` files that hold UTF-8 text (a few test files deliberately are not UTF-8)."""
+    files = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            if path.read_text(encoding="utf-8").strip():  # a row without text is a bad row
+                files.append(path)
+        except (UnicodeDecodeError, OSError):
+            continue
+    return files
+
+
+def build_corpus(path: Path, megabytes: int, sources: list[Path]) -> int:
+    """JSONL of stdlib sources until `megabytes`: pass 0 as is, pass k with `self` renamed `self_k`."""
+    limit, written, passes = megabytes * 2**20, 0, 0
+    with path.open("w", encoding="utf-8") as out:
+        while written < limit:
+            for source in sources:
+                text = source.read_text(encoding="utf-8")
+                if passes:
+                    text = text.replace("self", f"self_{passes}")
+                line = json.dumps({"text": text}) + "\n"
+                out.write(line)
+                written += len(line.encode())
+                if written >= limit:
+                    break
+            passes += 1
+    return written
+
+
+@dataclass
+class Usage:
+    """Peak memory of a process tree, sampled: the whole tree's sum, and each trainer rank's own."""
+
+    tree_peak: int = 0
+    rank_peak: dict[int, int] = field(default_factory=dict)
+    first_step_s: float | None = None
+    wall_s: float = 0.0
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack += children.get(pid, [])
+    return found
+
+
+def rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, IndexError):
+        return 0
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    values = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    # Trainer ranks have RANK and LOCAL_RANK from torchrun; its agent has neither.
+    return int(values[b"RANK"]) if b"RANK" in values and b"LOCAL_RANK" in values else None
+
+
+def measure(command: list[str], cwd: Path, env: dict[str, str]) -> Usage:
+    """Run `command`, sampling its process tree's memory; note when rank 0 logs its first step."""
+    usage = Usage()
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = threading.Event()
+    ranks: dict[int, int | None] = {}
+
+    def sample() -> None:
+        while not done.is_set():
+            total = 0
+            for pid in descendants(process.pid):
+                size = rss(pid)
+                total += size
+                if pid not in ranks:
+                    ranks[pid] = rank_of(pid)
+                if ranks[pid] is not None:
+                    usage.rank_peak[ranks[pid]] = max(usage.rank_peak.get(ranks[pid], 0), size)
+            usage.tree_peak = max(usage.tree_peak, total)
+            time.sleep(SAMPLE_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if usage.first_step_s is None and re.search(r"\bstep 1/\d+", line):
+            usage.first_step_s = time.monotonic() - started
+    process.wait()
+    usage.wall_s = time.monotonic() - started
+    done.set()
+    sampler.join()
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n" + "".join(output[-30:]))
+    return usage
+
+
+def reference_prepare(corpus: Path, tokenizer_dir: Path, out: Path) -> None:
+    """nanoGPT's prepare.py, streamed: batch-encode documents with the Rust tokenizer, append uint16 ids."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    with corpus.open(encoding="utf-8") as lines, out.open("wb") as tokens:
+
+        def flush(batch: list[str]) -> None:
+            for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                tokens.write(np.array([*encoding.ids, eos], dtype=np.uint16).tobytes())
+
+        batch: list[str] = []
+        for line in lines:
+            batch.append(json.loads(line)["text"])
+            if len(batch) == 1000:
+                flush(batch)
+                batch = []
+        flush(batch)
+
+
+def job_spec(name: str, corpus: Path, val: Path, tokenizer_dir: Path, cache: Path) -> dict:
+    return {
+        "name": name,
+        "procsPerNode": 2,
+        "training": {
+            "task": "causal-lm",
+            "model": {"nLayer": 2, "nHead": 2, "nEmbd": 64, "blockSize": 128},
+            "tokenizer": {"path": str(tokenizer_dir)},
+            # A small validation file: the final evaluation stays a fixed cost, not a share of the corpus.
+            "data": {"train": str(corpus), "val": str(val), "cacheDir": str(cache)},
+            "maxSteps": 3,
+            "batchSize": 4,
+            "logEvery": 1,
+            "checkpoint": {"every": 0, "keepBest": False},
+            "sample": {"maxNewTokens": 0},
+        },
+    }
+
+
+def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: Path, with_reference: bool) -> dict:
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    cache = workdir / f"cache-{label}"
+    result: dict = {"corpus_mb": round(corpus.stat().st_size / 2**20, 1)}
+    if with_reference:
+        usage = measure(
+            [sys.executable, __file__, "--reference", str(corpus), str(tokenizer_dir), str(workdir / f"{label}.bin")],
+            workdir,
+            env,
+        )
+        result["reference"] = {"wall_s": round(usage.wall_s, 1), "peak_rss_gib": round(usage.tree_peak / 2**30, 2)}
+    for run in ("first_start", "restart"):
+        spec = workdir / f"{label}-{run}.yaml"
+        spec.write_text(yaml.safe_dump(job_spec(f"{label}-{run.replace('_', '-')}", corpus, val, tokenizer_dir, cache)))
+        usage = measure([sys.executable, "-m", "ctl", "run", str(spec)], workdir, env)
+        result[run] = {
+            "wall_s": round(usage.wall_s, 1),
+            "first_step_s": round(usage.first_step_s or 0.0, 1),
+            "peak_rss_gib": round(usage.tree_peak / 2**30, 2),
+            "rank_peak_rss_mib": {rank: round(size / 2**20) for rank, size in sorted(usage.rank_peak.items())},
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small-mb", type=int, default=130, help="size of the small corpus (MB)")
+    parser.add_argument("--large-mb", type=int, default=1024, help="size of the large corpus (MB)")
+    parser.add_argument("--reference", nargs=3, metavar=("CORPUS", "TOKENIZER", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.reference:
+        reference_prepare(*map(Path, args.reference))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="ddpjob-bench-data-") as tmp:
+        workdir = Path(tmp)
+        sources = stdlib_documents()
+        corpora = {"small": workdir / "small.jsonl", "large": workdir / "large.jsonl"}
+        build_corpus(corpora["small"], args.small_mb, sources)
+        build_corpus(corpora["large"], args.large_mb, sources)
+        build_corpus(workdir / "val.jsonl", 1, sources[::-1])
+        sample, size = [], 0
+        for source in sources:
+            sample.append(source.read_text(encoding="utf-8"))
+            size += len(sample[-1])
+            if size >= TOKENIZER_SAMPLE_BYTES:
+                break
+        train_tokenizer(sample, 8192).save_pretrained(workdir / "tokenizer")
+        results = {
+            label: run_case(
+                label, corpus, workdir / "val.jsonl", workdir / "tokenizer", workdir, with_reference=label == "small"
+            )
+            for label, corpus in corpora.items()
+        }
+
+    print(f"{'':28}{'small':>14}{'large':>14}")
+    small, large = results["small"], results["large"]
+    rows = [
+        ("corpus MB", small["corpus_mb"], large["corpus_mb"]),
+        ("reference prepare wall s", small["reference"]["wall_s"], "-"),
+        ("reference peak RSS GiB", small["reference"]["peak_rss_gib"], "-"),
+        ("first start wall s", small["first_start"]["wall_s"], large["first_start"]["wall_s"]),
+        ("first start peak RSS GiB", small["first_start"]["peak_rss_gib"], large["first_start"]["peak_rss_gib"]),
+        ("restart: first step s", small["restart"]["first_step_s"], large["restart"]["first_step_s"]),
+        ("restart peak RSS GiB", small["restart"]["peak_rss_gib"], large["restart"]["peak_rss_gib"]),
+    ]
+    for rank in small["restart"]["rank_peak_rss_mib"]:
+        rows.append(
+            (
+                f"rank {rank} peak RSS MiB",
+                small["restart"]["rank_peak_rss_mib"][rank],
+                large["restart"]["rank_peak_rss_mib"].get(rank, "-"),
+            )
+        )
+    for name, a, b in rows:
+        print(f"{name:28}{a!s:>14}{b!s:>14}")
+    ratios = {
+        "first_start_vs_reference_wall": round(small["first_start"]["wall_s"] / small["reference"]["wall_s"], 2),
+        "restart_first_step_large_vs_small": round(
+            large["restart"]["first_step_s"] / small["restart"]["first_step_s"], 2
+        ),
+        "rank_rss_large_vs_small": round(
+            max(large["restart"]["rank_peak_rss_mib"].values()) / max(small["restart"]["rank_peak_rss_mib"].values()),
+            2,
+        ),
+    }
+    print(json.dumps(results | {"ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()

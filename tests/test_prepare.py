@@ -1,0 +1,229 @@
+"""Prepared data: token files equal a plain single-process tokenization, whatever the number of preparing
+processes; bad inputs are one line naming key, file and row with nothing trusted left behind; `ctl prepare`
+prepares once and runs map what it wrote."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+import sysconfig
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+import torch
+import yaml
+from conftest import run_ctl, tiny_spec
+from transformers import AutoTokenizer
+
+from trainer.data import CharVocab
+from trainer.dist import Dist
+from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
+from trainer.spec import PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.text import train_tokenizer
+from trainer.workloads import wait_for
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SOURCES = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB of real text in ~30 files, some empty
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer([p.read_text() for p in SOURCES[:5]], vocab_size=400).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory) -> tuple[list[Path], list[str]]:
+    """The same kind of documents as plain text files, JSONL, CSV and Parquet; and the documents, in order."""
+    root = tmp_path_factory.mktemp("inputs")
+    texts = [p.read_text(encoding="utf-8") for p in SOURCES]
+    groups = [texts[:10], texts[10:16], texts[16:22], texts[22:]]
+    files = []
+    for i, text in enumerate(groups[0]):
+        files.append(root / f"a{i:02d}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    files.append(root / "b.jsonl")
+    files[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in groups[1]), encoding="utf-8")
+    files.append(root / "c.csv")
+    with files[-1].open("w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, ["text"])
+        writer.writeheader()
+        writer.writerows({"text": t} for t in groups[2])
+    files.append(root / "d.parquet")
+    pyarrow.parquet.write_table(pyarrow.table({"text": groups[3]}), files[-1], row_group_size=2)
+    return files, [t for group in groups for t in group]
+
+
+def training(task: str, train: list[str], tmp_path: Path, tokenizer: dict | None = None, **data) -> TrainingSpec:
+    return TrainingSpec.model_validate(
+        {
+            "task": task,
+            "model": {"blockSize": 64},
+            "tokenizer": tokenizer or {},
+            "data": {"train": train, "cacheDir": str(tmp_path / "cache")} | data,
+        }
+    )
+
+
+def tokens(entry: Path, split: str = "train") -> np.ndarray:
+    manifest = json.loads((entry / MANIFEST).read_text())
+    return np.fromfile(entry / f"{split}.bin", dtype=manifest["dtype"])
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_causal_lm_tokens_equal_a_single_process_tokenization(tmp_path, tokenizer_dir, mixed_inputs, workers) -> None:
+    files, documents = mixed_inputs
+    spec = training(
+        "causal-lm",
+        [str(f) for f in files],
+        tmp_path,
+        tokenizer={"path": str(tokenizer_dir)},
+        prepareWorkers=workers,
+        prepareBufferMiB=1,  # many small chunks: the pool's results must come back in order
+    )
+    entry = prepare_spec(spec, tmp_path / "run", print).entry
+
+    reference = AutoTokenizer.from_pretrained(tokenizer_dir)
+    encoded = reference(documents, add_special_tokens=False)["input_ids"]
+    expected = [token for ids in encoded for token in [*ids, reference.eos_token_id]]
+    prepared = tokens(entry)
+    assert prepared.dtype == np.uint16
+    assert np.array_equal(prepared, np.array(expected, dtype=np.uint16))
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert manifest["splits"]["train"] == {"tokens": len(expected), "documents": len(documents)}
+    assert [s["path"] for s in manifest["sources"]["train"]] == [str(f) for f in files]
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")], "no staging left behind"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_classification_and_char_tokens_equal_a_single_process_tokenization(tmp_path, workers) -> None:
+    rows = [{"text": p.read_text()[:3000], "label": "big" if p.stat().st_size > 20000 else "small"} for p in SOURCES]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = training("classification", [str(data)], tmp_path, tokenizer={"vocabSize": 300}, prepareWorkers=workers)
+    entry = prepare_spec(spec, tmp_path / "run", print).entry
+    manifest = json.loads((entry / MANIFEST).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(entry / "tokenizer")  # trained on the training text while preparing
+    expected = tokenizer([r["text"] for r in rows], truncation=True, max_length=64)["input_ids"]
+    ends = np.fromfile(entry / "train.idx", dtype=np.int64)
+    flat = tokens(entry)
+    assert [flat[s:e].tolist() for s, e in zip([0, *ends[:-1]], ends, strict=True)] == expected
+    assert manifest["labels"] == ["big", "small"]
+    assert np.fromfile(entry / "train.labels", dtype=np.int32).tolist() == [
+        manifest["labels"].index(r["label"]) for r in rows
+    ]
+
+    char_entry = prepare_spec(
+        training("char-gpt", [str(p) for p in SOURCES], tmp_path, prepareWorkers=workers), tmp_path / "run", print
+    ).entry
+    text = "\n".join(p.read_text() for p in SOURCES)
+    vocab = CharVocab(list(json.loads((char_entry / MANIFEST).read_text())["chars"]))
+    assert np.array_equal(tokens(char_entry), vocab.encode(text).numpy())
+
+
+def parquet(rows: dict[str, list]) -> Callable[[Path], None]:
+    return lambda path: pyarrow.parquet.write_table(pyarrow.table(rows), path)
+
+
+BAD = {
+    "missing": ("absent.txt", None, "data.train: no file matches"),
+    "empty": ("empty.txt", lambda p: p.write_text("  \n"), "data.train: no text in"),
+    "undecodable": ("latin1.txt", lambda p: p.write_bytes("caf\xe9".encode("latin-1")), "latin1.txt is not UTF-8 text"),
+    "jsonl-row": (
+        "rows.jsonl",
+        lambda p: p.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n'),
+        "rows.jsonl:3: no 'text' field",
+    ),
+    "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: no 'text' field"),
+    "parquet-column": ("rows.parquet", parquet({"body": ["a"]}), "rows.parquet: no 'text' column"),
+    "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: no 'text' field"),
+    "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs_name_key_file_and_row_and_leave_nothing(tmp_path, case) -> None:
+    name, make, message = BAD[case]
+    good = tmp_path / "good.txt"
+    good.write_text("some good text\n" * 50)
+    if make:
+        make(tmp_path / name)
+    # Empty files are fine among others (a package's empty __init__.py); a corpus without text is not.
+    files = [str(tmp_path / name)] if case == "empty" else [str(good), str(tmp_path / name)]
+    spec = training("char-gpt", files, tmp_path, prepareWorkers=1)
+    with pytest.raises(SpecError) as failure:
+        prepare_spec(spec, tmp_path / "run", print)
+    assert message in str(failure.value) and "\n" not in str(failure.value)
+    assert not (tmp_path / "cache").exists(), "no dataset, no staging: nothing a later run would trust"
+
+    skipping = training("char-gpt", [str(good), str(tmp_path / name)], tmp_path, onBadFile="skip", prepareWorkers=1)
+    if case in ("missing", "empty"):  # a mistake in the spec, or no text at all: not a bad file among good ones
+        return
+    logged: list[str] = []
+    entry = prepare_spec(skipping, tmp_path / "run", logged.append).entry
+    assert any(line.startswith(f"skipped 1 bad file(s) (data.onBadFile: skip): {tmp_path / name}") for line in logged)
+    assert json.loads((entry / MANIFEST).read_text())["skipped"] == {"count": 1, "files": [str(tmp_path / name)]}
+    assert len(tokens(entry)) == len("some good text\n" * 50)
+
+
+def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(tmp_path, corpus_file) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    spec = tiny_spec(corpus, checkpoint={"every": 1}, maxSteps=2, sample={"maxNewTokens": 0})
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+
+    prepared = run_ctl("prepare", "spec.yaml", cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    entry = Path(prepared.stdout.strip())
+    assert entry.parent == tmp_path / "runs" / "_datasets" and (entry / MANIFEST).exists()
+    assert "tokenizing train" in prepared.stderr
+    again = run_ctl("prepare", "spec.yaml", cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout == prepared.stdout and "already prepared" in again.stderr
+
+    # prepare.enabled: ctl run prepares first (here: finds it done), then its ranks take the prepare Job's path.
+    run = run_ctl("run", "spec.yaml", "--set", "prepare.enabled=true", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "already prepared" in run.stderr
+    assert f"rank 0: prepared data {entry}" in run.stdout and "preparing" not in run.stdout
+
+    corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data
+    resumed = run_ctl("run", "spec.yaml", "--set", "training.maxSteps=4", cwd=tmp_path)
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    failure = [line for line in resumed.stderr.splitlines() if line.startswith("ctl: node")]
+    assert len(failure) == 1 and f"data.train: {corpus} changed since this run's checkpoints" in failure[0]
+
+
+def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("words and more words\n" * 2000)
+    spec = training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with PrepareMetrics.serving(port, "127.0.0.1") as metrics:
+        Builder(make_plan(spec, tmp_path / "run", None), None, 1, print, metrics).build()
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in scraped.splitlines() if line[0] != "#"}
+    assert values["ddpjob_prepare_tokens_total"] == 2000 * len("words and more words\n")
+    assert values["ddpjob_prepare_read_bytes_total"] == 2 * corpus.stat().st_size  # the vocabulary pass, then tokens
+    assert values["ddpjob_prepare_eta_seconds"] == 0 and values["ddpjob_prepare_finished_timestamp_seconds"] > 0
+    with pytest.raises(OSError):  # the port is free again for the training metrics
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_ranks_waiting_for_the_prepare_job_exit_with_its_bad_data_line(tmp_path, monkeypatch) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n")
+    plan = make_plan(training("char-gpt", [str(corpus)], tmp_path), tmp_path / "run", None)
+    plan.error_path.parent.mkdir(parents=True)
+    plan.error_path.write_text(f"error data.train: {corpus}:1: something wrong")
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "1")
+    with pytest.raises(SpecError, match=f"^data.train: {corpus}:1: something wrong$"):
+        wait_for(plan, Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu")))
