@@ -23,12 +23,11 @@ import torch
 import torch.distributed as torch_dist
 from torch.utils.data import Dataset
 
-from trainer.checkpoint import LATEST
 from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.metrics import metrics_endpoint
 from trainer.prepare import Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
-from trainer.spec import METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.spec import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
 from trainer.text import load_tokenizer
 
 T = TypeVar("T")
@@ -77,7 +76,7 @@ def given_tokenizer(spec: TrainingSpec, dist: Dist) -> Any:
 def check_same_sources(plan: Plan, run_dir: Path) -> None:
     """A run resuming from checkpoints must read the data they were trained on, or the resume is not a resume."""
     recorded = run_dir / RUN_DATASET
-    if plan.spec.checkpoint.allow_config_change or not (run_dir / LATEST).exists() or not recorded.exists():
+    if plan.spec.checkpoint.allow_config_change or not (run_dir / LATEST_CHECKPOINT).exists() or not recorded.exists():
         return
     before = json.loads(recorded.read_text(encoding="utf-8"))
     if before["fingerprint"] == plan.fingerprint:
