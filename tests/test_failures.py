@@ -19,7 +19,8 @@ from conftest import processes_with_marker, run_ctl, start_ctl, tiny_spec
 from ctl.cli import app
 from ctl.local import keep_logs
 from trainer.failures import Failure, root_cause
-from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, LATEST_CHECKPOINT
+from trainer.models import gpt2_config
+from trainer.spec import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT, ModelSpec, SpecError
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
 TMP = "tmp"
@@ -198,6 +199,16 @@ def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers
     assert root_cause([peer, stop, killed, own]) == own  # the earliest own error
     assert root_cause([peer, killed]) == killed and root_cause([peer, stop]) == stop
     assert [f.exit_code for f in (bad, own, stop, peer)] == [EXIT_BAD_INPUT, 1, EXIT_PREEMPTED, 1]
+    # A hang found by a watchdog explains the ranks torchrun kills after it, not a rank's own error.
+    hung = Failure(EXIT_HUNG, "hang: rank 0 completed no step for 130 s", time=5.0, rank=0)
+    assert root_cause([peer, killed, stop, hung]) == hung and root_cause([hung, own]) == own
+    assert hung.exit_code == EXIT_HUNG and killed.exit_code == 1
+
+
+def test_a_position_table_larger_than_the_machine_names_model_block_size() -> None:
+    spec = ModelSpec(nLayer=1, nHead=2, nEmbd=32, blockSize=10**13)  # 1.2 PB of weights: no machine has that
+    with pytest.raises(SpecError, match=r"^model\.blockSize: 10000000000000 positions x nEmbd 32 take \d+ GiB"):
+        gpt2_config(spec, vocab_size=100, eos_id=0)
 
 
 def test_logs_stay_where_they_are_when_there_is_no_run_directory(tmp_path: Path) -> None:

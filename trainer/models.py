@@ -7,6 +7,7 @@ loads with `AutoModelForCausalLM` / `AutoModelForSequenceClassification` as is.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -31,9 +32,22 @@ GPT2_SIZES = {
 }
 
 
+def check_positions_fit(positions: int, width: int) -> None:
+    """A position table (fp32) larger than this machine's memory cannot be built: name the key, not the allocator."""
+    table = positions * width * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if table > memory:
+        raise SpecError(
+            f"model.blockSize: {positions} positions x nEmbd {width} take {table / 2**30:.0f} GiB for the position"
+            f" embeddings alone, more than this machine's {memory / 2**30:.0f} GiB of memory"
+        )
+
+
 def gpt2_config(spec: ModelSpec, vocab_size: int, eos_id: int, **extra: Any) -> GPT2Config:
     """A named GPT-2 size, or the spec's own dimensions; random weights come later."""
     n_layer, n_head, n_embd = GPT2_SIZES[spec.size] if spec.size else (spec.n_layer, spec.n_head, spec.n_embd)
+    if not spec.size:
+        check_positions_fit(spec.block_size, n_embd)
     return GPT2Config(
         vocab_size=vocab_size,
         n_positions=GPT2_POSITIONS if spec.size else spec.block_size,
