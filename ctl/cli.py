@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from trainer.spec import EXIT_BAD_INPUT
+from trainer.names import EXIT_BAD_INPUT
 
 if TYPE_CHECKING:
     from ctl.cluster import Target

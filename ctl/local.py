@@ -43,7 +43,7 @@ from ctl.operator_env import (
 )
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
-from trainer.spec import (
+from trainer.names import (
     CHECKPOINT_NAME,
     EXIT_BAD_INPUT,
     EXIT_ERROR,

@@ -13,14 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from trainer.spec import (
-    EXIT_HUNG,
-    SpecError,
-    SpecModel,
-    TrainingSpec,
-    describe_validation_error,
-    read_yaml_mapping,
-)
+from trainer.names import EXIT_HUNG
+from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
 
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")

@@ -36,7 +36,8 @@ from ctl.render import (
 )
 from ctl.schema import generated_files
 from ctl.spec import JobSpec, load_spec
-from trainer.spec import PREPARED_BY_JOB_ENV, load_training_spec
+from trainer.names import PREPARED_BY_JOB_ENV
+from trainer.spec import load_training_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"

@@ -20,7 +20,8 @@ from ctl.cli import app
 from ctl.local import keep_logs
 from trainer.failures import Failure, root_cause
 from trainer.models import gpt2_config
-from trainer.spec import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT, ModelSpec, SpecError
+from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
+from trainer.spec import ModelSpec, SpecError
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
 TMP = "tmp"

@@ -30,7 +30,7 @@ from ctl.cli import progress_text
 from ctl.cluster import metrics_progress
 from trainer.checkpoint import step_name
 from trainer.dist import Dist, StopRequest
-from trainer.spec import EXIT_HUNG, SLOW_RANK_ENV
+from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
 
 T = TypeVar("T")
 RULE_TESTS = REPO / "tests" / "rules"

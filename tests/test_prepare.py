@@ -23,8 +23,9 @@ from transformers import AutoTokenizer
 
 from trainer.data import CharVocab
 from trainer.dist import Dist
+from trainer.names import PREPARED_BY_JOB_ENV
 from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
-from trainer.spec import PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
 from trainer.workloads import wait_for
 

@@ -27,8 +27,9 @@ from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
 from trainer.loop import train
 from trainer.metrics import metrics_endpoint
+from trainer.names import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
-from trainer.spec import EXIT_BAD_INPUT, EXIT_PREEMPTED, SpecError, TrainingSpec, load_training_spec
+from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.tasks import load
 from trainer.tracking import check_installed
 

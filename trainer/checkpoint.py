@@ -36,7 +36,8 @@ import torch
 import torch.distributed as torch_dist
 
 from trainer.dist import Dist, barrier
-from trainer.spec import CHECKPOINT_NAME, LATEST_CHECKPOINT, CheckpointSpec, SpecError
+from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
+from trainer.spec import CheckpointSpec, SpecError
 
 MARKER = "COMMITTED"
 MODEL = "model.safetensors"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from trainer.spec import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 # What gloo, NCCL and the rendezvous store say when the other end of a connection has gone.
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError")

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
-from trainer.spec import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED
+from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED
 
 
 def main() -> None:

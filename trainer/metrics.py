@@ -40,15 +40,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from trainer.checkpoint import SaveStats
 from trainer.dist import Dist, barrier
-from trainer.spec import (
-    JOB_NAME_ENV,
-    METRICS_DIR_ENV,
-    METRICS_HOST_ENV,
-    METRICS_PORT_ENV,
-    METRICS_PREFIX,
-    SpecError,
-    TrainingSpec,
-)
+from trainer.names import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, METRICS_PREFIX
+from trainer.spec import SpecError, TrainingSpec
 
 PREFIX = METRICS_PREFIX
 # Dense bf16 peak FLOP/s per GPU (SXM parts), matched against the CUDA device name.

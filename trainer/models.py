@@ -20,7 +20,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from trainer.spec import GPT2_POSITIONS, ModelSpec, SpecError
+from trainer.names import GPT2_POSITIONS
+from trainer.spec import ModelSpec, SpecError
 from trainer.text import check_pretrained_source
 
 # (layers, heads, width) of the published GPT-2 sizes; all have GPT2_POSITIONS positions.

@@ -45,16 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer.spec import (
-    JOB_NAME_ENV,
-    METRICS_HOST_ENV,
-    METRICS_PORT_ENV,
-    METRICS_PREFIX,
-    DataSpec,
-    SpecError,
-    TrainingSpec,
-    load_training_spec,
-)
+from trainer.names import JOB_NAME_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, METRICS_PREFIX
+from trainer.spec import DataSpec, SpecError, TrainingSpec, load_training_spec
 from trainer.text import RECORD_SUFFIXES, expand_paths, load_tokenizer, train_tokenizer
 
 FORMAT = 1

@@ -6,7 +6,6 @@ Keys are camelCase (as Helm and Kubernetes users write them); unknown keys are e
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,32 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-# The environment the chart (and `ctl run`, per simulated pod) gives the trainer besides training.yaml.
-JOB_NAME_ENV = "DDPJOB_JOB_NAME"  # the job's name, for the metrics' info series
-METRICS_PORT_ENV = "DDPJOB_METRICS_PORT"  # local rank 0 serves the pod's metrics here; unset: no endpoint
-METRICS_HOST_ENV = "DDPJOB_METRICS_HOST"  # address it binds (default: every interface, as a pod needs)
-# prometheus_client's own variable: the directory where a pod's trainer processes keep their metric files.
-METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-# Test hook only: "RANK:SECONDS" makes that rank sleep SECONDS in every step (a straggler on demand).
-SLOW_RANK_ENV = "DDPJOB_TEST_SLOW_RANK"
-# What every rank exits with when its watchdog finds the job hung. Retryable: the operator's
-# restartPolicy ExitCode recreates pods for exit codes 128 and up, and the run resumes from its
-# last checkpoint. Not 128 + a signal number, so it cannot be mistaken for a process killed by one.
-EXIT_HUNG = 200
-
-# Exit codes of the trainer, its launcher (trainer.launch) and `ctl run`; docs/errors.md explains them.
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2  # bad spec, flag or data: one line naming the key; retrying cannot help
-EXIT_INTERRUPTED = 130  # `ctl run` stopped by Ctrl-C (128 + SIGINT), after the trainers saved
-EXIT_PREEMPTED = 143  # stopped by SIGTERM after saving (128 + SIGTERM); the next start resumes
-# The run directory's pointer to its newest complete checkpoint, `step-<N>` (8 digits).
-LATEST_CHECKPOINT = "latest"
-CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
-# The largest context a named GPT-2 size (model.size) takes: its position embeddings.
-GPT2_POSITIONS = 1024
-# Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
-PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
-METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
+from trainer.names import EXIT_HUNG, GPT2_POSITIONS
 
 
 class SpecError(ValueError):

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
-from trainer.spec import JOB_NAME_ENV, SpecError, TrainingSpec
+from trainer.names import JOB_NAME_ENV
+from trainer.spec import SpecError, TrainingSpec
 
 TENSORBOARD_DIR = "tensorboard"
 RUN_IDS = "tracking.json"

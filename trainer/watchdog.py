@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
-from trainer.spec import EXIT_HUNG, SLOW_RANK_ENV
+from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
 
 HUNG = "hung"  # store key: the first rank to find the job hung writes its report here
 RATIOS = "step-time-ratios"  # store key: rank 0's {rank: busy time / median}

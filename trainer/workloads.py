@@ -26,8 +26,9 @@ from torch.utils.data import Dataset
 from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.metrics import metrics_endpoint
+from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV
 from trainer.prepare import Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
-from trainer.spec import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV, SpecError, TrainingSpec
+from trainer.spec import SpecError, TrainingSpec
 from trainer.text import load_tokenizer
 
 T = TypeVar("T")

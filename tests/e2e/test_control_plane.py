@@ -42,6 +42,7 @@ from ctl.local import parent_pid
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
+from trainer.names import EXIT_BAD_INPUT
 
 pytestmark = pytest.mark.e2e
 
@@ -304,11 +305,12 @@ def test_a_failing_trainer_fails_the_job(
     cluster: Cluster, namespace: str, restart_policy: str, run_policy: dict[str, Any]
 ) -> None:
     """A trainer that exits on bad input fails the job, as the restart policy says. Never: at the first exit.
-    ExitCode: the launcher's exit code 1 is not retryable (only >= 128 are), so no restart either. OnFailure: the
-    container is restarted in place until the restarts reach runPolicy.backoffLimit; with cleanPodPolicy All the
-    operator then deletes the pods, and their processes end. (With None it may still delete them, or recreate
-    them in a reconcile that has not seen the Failed condition yet: the operator's own race.) A restarted
-    container's previous run keeps its log: pods/log with previous=true, during the back-off or after it."""
+    ExitCode: the launcher's exit code 2 (bad input) is not retryable (only >= 128 are), so no restart either.
+    OnFailure: the container is restarted in place until the restarts reach runPolicy.backoffLimit; with
+    cleanPodPolicy All the operator then deletes the pods, and their processes end. (With None it may still delete
+    them, or recreate them in a reconcile that has not seen the Failed condition yet: the operator's own race.) A
+    restarted container's previous run keeps its log: pods/log with previous=true, during the back-off or after
+    it."""
     marker = uuid.uuid4().hex
     spec = job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], restartPolicy=restart_policy, runPolicy=run_policy)
     apply_rendered(cluster, spec, namespace)
@@ -329,7 +331,7 @@ def test_a_failing_trainer_fails_the_job(
         for name in pods:
             pods[name] = wait_for_pod(cluster, namespace, name, lambda pod: pod.status.phase in ("Succeeded", "Failed"))
         master = pods[Replica("master", 0).pod_name(spec.name)]
-        assert master.status.phase == "Failed" and terminated(master).exit_code == 1
+        assert master.status.phase == "Failed" and terminated(master).exit_code == EXIT_BAD_INPUT
         assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
     assert_no_process_left(cluster, marker)
 
