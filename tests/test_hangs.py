@@ -165,12 +165,12 @@ def test_pods_get_the_nccl_flight_recorder_by_default_and_the_spec_env_overrides
 
     defaults = env(storage={"mountPath": "/ckpt"})
     assert defaults["TORCH_NCCL_DUMP_ON_TIMEOUT"] == ["1"] and defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == ["3"]
-    assert int(defaults["TORCH_NCCL_TRACE_BUFFER_SIZE"][0]) > 0
+    assert int(defaults["TORCH_FR_BUFFER_SIZE"][0]) > 0
     # The traces land in the run directory on the shared volume, one file per rank.
-    assert defaults["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == ["/ckpt/job/nccl_trace_rank_"]
+    assert defaults["TORCH_FR_DUMP_TEMP_FILE"] == ["/ckpt/job/nccl_trace_rank_"]
     # One entry per name (server-side apply rejects duplicates), the spec's value.
-    overridden = env(env=[{"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "0"}])
-    assert overridden["TORCH_NCCL_TRACE_BUFFER_SIZE"] == ["0"]
+    overridden = env(env=[{"name": "TORCH_FR_BUFFER_SIZE", "value": "0"}])
+    assert overridden["TORCH_FR_BUFFER_SIZE"] == ["0"]
 
 
 def test_between_log_steps_the_stop_flag_is_checked_as_often_as_the_grace_period_needs(

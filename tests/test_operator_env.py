@@ -62,7 +62,16 @@ def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path,
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("PET_RDZV_ID", "outer")
     spec = job(corpus_file, nodes=2, procsPerNode=2)
-    env = agent_env(spec, Replica("worker", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    env = agent_env(
+        spec,
+        Replica("worker", 0),
+        40123,
+        tmp_path / "error.json",
+        40124,
+        tmp_path / "metrics",
+        tmp_path / "logs",
+        False,
+    )
     injected = operator_env(spec, Replica("worker", 0), address="127.0.0.1", port=40123)
     assert {k: env[k] for k in injected} == injected
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_MASTER_PORT"] == "40123" and env["RANK"] == "1"
@@ -78,10 +87,28 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
 ) -> None:
     monkeypatch.delenv(SHUTDOWN_TIMEOUT_ENV, raising=False)
     spec = job(corpus_file, terminationGracePeriodSeconds=300)
-    env = agent_env(spec, Replica("master", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    env = agent_env(
+        spec,
+        Replica("master", 0),
+        40123,
+        tmp_path / "error.json",
+        40124,
+        tmp_path / "metrics",
+        tmp_path / "logs",
+        False,
+    )
     assert env[SHUTDOWN_TIMEOUT_ENV] == shutdown_timeout(spec) == "295"
     monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
-    env = agent_env(spec, Replica("master", 0), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    env = agent_env(
+        spec,
+        Replica("master", 0),
+        40123,
+        tmp_path / "error.json",
+        40124,
+        tmp_path / "metrics",
+        tmp_path / "logs",
+        False,
+    )
     assert env[SHUTDOWN_TIMEOUT_ENV] == "7"
 
 
@@ -105,7 +132,9 @@ def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "16")
     spec = job(corpus_file, apiKind="TrainJob", nodes=2)
-    env = agent_env(spec, Replica("node", 1), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics")
+    env = agent_env(
+        spec, Replica("node", 1), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics", tmp_path / "logs", False
+    )
     assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
     assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
     assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them

@@ -192,13 +192,14 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     run = run_ctl("run", "spec.yaml", "--set", "prepare.enabled=true", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "already prepared" in run.stderr
-    assert f"rank 0: prepared data {entry}" in run.stdout and "preparing" not in run.stdout
+    (rank_0,) = (tmp_path / "runs" / "tiny").glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+    assert f"rank 0: prepared data {entry}" in rank_0.read_text() and "preparing" not in run.stdout
 
     corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data
     resumed = run_ctl("run", "spec.yaml", "--set", "training.maxSteps=4", cwd=tmp_path)
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
-    failure = [line for line in resumed.stderr.splitlines() if line.startswith("ctl: node")]
-    assert len(failure) == 1 and f"data.train: {corpus} changed since this run's checkpoints" in failure[0]
+    (failure,) = resumed.stderr.splitlines()
+    assert failure.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), failure
 
 
 def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:

@@ -26,7 +26,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
 from trainer.loop import train
-from trainer.metrics import metrics_endpoint
+from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
@@ -46,6 +46,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     print(
         f"rank {dist.rank} of {dist.world_size} on {socket.gethostname()} ({dist.device})", file=sys.stderr, flush=True
     )
+    clear_shared_directory(dist)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()

@@ -93,6 +93,15 @@ def metrics_endpoint() -> tuple[int, str | None]:
     return port, directory
 
 
+def clear_shared_directory(dist: Dist) -> None:
+    """Every attempt starts with an empty multiprocess directory, emptied by local rank 0 before it writes any
+    metric (data preparation's too: prometheus_client keeps its files open, so they cannot go later)."""
+    _, directory = metrics_endpoint()
+    if directory and dist.local_rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)  # a mount point (the chart's emptyDir) stays, emptied
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+
 class TrainingMetrics:
     """This process's training metrics; local rank 0 also serves the pod's endpoint.
 
@@ -102,11 +111,7 @@ class TrainingMetrics:
 
     def __init__(self, spec: TrainingSpec, dist: Dist, model: torch.nn.Module, planned_steps: int) -> None:
         port, directory = metrics_endpoint()
-        if directory:
-            # Every attempt starts empty; the other local ranks create their files after the barrier.
-            if dist.local_rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)  # a mount point (the chart's emptyDir) stays, emptied
-                Path(directory).mkdir(parents=True, exist_ok=True)
+        if directory:  # emptied by clear_shared_directory; the other local ranks create their files after this
             barrier(dist)
         self.registry = CollectorRegistry()
         self.rank = str(dist.rank)

@@ -183,4 +183,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
 def record_dataset(plan: Plan, run_dir: Path) -> None:
     """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
-    (run_dir / RUN_DATASET).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    text = json.dumps(record, indent=1) + "\n"
+    path = run_dir / RUN_DATASET
+    if not path.exists() or path.read_text(encoding="utf-8") != text:  # a refused resume writes nothing
+        path.write_text(text, encoding="utf-8")

@@ -33,9 +33,12 @@ def blocks(
     block = spec.model.block_size
     train_ids, val_ids = token_splits(plan, manifest, spec.data.val_fraction)
     train_set, val_set = TokenBlocks(train_ids, block), TokenBlocks(val_ids, block)
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
+    # A split without one whole block: blockSize is what to change (checked before the batch count it empties).
     if not len(val_set):
-        raise_block_too_long(block, len(val_ids), unit)
+        raise_block_too_long(block, len(val_ids), unit, "validation")
+    if not len(train_set):
+        raise_block_too_long(block, len(train_ids), unit, "training")
+    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
     return train_set, val_set
 
 

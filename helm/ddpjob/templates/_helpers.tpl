@@ -190,8 +190,8 @@ entry of the same name in `env` replaces a default here.
 {{- $defaults := list
   (dict "name" "TORCH_NCCL_ASYNC_ERROR_HANDLING" "value" "3")
   (dict "name" "TORCH_NCCL_DUMP_ON_TIMEOUT" "value" "1")
-  (dict "name" "TORCH_NCCL_TRACE_BUFFER_SIZE" "value" "2000")
-  (dict "name" "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" "value" (printf "%s/nccl_trace_rank_" (include "ddpjob.checkpointDir" .)))
+  (dict "name" "TORCH_FR_BUFFER_SIZE" "value" "2000")
+  (dict "name" "TORCH_FR_DUMP_TEMP_FILE" "value" (printf "%s/nccl_trace_rank_" (include "ddpjob.checkpointDir" .)))
 -}}
 {{- range $defaults }}
 {{- if not (hasKey $overridden .name) }}
