@@ -119,6 +119,11 @@ def causal_lm(corpus: Path, procs: int, **model: object) -> dict:
 
 def test_block_size_beyond_the_data_names_model_block_size(workdir, corpus_file: Path) -> None:
     spec = tiny_spec(corpus_file, model={"nLayer": 1, "nHead": 2, "nEmbd": 32, "blockSize": 1_000_000_000})
+    # Found once the data is tokenized: prepared first (its own step; a complete dataset, whatever the blockSize),
+    # so that the run itself must write nothing.
+    path, env = workdir
+    (path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert run_ctl("prepare", "spec.yaml", cwd=path, env=env).returncode == 0
     run_bad_input(workdir, spec, [], "model.blockSize: 1000000000 is too long for the validation text", times=1)
 
 

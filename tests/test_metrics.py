@@ -50,6 +50,7 @@ CHECKPOINT = "ddpjob_checkpoint_"  # exported once a checkpoint has been saved
 # From the watchdog thread, once every rank has reported its step time (the slowest rank: rank 0 only).
 STRAGGLERS = ("ddpjob_step_time_ratio_to_median", "ddpjob_slowest_rank")
 COUNTERS = {"ddpjob_steps", "ddpjob_samples", "ddpjob_tokens"}
+PREPARE = "ddpjob_prepare_"  # data preparation's series (trainer/prepare.py)
 HISTOGRAMS = {"ddpjob_step_duration_seconds", "ddpjob_data_wait_seconds"}
 GAUGES = {
     "ddpjob_info",
@@ -248,8 +249,11 @@ def test_prometheus_scrapes_every_rank_and_every_dashboard_query_works(live_job:
         )
         ranks = {s.labels["rank"] for s in scraped["ddpjob_steps"].samples}
         assert ranks == {str(node * PROCS + local) for local in range(PROCS)}
-        assert {name for name, f in scraped.items() if f.type == "counter"} == COUNTERS
-        optional = {name for name in scraped if name.startswith((*CUDA_ONLY, CHECKPOINT, *STRAGGLERS))}
+        # Rank 0 prepared the data before training: its node's endpoint keeps the preparation's series.
+        prepared = {name for name in scraped if name.startswith(PREPARE)}
+        assert ("ddpjob_prepare_tokens" in prepared) == (node == 0), prepared
+        assert {name for name, f in scraped.items() if f.type == "counter"} - prepared == COUNTERS
+        optional = {name for name in scraped if name.startswith((*CUDA_ONLY, CHECKPOINT, *STRAGGLERS, PREPARE))}
         assert {name for name, f in scraped.items() if f.type == "histogram"} - optional == HISTOGRAMS
         assert {name for name, f in scraped.items() if f.type == "gauge"} - GAUGES <= optional
         assert set(scraped) >= GAUGES
