@@ -57,21 +57,19 @@ def test_elastic_workers_get_rendezvous_and_no_master(corpus_file: Path) -> None
         assert operator_env(spec, replica) == expected
 
 
+def local_env(spec: JobSpec, replica: Replica, tmp_path: Path) -> dict[str, str]:
+    """What `ctl run` gives `replica`'s agent: rendezvous port 40123, metrics port 40124, files under tmp_path."""
+    return agent_env(
+        spec, replica, 40123, tmp_path / "error.json", 40124, tmp_path / "metrics", tmp_path / "logs", False
+    )
+
+
 def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path, tmp_path: Path, monkeypatch) -> None:
     # An outer launcher's variables must not leak into a simulated pod.
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("PET_RDZV_ID", "outer")
     spec = job(corpus_file, nodes=2, procsPerNode=2)
-    env = agent_env(
-        spec,
-        Replica("worker", 0),
-        40123,
-        tmp_path / "error.json",
-        40124,
-        tmp_path / "metrics",
-        tmp_path / "logs",
-        False,
-    )
+    env = local_env(spec, Replica("worker", 0), tmp_path)
     injected = operator_env(spec, Replica("worker", 0), address="127.0.0.1", port=40123)
     assert {k: env[k] for k in injected} == injected
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_MASTER_PORT"] == "40123" and env["RANK"] == "1"
@@ -87,28 +85,10 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
 ) -> None:
     monkeypatch.delenv(SHUTDOWN_TIMEOUT_ENV, raising=False)
     spec = job(corpus_file, terminationGracePeriodSeconds=300)
-    env = agent_env(
-        spec,
-        Replica("master", 0),
-        40123,
-        tmp_path / "error.json",
-        40124,
-        tmp_path / "metrics",
-        tmp_path / "logs",
-        False,
-    )
+    env = local_env(spec, Replica("master", 0), tmp_path)
     assert env[SHUTDOWN_TIMEOUT_ENV] == shutdown_timeout(spec) == "295"
     monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
-    env = agent_env(
-        spec,
-        Replica("master", 0),
-        40123,
-        tmp_path / "error.json",
-        40124,
-        tmp_path / "metrics",
-        tmp_path / "logs",
-        False,
-    )
+    env = local_env(spec, Replica("master", 0), tmp_path)
     assert env[SHUTDOWN_TIMEOUT_ENV] == "7"
 
 
@@ -132,9 +112,7 @@ def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "16")
     spec = job(corpus_file, apiKind="TrainJob", nodes=2)
-    env = agent_env(
-        spec, Replica("node", 1), 40123, tmp_path / "error.json", 40124, tmp_path / "metrics", tmp_path / "logs", False
-    )
+    env = local_env(spec, Replica("node", 1), tmp_path)
     assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
     assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
     assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them
