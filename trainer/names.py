@@ -29,6 +29,12 @@ LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
 # The largest context a named GPT-2 size (model.size) takes: its position embeddings.
 GPT2_POSITIONS = 1024
+# Set by Kubeflow Trainer v2's TrainJobStatus plugin (v2.3, feature gate TrainJobStatus) on the trainer pods:
+# the full https URL of the job's status endpoint, and the paths of the server's CA certificate and of a
+# projected service-account token (rotated by the kubelet) to send as a bearer token. trainer/progress.py.
+PROGRESS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
+PROGRESS_CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
