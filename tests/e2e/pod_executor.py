@@ -54,7 +54,6 @@ import ipaddress
 import json
 import os
 import platform
-import re
 import select
 import signal
 import ssl
@@ -74,13 +73,12 @@ from container_logs import LogOptions, LogOptionsError, LogWriter, flag, stream_
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
 from pod_network import POD_CIDR, AddressesUnavailable, PodAddresses
 
+from ctl.pod import PodSetupError, Volume, image_path, local_container, the_container
+from trainer.names import METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
+
 NODE_NAME = "ddpjob-e2e-node"
 MAX_PODS = 110  # the kubelet's default
 HOST_VARIABLES = ("MASTER_ADDR", "PET_MASTER_ADDR", "PET_RDZV_ENDPOINT")
-# The trainer's metrics endpoint and prometheus_client's multiprocess directory (trainer/spec.py).
-METRICS_PORT_VARIABLE = "DDPJOB_METRICS_PORT"
-METRICS_HOST_VARIABLE = "DDPJOB_METRICS_HOST"
-METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 START_ERROR_EXIT_CODE = 128  # what a kubelet reports for a container that could not start
 # How long a pod's start waits for the Service its master address names (the operator creates it after the pods).
 SERVICE_WAIT_S = 60.0
@@ -89,10 +87,6 @@ RESTART_BACKOFF_S = 10.0
 RESTART_BACKOFF_MAX_S = 300.0
 # How long an ended container's output may take to reach its log file.
 LOG_DRAIN_S = 10.0
-
-
-class PodSetupError(RuntimeError):
-    """The pod asks for something this executor cannot provide; the pod fails with this message."""
 
 
 class KubeletError(Exception):
@@ -424,78 +418,62 @@ class PodExecutor:
         return exit_code
 
     def prepare(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> tuple[list[str], dict[str, str], Path]:
-        """The container's command line, environment and working directory, with the volumes materialised."""
-        containers = pod.spec.containers
-        if len(containers) != 1:
-            raise PodSetupError(f"the local executor runs single-container pods; this one has {len(containers)}")
-        container = containers[0]
-        local.image = container.image or ""
+        """The container's command line, environment and working directory, with the volumes materialised: the
+        code `ctl run` starts its nodes with (ctl/pod.py)."""
+        spec = self.client.sanitize_for_serialization(pod.spec)  # camelCase, as rendered
+        if the_container(spec).get("envFrom"):
+            raise PodSetupError("envFrom is not supported by the local executor")
+        local.image = the_container(spec).get("image", "")
         (local.directory / local.container).mkdir(parents=True, exist_ok=True)
-        volumes = {v.name: self.volume_dir(local, v) for v in pod.spec.volumes or []}
-        mounts = {}
-        for mount in container.volume_mounts or []:
-            if mount.name not in volumes:
-                raise PodSetupError(f"volume {mount.name!r} is not supported by the local executor")
-            source = volumes[mount.name] / (mount.sub_path or "")
-            if not source.exists():  # a kubelet creates a missing subPath as a directory
-                source.mkdir(parents=True)
-            mounts[mount.mount_path.rstrip("/")] = source
-        rewrite = path_rewriter(mounts)
-        for volume in pod.spec.volumes or []:
-            if volume.config_map is not None:  # the config names paths under the other mounts
-                for file in volumes[volume.name].iterdir():
-                    file.write_text(rewrite(file.read_text()))
-        env = {name: rewrite(value) for name, value in self.container_env(local, pod, container).items()}
+
+        def reference(name: str, source: dict[str, Any]) -> str:
+            return self.env_reference(pod.metadata.namespace, name, source)
+
+        container = local_container(
+            spec, lambda volume: self.volume_dir(local, volume), self.fields(local, pod), reference
+        )
+        env = container.env
         for name in HOST_VARIABLES:
             if name in env:
                 env[name] = self.loopback_if_service(env[name], local)
-        if METRICS_PORT_VARIABLE in env:
-            env |= self.metrics_endpoint(local, env[METRICS_PORT_VARIABLE])
-        if METRICS_DIR_VARIABLE in env:
-            env[METRICS_DIR_VARIABLE] = str(local.directory / "metrics")
-            Path(env[METRICS_DIR_VARIABLE]).mkdir(exist_ok=True)
-        python_bin = str(Path(sys.executable).parent)
+        if METRICS_PORT_ENV in env:
+            env |= self.metrics_endpoint(local, env[METRICS_PORT_ENV])
+        if METRICS_DIR_ENV in env:
+            env[METRICS_DIR_ENV] = str(local.directory / "metrics")
+            Path(env[METRICS_DIR_ENV]).mkdir(exist_ok=True)
         tmp = local.directory / "tmp"
         tmp.mkdir(exist_ok=True)
-        base = {"PATH": f"{python_bin}:{os.environ.get('PATH', os.defpath)}", "HOME": str(Path.home())}
+        base = {"PATH": image_path(os.environ.get("PATH", os.defpath)), "HOME": str(Path.home())}
         env = base | {"TMPDIR": str(tmp), "HOSTNAME": local.name} | env
-        command = [rewrite(arg) for arg in [*(container.command or []), *(container.args or [])]]
-        if not command:
-            raise PodSetupError("the container has no command (the image's entrypoint is unknown here)")
-        cwd = Path(rewrite(container.working_dir)) if container.working_dir else local.directory
-        return command, env, cwd
+        return container.command, env, container.working_dir or local.directory
 
     def metrics_endpoint(self, local: LocalPod, port: str) -> dict[str, str]:
         """Where the trainer serves its metrics: on the pod's address and the port of its spec, as in a cluster;
         on loopback, where all pods share the ports, a free port of its own."""
         if local.address != LOOPBACK:
-            return {METRICS_HOST_VARIABLE: local.address, METRICS_PORT_VARIABLE: port}
-        return {METRICS_HOST_VARIABLE: LOOPBACK, METRICS_PORT_VARIABLE: str(free_port())}
+            return {METRICS_HOST_ENV: local.address, METRICS_PORT_ENV: port}
+        return {METRICS_HOST_ENV: LOOPBACK, METRICS_PORT_ENV: str(free_port())}
 
-    def volume_dir(self, local: LocalPod, volume: kubernetes.client.V1Volume) -> Path:
-        directory = local.directory / "volumes" / volume.name
-        if volume.persistent_volume_claim is not None:
-            directory = self.work_dir / "volumes" / local.namespace / volume.persistent_volume_claim.claim_name
+    def volume_dir(self, local: LocalPod, volume: Volume) -> Path:
+        directory = local.directory / "volumes" / volume["name"]
+        if "persistentVolumeClaim" in volume:
+            directory = self.work_dir / "volumes" / local.namespace / volume["persistentVolumeClaim"]["claimName"]
         directory.mkdir(parents=True, exist_ok=True)
-        if volume.config_map is not None:
-            data = self.core.read_namespaced_config_map(volume.config_map.name, local.namespace).data or {}
+        if "configMap" in volume:
+            data = self.core.read_namespaced_config_map(volume["configMap"]["name"], local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_text(value)
-        elif volume.secret is not None:
-            data = self.core.read_namespaced_secret(volume.secret.secret_name, local.namespace).data or {}
+        elif "secret" in volume:
+            data = self.core.read_namespaced_secret(volume["secret"]["secretName"], local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_bytes(base64.b64decode(value))
-        elif volume.persistent_volume_claim is None and volume.empty_dir is None and volume.projected is None:
-            raise PodSetupError(f"volume {volume.name!r}: only configMap, secret, PVC, emptyDir and projected")
+        elif not {"persistentVolumeClaim", "emptyDir", "projected"} & set(volume):
+            raise PodSetupError(f"volume {volume['name']!r}: only configMap, secret, PVC, emptyDir and projected")
         return directory
 
-    def container_env(
-        self, local: LocalPod, pod: kubernetes.client.V1Pod, container: kubernetes.client.V1Container
-    ) -> dict[str, str]:
-        """The container's env list (values and references), the operator's variables included."""
-        if container.env_from:
-            raise PodSetupError("envFrom is not supported by the local executor")
-        fields = {
+    def fields(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> dict[str, str]:
+        """The fieldRefs a container's env may name, as this node answers them."""
+        return {
             "metadata.name": pod.metadata.name,
             "metadata.namespace": pod.metadata.namespace,
             "metadata.uid": pod.metadata.uid,
@@ -505,23 +483,14 @@ class PodExecutor:
             "status.hostIP": LOOPBACK,
             "status.hostIPs": LOOPBACK,
         }
-        env: dict[str, str] = {}
-        for var in container.env or []:
-            source = var.value_from
-            if source is None:
-                env[var.name] = var.value or ""
-            elif source.field_ref is not None and source.field_ref.field_path in fields:
-                env[var.name] = fields[source.field_ref.field_path]
-            elif source.config_map_key_ref is not None:
-                ref = source.config_map_key_ref
-                env[var.name] = self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data[ref.key]
-            elif source.secret_key_ref is not None:
-                ref = source.secret_key_ref
-                data = self.core.read_namespaced_secret(ref.name, pod.metadata.namespace).data
-                env[var.name] = base64.b64decode(data[ref.key]).decode()
-            else:
-                raise PodSetupError(f"env {var.name}: this valueFrom is not supported by the local executor")
-        return env
+
+    def env_reference(self, namespace: str, name: str, source: dict[str, Any]) -> str:
+        """A configMapKeyRef or secretKeyRef, read from the API; any other valueFrom fails the pod."""
+        if ref := source.get("configMapKeyRef"):
+            return self.core.read_namespaced_config_map(ref["name"], namespace).data[ref["key"]]
+        if ref := source.get("secretKeyRef"):
+            return base64.b64decode(self.core.read_namespaced_secret(ref["name"], namespace).data[ref["key"]]).decode()
+        raise PodSetupError(f"env {name}: this valueFrom is not supported by the local executor")
 
     def loopback_if_service(self, value: str, local: LocalPod) -> str:
         """`host[:port]` with host 127.0.0.1 when host is a Service of the namespace (`name[.namespace[.svc...]]`).
@@ -649,15 +618,6 @@ def memory_kib() -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1])
     return 0
-
-
-def path_rewriter(mounts: dict[str, Path]) -> Any:
-    """Replaces each mount path, where it appears as a whole path prefix, by its local directory."""
-    if not mounts:
-        return lambda text: text
-    paths = sorted(mounts, key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w./-])(" + "|".join(re.escape(p) for p in paths) + r")(?=/|$|[^\w.-])")
-    return lambda text: pattern.sub(lambda m: str(mounts[m.group(1)]), text)
 
 
 class KubeletServer(ThreadingHTTPServer):
