@@ -206,7 +206,7 @@ def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
             }
             container = local_container(pod, volume_dir, fields, lambda name, source: None, provided_dirs(pod))
             nodes.append(LocalNode(replica, container))
-        yield LocalJob(nodes, training_run_dir(nodes[0].container), work_dir)
+        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)
 
 
 def local_volume(volume: Volume, pod_dir: Path, config_maps: dict[str, dict[str, Any]]) -> Path:
@@ -244,14 +244,20 @@ def provided_dirs(pod: dict[str, Any]) -> dict[str, Path]:
     return provided | ({home.rstrip("/"): Path.home()} if home else {})
 
 
-def training_run_dir(container: LocalContainer) -> Path:
-    """The run directory that the trainer's training config (its command's `--config FILE`) names."""
-    try:
-        config = Path(container.command[container.command.index("--config") + 1])
-    except (ValueError, IndexError):
-        raise PodSetupError(f"the trainer container's command has no --config FILE: {container.command}") from None
-    checkpoint = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
-    return Path(checkpoint.get("dir") or LOCAL_CLAIMS).absolute()
+def training_run_dir(pod: dict[str, Any], container: LocalContainer) -> Path:
+    """The run directory named by the training config: the mounted ConfigMap file that the command reads."""
+    config_volumes = {v["name"] for v in pod.get("volumes") or [] if "configMap" in v}
+    config_dirs = [
+        container.mounts[m["mountPath"].rstrip("/")]
+        for m in pod["containers"][0].get("volumeMounts") or []
+        if m["name"] in config_volumes
+    ]
+    for arg in container.command:
+        path = Path(arg)
+        if path.is_file() and any(path.is_relative_to(directory) for directory in config_dirs):
+            checkpoint = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
+            return Path(checkpoint.get("dir") or LOCAL_CLAIMS).absolute()
+    raise PodSetupError(f"the trainer's command reads no file of its mounted ConfigMap: {container.command}")
 
 
 def agent_env(

@@ -38,3 +38,8 @@ PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
+# The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);
+# tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
+# `ctl run` and the e2e pod executor (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
+# Trainer v2's controller.
+POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, PREPARED_BY_JOB_ENV)
