@@ -154,7 +154,8 @@ def rendered_pods(manifests: list[Manifest], spec: JobSpec) -> dict[Replica, dic
     """Each replica's pod spec as the operator creates it from the rendered job object."""
     by_kind = {m.kind: m.obj for m in manifests}
     if spec.api_kind == "TrainJob":
-        return {replica: trainjob_pod(by_kind["TrainingRuntime"], by_kind["TrainJob"]) for replica in replicas(spec)}
+        pod = trainjob_pod(by_kind["TrainingRuntime"], by_kind["TrainJob"])
+        return {replica: pod for replica in replicas(spec)}
     replica_specs = by_kind["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
     return {r: replica_specs[r.type.capitalize()]["template"]["spec"] for r in replicas(spec)}
 
@@ -171,10 +172,9 @@ def trainjob_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]
     for container in trainer["containers"]:
         if container["name"] == "node":
             container |= {key: overrides[key] for key in ("image", "command", "args") if key in overrides}
-            replaced = {var["name"] for var in overrides.get("env", [])}
-            container["env"] = [v for v in container.get("env", []) if v["name"] not in replaced] + overrides.get(
-                "env", []
-            )
+            env = overrides.get("env", [])
+            replaced = {var["name"] for var in env}
+            container["env"] = [var for var in container.get("env", []) if var["name"] not in replaced] + env
     return trainer
 
 
@@ -206,7 +206,7 @@ def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
             }
             container = local_container(pod, volume_dir, fields, lambda name, source: None, provided_dirs(pod))
             nodes.append(LocalNode(replica, container))
-        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)
+        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)  # every node's config names the same
 
 
 def local_volume(volume: Volume, pod_dir: Path, config_maps: dict[str, dict[str, Any]]) -> Path:

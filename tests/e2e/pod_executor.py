@@ -9,7 +9,8 @@ this:
 - volumes: a ConfigMap or Secret is written to a per-pod directory; a PersistentVolumeClaim is a directory per
   claim shared by all pods (like ReadWriteMany); an emptyDir is a per-pod directory. Each mount path is replaced
   by its local directory wherever it appears as a path in the command, the env values and the ConfigMap files
-  (training.yaml names the checkpoint directory under the claim's mount path).
+  (training.yaml names the checkpoint directory under the claim's mount path): ctl/pod.py, the code `ctl run`
+  starts its nodes from the rendered pods with.
 - networking: each pod gets an address of its own from 10.244.0.0/16, added to `lo` for the pod's lifetime
   (tests/e2e/pod_network.py) and reported as its podIP (and as the `status.podIP` env field), so the API server's
   pods/proxy reaches it. The trainer's metrics endpoint listens there (DDPJOB_METRICS_HOST), on the port its pod
