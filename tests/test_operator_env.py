@@ -9,8 +9,7 @@ from conftest import tiny_spec
 from ctl.local import agent_env, local_job
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.spec import JobSpec
-
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torch's; the chart sets it from the grace period
+from trainer.names import SHUTDOWN_TIMEOUT_ENV
 
 
 def job(corpus: Path, **fields) -> JobSpec:

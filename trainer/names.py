@@ -12,6 +12,9 @@ METRICS_PORT_ENV = "DDPJOB_METRICS_PORT"  # local rank 0 serves the pod's metric
 METRICS_HOST_ENV = "DDPJOB_METRICS_HOST"  # address it binds (default: every interface, as a pod needs)
 # prometheus_client's own variable: the directory where a pod's trainer processes keep their metric files.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# torchrun's: how long it waits for its workers to exit after forwarding SIGTERM (the chart: the grace period
+# less 5 s); the trainer spaces its stop checks by it (trainer.dist.StopRequest).
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 # Test hook only: "RANK:SECONDS" makes that rank sleep SECONDS in every step (a straggler on demand).
 SLOW_RANK_ENV = "DDPJOB_TEST_SLOW_RANK"
 # What every rank exits with when its watchdog finds the job hung. Retryable: the operator's
@@ -42,4 +45,4 @@ METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.
 # tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
 # `ctl run` and the e2e pod executor (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
 # Trainer v2's controller.
-POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, PREPARED_BY_JOB_ENV)
+POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)
