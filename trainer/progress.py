@@ -59,8 +59,8 @@ def format_value(value: float | int) -> str:
 class ProgressReporter:
     """Sends rank 0's progress to the TrainJob status server in the background; a context manager.
 
-    `report` only hands the update over; leaving the context gives the last update up to one request timeout
-    to go out (none when the server has been failing), so that the job's status ends at 100%.
+    `report` only hands the update over; leaving the context normally gives the last update up to one request
+    timeout to go out (none when the server has been failing), so that the job's status ends at 100%.
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class ProgressReporter:
         with self.changed:
             self.closed = True
             self.changed.notify_all()
-            if self.healthy:
+            if kind is None and self.healthy:  # a failing trainer does not wait: its peers learn of it by its exit
                 self.changed.wait_for(lambda: self.pending is None and not self.sending, timeout=self.timeout)
 
     def send_loop(self) -> None:
