@@ -26,21 +26,33 @@ PRINT_CONTAINER = (
 )
 
 
-def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
-    tmp_path: Path, write_spec, corpus_file: Path
-) -> None:
+def changed_chart(tmp_path: Path, replacements: dict[str, str]) -> Path:
+    """A copy of the chart with text of its pod template (_helpers.tpl) replaced, each found exactly once."""
     chart = tmp_path / "chart"
     shutil.copytree(REPO / "helm" / "ddpjob", chart)
     helpers = chart / "templates" / "_helpers.tpl"
     text = helpers.read_text()
-    # The container's command, and one more variable in its env, changed in the template alone.
-    trainer_command = "command: [python, -m, trainer.launch, -m, trainer, --config,"
-    commands, envs = text.count(trainer_command), text.count("\n      env:\n")
-    text = text.replace(trainer_command, f"command: [python, -c, {json.dumps(PRINT_CONTAINER)},")
-    added = '        - name: DDPJOB_CHART_SAYS\n          value: "from-the-template"\n'
-    text = text.replace("\n      env:\n", f"\n      env:\n{added}")
-    assert (commands, envs) == (1, 1)
+    for old, new in replacements.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
     helpers.write_text(text)
+    return chart
+
+
+def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    # The container's command, and one more variable in its env, changed in the template alone.
+    added = '        - name: DDPJOB_CHART_SAYS\n          value: "from-the-template"\n'
+    chart = changed_chart(
+        tmp_path,
+        {
+            "command: [python, -m, trainer.launch, -m, trainer, --config,": (
+                f"command: [python, -c, {json.dumps(PRINT_CONTAINER)},"
+            ),
+            "\n      env:\n": f"\n      env:\n{added}",
+        },
+    )
 
     spec = tiny_spec(corpus_file) | {
         "nodes": 2,
@@ -57,6 +69,19 @@ def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
         f"from-the-template renamed 0 tiny-master-0 {run_dir}",
         f"from-the-template renamed 1 tiny-worker-0 {run_dir}",
     ]
+
+
+def test_a_pod_that_ctl_run_cannot_give_a_volume_is_one_line_and_nothing_written(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    shared_memory = "emptyDir:\n        medium: Memory\n        sizeLimit: {{ .Values.resources.shm | quote }}"
+    chart = changed_chart(tmp_path, {shared_memory: "hostPath:\n        path: /dev/shm"})
+    run = run_ctl(
+        "run", str(write_spec(tiny_spec(corpus_file))), cwd=tmp_path, env=os.environ | {CHART_ENV: str(chart)}
+    )
+    assert (run.returncode, run.stdout) == (1, "")
+    assert run.stderr == "error: volume dshm: ctl run cannot provide a hostPath volume\n"
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("api_kind", ["PyTorchJob", "TrainJob"])
