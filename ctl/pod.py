@@ -36,10 +36,6 @@ class LocalContainer:
     mounts: dict[str, Path]  # container path -> local directory
     working_dir: Path | None  # the container's workingDir, rewritten; None: the caller's choice
 
-    def local_path(self, path: str) -> Path:
-        """A container path as a local one."""
-        return Path(path_rewriter(self.mounts)(path))
-
 
 def path_rewriter(mounts: Mapping[str, Path]) -> Callable[[str], str]:
     """Replaces each mount path, where it appears as a whole path prefix, by its local directory."""
