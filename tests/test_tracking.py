@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
 
+from ctl.spec import CREDENTIAL_ENV
 from trainer.checkpoint import SaveStats
 from trainer.names import EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, SLOW_RANK_ENV
 from trainer.spec import TrainingSpec
@@ -275,3 +277,45 @@ def test_a_run_that_fails_is_stopped_or_hangs_ends_so_in_mlflow_and_wandb(
     run = MlflowClient().get_run(ids["mlflow"])
     assert run.info.status == status and run.info.end_time is not None, output
     assert wandb_run(tmp_path / "runs" / "tiny")[1] == [exit_code], output
+
+
+def containers(document: Any) -> Iterator[dict[str, Any]]:
+    """Every container (and init container) of every pod template in a rendered object."""
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if key in ("containers", "initContainers"):
+                yield from value
+            else:
+                yield from containers(value)
+    elif isinstance(document, list):
+        for item in document:
+            yield from containers(item)
+
+
+@pytest.mark.parametrize("api_kind", ["PyTorchJob", "TrainJob"])
+def test_tracker_credentials_reach_the_pods_only_by_reference(
+    tmp_path: Path, write_spec, corpus_file: Path, api_kind: str
+) -> None:
+    key = "0123456789abcdef0123456789abcdef01234567"  # what a literal W&B key would look like
+    literal = {"name": "WANDB_API_KEY", "value": key}
+    spec = tiny_spec(corpus_file, reportTo=["mlflow", "wandb"]) | {"apiKind": api_kind, "env": [literal]}
+    refused = run_ctl("render", str(write_spec(spec)), cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    (line,) = refused.stderr.splitlines()
+    assert "env: WANDB_API_KEY: a credential is not given as a value: use valueFrom.secretKeyRef" in line
+    assert key not in line
+
+    by_reference = {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}
+    spec |= {
+        "env": [{"name": "MLFLOW_TRACKING_URI", "value": "https://mlflow.example.com"}, by_reference],
+        "envFrom": [{"secretRef": {"name": "wandb"}}],  # WANDB_API_KEY and WANDB_PROJECT from one Secret
+        "prepare": {"enabled": True},  # the data preparation Job's pods too
+    }
+    rendered = run_ctl("render", str(write_spec(spec)), cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    every = [c for document in yaml.safe_load_all(rendered.stdout) for c in containers(document)]
+    trainers = [c for c in every if by_reference in c.get("env", [])]
+    assert len(trainers) == 2  # the trainer's and the data preparation's
+    assert all({"secretRef": {"name": "wandb"}} in c["envFrom"] for c in trainers)
+    credentials = [var for c in every for var in c.get("env", []) if CREDENTIAL_ENV.search(var["name"])]
+    assert credentials and all("value" not in var for var in credentials), credentials
