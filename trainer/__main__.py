@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
         dist = init_distributed(spec.timeouts)
         code = run(spec, dist)
     except SpecError as exc:
-        finish(EXIT_BAD_INPUT)
         exit_bad_input(str(exc))
     finish(code)  # the MLflow/W&B run ends with this outcome (an exception ends it failed, at exit)
     # Only after a success: on a failure the peers learn of it when this process exits, after its record is
