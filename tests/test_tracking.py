@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,14 @@ def test_wandb_keeps_a_checkpoint_reported_after_later_steps(
     assert exit_codes == [0]
 
 
+def mlflow_status(run_dir: Path) -> str:
+    """The status of the run's MLflow run (MLFLOW_TRACKING_URI names the store)."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "tracking.json").read_text())["mlflow"]
+    return MlflowClient().get_run(run_id).info.status
+
+
 def interrupted_run(path: Path, corpus: Path, case: str, env: dict[str, str], marker: str) -> tuple[int, str]:
     """A 2-rank `ctl run` reporting to MLflow and W&B that ends in `case`: (ctl's exit code, its output)."""
     # Rank 1 sleeps in every step: the run is still going when the test stops it or stops rank 1.
@@ -238,6 +247,13 @@ def interrupted_run(path: Path, corpus: Path, case: str, env: dict[str, str], ma
         elif case == "hang":
             (rank_1,) = trainer_pids(marker, rank=1, local_rank=1)
             os.kill(rank_1, signal.SIGSTOP)
+            # torchrun gives a stopped rank 30 s before it kills it: once rank 0's watchdog has ended the
+            # MLflow run (just before it exits), rank 1 goes on, to take torchrun's SIGTERM at once.
+            deadline = time.monotonic() + 120
+            while mlflow_status(path / "runs" / "tiny") == "RUNNING":
+                assert time.monotonic() < deadline, "the hang was not found, or its MLflow run not ended"
+                time.sleep(0.5)
+            os.kill(rank_1, signal.SIGCONT)
         output, _ = ctl.communicate(timeout=180)
     finally:
         if ctl.poll() is None:
@@ -265,18 +281,15 @@ def test_a_run_that_fails_is_stopped_or_hangs_ends_so_in_mlflow_and_wandb(
     exit_code: int,
     ctl_exit_code: int,
 ) -> None:
-    from mlflow.tracking import MlflowClient
-
     env, marker = marked_env
+    for name, value in mlflow_env.items():  # the reader here opens the same store
+        monkeypatch.setenv(name, value)
     returncode, output = interrupted_run(tmp_path, corpus_file, case, env | mlflow_env | wandb_env, marker)
     assert returncode == ctl_exit_code, output
     assert not processes_with_marker(marker), "a process of the run outlived `ctl run`"
-    ids = json.loads((tmp_path / "runs" / "tiny" / "tracking.json").read_text())
-    for name, value in mlflow_env.items():  # the reader here opens the same store
-        monkeypatch.setenv(name, value)
-    run = MlflowClient().get_run(ids["mlflow"])
-    assert run.info.status == status and run.info.end_time is not None, output
-    assert wandb_run(tmp_path / "runs" / "tiny")[1] == [exit_code], output
+    run_dir = tmp_path / "runs" / "tiny"
+    assert mlflow_status(run_dir) == status, output
+    assert wandb_run(run_dir)[1] == [exit_code], output
 
 
 def containers(document: Any) -> Iterator[dict[str, Any]]:
