@@ -18,6 +18,10 @@ from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation
 
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# Variables that carry credentials (W&B's WANDB_API_KEY, MLflow's MLFLOW_TRACKING_TOKEN/_PASSWORD, HF_TOKEN,
+# AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
+# or Helm's release record.
+CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
 DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
@@ -350,7 +354,8 @@ class JobSpec(SpecModel):
     security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
     env: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="Extra env of the `pytorch` container (Kubernetes form), e.g. HF_TOKEN from a secretKeyRef.",
+        description="Extra env of the `pytorch` container (Kubernetes form), e.g. HF_TOKEN from a secretKeyRef."
+        " A credential (a name ending in TOKEN, API_KEY, PASSWORD, SECRET or ACCESS_KEY) only by reference.",
     )
     env_from: list[dict[str, Any]] = Field(
         default_factory=list, description="Whole ConfigMaps/Secrets as env (Kubernetes form)."
@@ -379,6 +384,11 @@ class JobSpec(SpecModel):
                 raise ValueError(f"entry {i} needs a `name`")
             if "value" in var and not isinstance(var["value"], str):
                 raise ValueError(f"{var['name']}: value must be a string (quote it)")
+            if "value" in var and CREDENTIAL_ENV.search(var["name"]):
+                raise ValueError(
+                    f"{var['name']}: a credential is not given as a value: use valueFrom.secretKeyRef"
+                    " (or envFrom a Secret)"
+                )
         return env
 
     @field_validator("image_pull_secrets")

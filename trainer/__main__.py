@@ -31,7 +31,7 @@ from trainer.names import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.tasks import load
-from trainer.tracking import check_installed
+from trainer.tracking import check_installed, finish
 
 
 def run(spec: TrainingSpec, dist: Dist) -> int:
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         code = run(spec, dist)
     except SpecError as exc:
         exit_bad_input(str(exc))
+    finish(code)  # the MLflow/W&B run ends with this outcome (an exception ends it failed, at exit)
     # Only after a success: on a failure the peers learn of it when this process exits, after its record is
     # written (here or by @record), so that their "connection closed by peer" never comes before the cause.
     shutdown()

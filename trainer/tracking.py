@@ -10,6 +10,10 @@ Each library is imported only when named; a named one that is not installed is b
 `check_installed` before any work. A resumed run goes on in the same MLflow/W&B run (their ids are kept
 in `<run dir>/tracking.json`), and TensorBoard drops what the interrupted attempt logged after the
 checkpoint it resumes from.
+
+MLflow and W&B runs end with the process's outcome: `finish(exit code)` from the trainer's main (0:
+FINISHED; EXIT_PREEMPTED, a stop by SIGTERM: KILLED; anything else FAILED, and W&B gets the exit code)
+or from the hang watchdog before it exits; an exit that reported none (an exception) is a failure.
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ import atexit
 import importlib.util
 import json
 import os
+import threading
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
-from trainer.names import JOB_NAME_ENV
+from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV
 from trainer.spec import SpecError, TrainingSpec
 
 TENSORBOARD_DIR = "tensorboard"
 RUN_IDS = "tracking.json"
 # What to install for each tracker.
 PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"}
+# W&B's x-axis for every value: W&B drops a value logged at an earlier step than the last one (its own step
+# only grows), and a background checkpoint save is reported at the log step after it finished.
+WANDB_STEP = "trainer/step"
 
 
 def check_installed(spec: TrainingSpec) -> None:
@@ -51,7 +59,7 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()  # log steps are rare: a reader (and a killed run) sees every value at once
 
-    def close(self) -> None:
+    def close(self, exit_code: int) -> None:
         self.writer.close()
 
 
@@ -65,8 +73,12 @@ class MLflow:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, exit_code: int) -> None:
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code == EXIT_PREEMPTED else "FAILED"
+        # By id: the watchdog closes it from its own thread, and MLflow's active run belongs to the thread that
+        # started it. end_run then takes it off that thread's stack, or MLflow's exit hook would end it FINISHED.
+        self.mlflow.MlflowClient().set_terminated(self.run_id, status)
+        self.mlflow.end_run(status)
 
 
 class WandB:
@@ -75,16 +87,38 @@ class WandB:
 
         self.run = wandb.init(name=name, id=run_id, resume="allow", dir=str(run_dir))
         self.run_id = self.run.id
+        self.run.define_metric("*", step_metric=WANDB_STEP)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.run.log(values | {WANDB_STEP: step})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+# This process's open trackers (rank 0's), closed once by `finish`.
+open_trackers: list[Tracker] = []
+
+
+def finish(exit_code: int, within: float | None = None) -> None:
+    """Close the open trackers with the process's outcome (its exit code). With `within` (the hang watchdog,
+    which exits next), in a thread waited for at most that long: a tracking server that does not answer
+    cannot hold the exit up."""
+    if within is None:
+        close_all(exit_code)
+        return
+    closing = threading.Thread(target=close_all, args=(exit_code,), name="ddpjob-tracking-close", daemon=True)
+    closing.start()
+    closing.join(within)
+
+
+def close_all(exit_code: int) -> None:
+    while open_trackers:
+        open_trackers.pop().close(exit_code)
 
 
 class Tracker:
-    """Rank 0's trackers; on every other rank `log` does nothing. Closed at exit."""
+    """Rank 0's trackers; on every other rank `log` does nothing. Closed by `finish`, or as failed at exit."""
 
     def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path, resumed_step: int | None) -> None:
         self.trackers: list[TensorBoard | MLflow | WandB] = []
@@ -103,7 +137,8 @@ class Tracker:
             self.trackers.append(service)
         if ids:
             ids_file.write_text(json.dumps(ids))
-        atexit.register(self.close)
+        open_trackers.append(self)
+        atexit.register(finish, EXIT_ERROR)  # after main's finish, if any: then there is nothing left to close
 
     def log(self, step: int, values: dict[str, float | None]) -> None:
         """Scalars of one step, by name (`train/loss`, `eval/accuracy`...); None values are left out."""
@@ -118,7 +153,7 @@ class Tracker:
         self.reported_save = save
         self.log(save.step, {"checkpoint/save_seconds": save.seconds, "checkpoint/size_bytes": save.size_bytes})
 
-    def close(self) -> None:
+    def close(self, exit_code: int) -> None:
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(exit_code)
         self.trackers = []

@@ -36,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
 from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
+from trainer.tracking import finish as finish_tracking
 
 HUNG = "hung"  # store key: the first rank to find the job hung writes its report here
 RATIOS = "step-time-ratios"  # store key: rank 0's {rank: busy time / median}
@@ -283,6 +284,7 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # the root cause torchrun and `ctl run` report
             write_record(Path(error_file), Failure(EXIT_HUNG, report, time.time(), self.dist.rank))
+        finish_tracking(EXIT_HUNG, within=self.poll)  # os._exit skips the exit hooks that would close them
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_HUNG)
