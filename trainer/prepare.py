@@ -55,9 +55,11 @@ TOKENIZER_DIR = "tokenizer"
 CACHE_DIR_NAME = "_datasets"  # next to run directories; `_` is never in a job name (DNS-1035), so no run collides
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
-PROGRESS_INTERVAL_S = 10.0
-# Text per chunk at most: a process holds its chunk's ids as Python ints (~36 bytes per token) for a moment.
-CHUNK_BYTES = 4 * 2**20  # a progress line this often when stderr is not a terminal
+PROGRESS_INTERVAL_S = 10.0  # a progress line this often when stderr is not a terminal
+CHUNK_BYTES = 4 * 2**20  # text per chunk a pool process tokenizes at most (one round trip to the pool)
+# Text per call of the Rust tokenizer within a chunk: its encodings take ~100 bytes a token (ids, offsets, token
+# strings, masks) and Python's lists of ids 36 more, so a whole 4 MiB chunk at once held ~200 MB per process.
+ENCODE_BATCH_BYTES = 256 * 2**10
 
 
 @dataclass(frozen=True)
@@ -332,13 +334,16 @@ class Encoder:
             tokens = np.searchsorted(_codepoints(self.chars), points).astype(self.dtype)
             return tokens, np.array([len(t) for t in texts], dtype=np.int64)
         backend = _backend(self.tokenizer_json)
-        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=self.max_length is not None)]
-        if self.max_length is not None:
-            ids = [i[: self.max_length] for i in ids]
-        if self.eos_id is not None:
-            ids = [[*i, self.eos_id] for i in ids]
-        lengths = np.array([len(i) for i in ids], dtype=np.int64)
-        flat = np.fromiter((t for i in ids for t in i), dtype=self.dtype, count=int(lengths.sum()))
+        special = self.max_length is not None
+        parts: list[np.ndarray] = []
+        for batch in text_batches(texts, ENCODE_BATCH_BYTES):
+            for encoding in backend.encode_batch(batch, add_special_tokens=special):
+                ids = encoding.ids if self.max_length is None else encoding.ids[: self.max_length]
+                if self.eos_id is not None:
+                    ids.append(self.eos_id)
+                parts.append(np.array(ids, dtype=self.dtype))
+        lengths = np.array([len(part) for part in parts], dtype=np.int64)
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
         return flat, lengths
 
 
@@ -372,6 +377,18 @@ def _init_pool(encoder: Encoder) -> None:
 
 def _encode_in_pool(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _POOL_ENCODER[0].encode(texts)
+
+
+def text_batches(texts: list[str], batch_bytes: int) -> Iterator[list[str]]:
+    """`texts` in consecutive runs of about `batch_bytes` characters (a longer text is a run of its own)."""
+    start = size = 0
+    for end, text in enumerate(texts, start=1):
+        size += len(text)
+        if size >= batch_bytes:
+            yield texts[start:end]
+            start, size = end, 0
+    if start < len(texts):
+        yield texts[start:]
 
 
 def chunks(docs: Iterable[Document], chunk_bytes: int) -> Iterator[list[Document]]:
