@@ -133,6 +133,11 @@ class Plan:
         return self.entry.with_name(f".{self.entry.name}.error")
 
     @property
+    def progress_path(self) -> Path:
+        """The prepare Job's latest progress line, rewritten every PROGRESS_INTERVAL_S: its sign of life."""
+        return self.entry.with_name(f".{self.entry.name}.progress")
+
+    @property
     def key(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -450,15 +455,24 @@ def encoded(
 class Progress:
     """Bytes of input done out of a known total: a bar on a terminal, a line every 10 s otherwise, and metrics."""
 
-    def __init__(self, label: str, total_bytes: int, stream: Any = None, metrics: PrepareMetrics | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total_bytes: int,
+        stream: Any = None,
+        metrics: PrepareMetrics | None = None,
+        heartbeat: Path | None = None,
+    ) -> None:
         self.label, self.total = label, max(1, total_bytes)
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.metrics = metrics
+        self.heartbeat = heartbeat  # a file that gets the latest line (for waiting trainers), when given
         self.done_bytes = self.documents = self.tokens = 0
-        self.started = self.shown = time.monotonic()
+        self.started = self.shown = self.beaten = time.monotonic()
         if metrics:
             metrics.start(label, total_bytes)
+        self.beat(f"{label}: started")
 
     def advance(self, size: int, documents: int, tokens: int) -> None:
         self.done_bytes += size
@@ -473,6 +487,11 @@ class Progress:
             self.shown = now
             self.show(rate, eta)
 
+    def beat(self, text: str) -> None:
+        if self.heartbeat is not None:
+            self.beaten = time.monotonic()
+            self.heartbeat.write_text(text + "\n", encoding="utf-8")
+
     def show(self, rate: float, eta: float, end: str = "") -> None:
         share = min(1.0, self.done_bytes / self.total)
         text = (
@@ -480,6 +499,8 @@ class Progress:
             f" | {rate / 2**20:.1f} MiB/s | {self.documents:,} docs, {self.tokens:,} tokens"
             f" | ETA {eta:,.0f} s"
         )
+        if time.monotonic() - self.beaten >= PROGRESS_INTERVAL_S or end:
+            self.beat(text)
         if self.tty:
             bar = "#" * int(share * 20)
             self.stream.write(f"\r[{bar:<20}] {text}{end}")
@@ -600,6 +621,7 @@ class Builder:
     workers: int
     log: Callable[[str], None]
     metrics: PrepareMetrics | None = None
+    heartbeat: Path | None = None  # the prepare Job's: Plan.progress_path
     skipped: Skipped = field(default_factory=Skipped)
 
     @property
@@ -618,7 +640,7 @@ class Builder:
 
     def pass_over(self, label: str, splits: list[str]) -> Iterator[Document]:
         """The documents of `splits` with a progress display of their own."""
-        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics)
+        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics, heartbeat=self.heartbeat)
         for split in splits:
             for doc in self.docs(split):
                 progress.advance(doc.size, 1, 0)
@@ -681,7 +703,9 @@ class Builder:
         for split in splits:
             writer = SplitWriter(staging, split, self.labelled)
             seen[split] = set()
-            progress = Progress(f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics)
+            progress = Progress(
+                f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
+            )
             for chunk, tokens, lengths in encoded(encoder, self.docs(split), self.workers, self.buffer_bytes):
                 progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
                 ids = None
@@ -749,10 +773,11 @@ def worker_count(data: DataSpec) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], error_file: bool = False) -> Plan:
+def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], for_job: bool = False) -> Plan:
     """`ctl prepare` and the chart's prepare Job: the spec's dataset in its cache, prepared unless already there.
 
-    `error_file`: leave a bad-data error where training pods waiting on this preparation find it.
+    `for_job`: the prepare Job's, which training pods wait for: its progress (Plan.progress_path) shows them it is
+    alive, and a bad-data error (Plan.error_path) is what they exit with.
     """
     builtin = None
     if spec.data.builtin:
@@ -770,14 +795,19 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     workers = worker_count(spec.data)
     log(f"preparing {plan.entry} with {workers} process(es)")
     port = int(os.environ.get(METRICS_PORT_ENV) or 0)
+    heartbeat = plan.progress_path if for_job else None
+    if heartbeat is not None:
+        heartbeat.parent.mkdir(parents=True, exist_ok=True)
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
-            manifest = Builder(plan, tokenizer, workers, log, metrics).build()
+            manifest = Builder(plan, tokenizer, workers, log, metrics, heartbeat).build()
     except SpecError as exc:
-        if error_file:
-            plan.error_path.parent.mkdir(parents=True, exist_ok=True)
+        if for_job:
             plan.error_path.write_text(f"error {exc}", encoding="utf-8")
         raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.unlink(missing_ok=True)
     plan.error_path.unlink(missing_ok=True)
     splits = manifest["splits"].items()
     counts = ", ".join(f"{split} {c['tokens']:,} tokens / {c['documents']:,} docs" for split, c in splits)
@@ -797,7 +827,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = load_training_spec(args.config)
         run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
-        prepare_spec(spec, run_dir, log, error_file=True)
+        prepare_spec(spec, run_dir, log, for_job=True)
     except SpecError as exc:
         log(f"error: {exc}")
         sys.exit(2)
