@@ -1167,3 +1167,5 @@ def test_dashboard_is_importable_as_is() -> None:
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     for metric in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"):
         assert metric in exprs
+    # Preparation shows as such, not as a stall before the first step (test_metrics checks the data behind them).
+    assert "ddpjob_prepare_read_bytes_total" in exprs and "ddpjob_prepare_eta_seconds" in exprs
