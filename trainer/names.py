@@ -29,6 +29,7 @@ LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
 # The largest context a named GPT-2 size (model.size) takes: its position embeddings.
 GPT2_POSITIONS = 1024
-# Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
+# Set by the chart to the prepare Job's name when one prepares the data: the training pods then wait for it instead of
+# preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
