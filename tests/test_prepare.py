@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,10 @@ import pytest
 import torch
 import yaml
 from conftest import run_ctl, tiny_spec
+from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
+from trainer import prepare
 from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import PREPARED_BY_JOB_ENV
@@ -81,8 +84,22 @@ def tokens(entry: Path, split: str = "train") -> np.ndarray:
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-def test_causal_lm_tokens_equal_a_single_process_tokenization(tmp_path, tokenizer_dir, mixed_inputs, workers) -> None:
+def test_causal_lm_tokens_equal_a_single_process_tokenization(
+    tmp_path, tokenizer_dir, mixed_inputs, workers, monkeypatch
+) -> None:
     files, documents = mixed_inputs
+    # Long documents are encoded in pieces (the tokenizer's memory): here every document of over 2,000 characters.
+    monkeypatch.setattr(prepare, "ENCODE_BATCH_BYTES", 2000)
+    assert sum(len(prepare.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
+    backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
+    assert prepare.cuts_at_newlines(backend.to_str())
+    # A whitespace run across a newline is one token (" \n\n"): a cut there would split it, so none is made there.
+    tricky = "x = 1 \n\n y = 2\n" * 300
+    whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges " \n\n"
+    cut = replace(whole, cut=50)
+    assert len(prepare.pieces_of(tricky, 50)) > 1 and np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "\n..." would become " \n..."
+    assert not prepare.cuts_at_newlines(backend.to_str())
     spec = training(
         "causal-lm",
         [str(f) for f in files],

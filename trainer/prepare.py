@@ -57,8 +57,10 @@ PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
 PROGRESS_INTERVAL_S = 10.0  # a progress line this often when stderr is not a terminal
 CHUNK_BYTES = 4 * 2**20  # text per chunk a pool process tokenizes at most (one round trip to the pool)
-# Text per call of the Rust tokenizer within a chunk: its encodings take ~100 bytes a token (ids, offsets, token
-# strings, masks) and Python's lists of ids 36 more, so a whole 4 MiB chunk at once held ~200 MB per process.
+# Text per call of the Rust tokenizer within a chunk: it takes over 100 bytes per byte of text while it encodes
+# (alignments, offsets, token strings, masks), so a whole 4 MiB chunk at once held ~200 MB per process, and one
+# 4 MB document alone ~500 MB. A longer document is encoded in pieces of about this size where that leaves its
+# ids unchanged (Encoder.cut).
 ENCODE_BATCH_BYTES = 256 * 2**10
 
 
@@ -331,6 +333,7 @@ class Encoder:
     chars: str | None = None  # char-gpt: the sorted vocabulary; a chunk's documents are joined by "\n"
     eos_id: int | None = None  # appended after every document (causal-lm packing)
     max_length: int | None = None  # classification: truncation
+    cut: int | None = None  # pieces of about this many characters for long documents (see cuts_at_newlines)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, per-document lengths) of a chunk."""
@@ -340,16 +343,59 @@ class Encoder:
             return tokens, np.array([len(t) for t in texts], dtype=np.int64)
         backend = _backend(self.tokenizer_json)
         special = self.max_length is not None
-        parts: list[np.ndarray] = []
-        for batch in text_batches(texts, ENCODE_BATCH_BYTES):
-            for encoding in backend.encode_batch(batch, add_special_tokens=special):
-                ids = encoding.ids if self.max_length is None else encoding.ids[: self.max_length]
-                if self.eos_id is not None:
-                    ids.append(self.eos_id)
-                parts.append(np.array(ids, dtype=self.dtype))
+        pieces = [(doc, piece) for doc, text in enumerate(texts) for piece in pieces_of(text, self.cut)]
+        ids_of: list[list[np.ndarray]] = [[] for _ in texts]
+        for batch in text_batches(pieces, ENCODE_BATCH_BYTES):
+            # encode_batch_fast: the same ids without the offsets, which take a third of the tokenizer's memory.
+            encodings = backend.encode_batch_fast([piece for _, piece in batch], add_special_tokens=special)
+            for (doc, _), encoding in zip(batch, encodings, strict=True):
+                ids_of[doc].append(np.array(encoding.ids, dtype=self.dtype))
+        parts = []
+        for pieces_ids in ids_of:
+            ids = np.concatenate(pieces_ids)[: self.max_length]
+            parts.append(ids if self.eos_id is None else np.append(ids, np.array(self.eos_id, dtype=self.dtype)))
         lengths = np.array([len(part) for part in parts], dtype=np.int64)
         flat = np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
         return flat, lengths
+
+
+def cuts_at_newlines(tokenizer_json: str) -> bool:
+    """Whether cutting a text before a newline that follows a printable ASCII character leaves its ids unchanged.
+
+    So for GPT-2's byte-level BPE (and the one preparation trains): no normalizer, and the ByteLevel
+    pre-tokenizer's regex without a prefix space. Every regex match that holds such a character ends right
+    before the newline, none looks behind, BPE merges stay within a match, and no added token holds a
+    newline or takes the whitespace after it. Other tokenizers are never cut.
+    """
+    config = json.loads(tokenizer_json)
+    pre = config.get("pre_tokenizer") or {}
+    added = config.get("added_tokens") or []
+    return (
+        config.get("normalizer") is None
+        and (config.get("model") or {}).get("type") == "BPE"
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and not any("\n" in token["content"] or token.get("rstrip") for token in added)
+    )
+
+
+def pieces_of(text: str, size: int | None) -> list[str]:
+    """`text` in pieces of at least `size` characters, each cut before a newline that follows a printable
+    ASCII character (a line of code or prose ends so); the whole text when `size` is None or no such cut exists."""
+    if size is None:
+        return [text]
+    pieces, start = [], 0
+    cut = text.find("\n", start + size)
+    while cut != -1:
+        if "!" <= text[cut - 1] <= "~":
+            pieces.append(text[start:cut])
+            start = cut
+            cut = text.find("\n", start + size)
+        else:
+            cut = text.find("\n", cut + 1)
+    pieces.append(text[start:])
+    return pieces
 
 
 _BACKENDS: dict[str, Any] = {}
@@ -384,16 +430,16 @@ def _encode_in_pool(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _POOL_ENCODER[0].encode(texts)
 
 
-def text_batches(texts: list[str], batch_bytes: int) -> Iterator[list[str]]:
-    """`texts` in consecutive runs of about `batch_bytes` characters (a longer text is a run of its own)."""
+def text_batches(pieces: list[tuple[int, str]], batch_bytes: int) -> Iterator[list[tuple[int, str]]]:
+    """(document, text) pieces in consecutive runs of about `batch_bytes` characters (a longer piece: alone)."""
     start = size = 0
-    for end, text in enumerate(texts, start=1):
+    for end, (_, text) in enumerate(pieces, start=1):
         size += len(text)
         if size >= batch_bytes:
-            yield texts[start:end]
+            yield pieces[start:end]
             start, size = end, 0
-    if start < len(texts):
-        yield texts[start:]
+    if start < len(pieces):
+        yield pieces[start:]
 
 
 def chunks(docs: Iterable[Document], chunk_bytes: int) -> Iterator[list[Document]]:
@@ -691,11 +737,14 @@ class Builder:
                 tokenizer = load_tokenizer(str(staging / TOKENIZER_DIR), "tokenizer")
                 manifest["tokenizerSha256"] = tokenizer_hash(tokenizer)
             vocab_size = len(tokenizer)
+            tokenizer_json = tokenizer.backend_tokenizer.to_str()
             encoder = Encoder(
                 dtype_for(vocab_size),
-                tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+                tokenizer_json=tokenizer_json,
                 eos_id=None if self.labelled else tokenizer.eos_token_id,
                 max_length=spec.model.block_size if self.labelled else None,
+                # Pieces would each get the special tokens that classification adds.
+                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_at_newlines(tokenizer_json) else None,
             )
         manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
         label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
