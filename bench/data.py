@@ -10,14 +10,19 @@ Measured in one invocation, on the small corpus and then the large one:
 - reference:      a nanoGPT-style prepare (the Rust tokenizer's batch encode, all cores, into a
                   uint16 file), in its own process: wall time and peak RSS;
 - first start:    `ctl run` of a causal-lm spec (2 processes, 3 steps of a tiny GPT-2) with an
-                  empty dataset cache: preparation + training; wall time, peak RSS summed over the
-                  whole process tree, and each rank's peak RSS;
+                  empty dataset cache: preparation + training; wall time, the whole process tree's
+                  peak memory, and each rank's peak RSS;
 - restart:        the same spec in a new run directory with the cache filled (what a restarted pod
                   does: fingerprint from file metadata, map the files): seconds to the first step,
                   and each rank's peak RSS while training.
 
     python bench/data.py                            # 130 MB and 1 GB
     python bench/data.py --small-mb 30 --large-mb 120   # a busy or small machine
+
+The process tree's memory is sampled two ways: the sum of RSS, which counts pages that processes
+share (torch's libraries, mapped token files) once per process, and the sum of PSS
+(`/proc/PID/smaps_rollup`), which splits each shared page among its sharers: the memory the
+tree takes from the machine.
 
 Prints a table and one JSON line (ratios: first start / reference wall, restart large / small,
 rank RSS large / small).
@@ -84,7 +89,8 @@ def build_corpus(path: Path, megabytes: int, sources: list[Path]) -> int:
 class Usage:
     """Peak memory of a process tree, sampled: the whole tree's sum, and each trainer rank's own."""
 
-    tree_peak: int = 0
+    tree_peak: int = 0  # sum of RSS
+    tree_pss_peak: int = 0  # sum of PSS
     rank_peak: dict[int, int] = field(default_factory=dict)
     first_step_s: float | None = None
     wall_s: float = 0.0
@@ -114,6 +120,14 @@ def rss(pid: int) -> int:
         return 0
 
 
+def pss(pid: int) -> int:
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("Pss:")), 0)
+
+
 def rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -134,15 +148,17 @@ def measure(command: list[str], cwd: Path, env: dict[str, str]) -> Usage:
 
     def sample() -> None:
         while not done.is_set():
-            total = 0
+            total = total_pss = 0
             for pid in descendants(process.pid):
                 size = rss(pid)
                 total += size
+                total_pss += pss(pid)
                 if pid not in ranks:
                     ranks[pid] = rank_of(pid)
                 if ranks[pid] is not None:
                     usage.rank_peak[ranks[pid]] = max(usage.rank_peak.get(ranks[pid], 0), size)
             usage.tree_peak = max(usage.tree_peak, total)
+            usage.tree_pss_peak = max(usage.tree_pss_peak, total_pss)
             time.sleep(SAMPLE_S)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -212,7 +228,11 @@ def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: 
             workdir,
             env,
         )
-        result["reference"] = {"wall_s": round(usage.wall_s, 1), "peak_rss_gib": round(usage.tree_peak / 2**30, 2)}
+        result["reference"] = {
+            "wall_s": round(usage.wall_s, 1),
+            "peak_rss_gib": round(usage.tree_peak / 2**30, 2),
+            "peak_pss_gib": round(usage.tree_pss_peak / 2**30, 2),
+        }
     for run in ("first_start", "restart"):
         spec = workdir / f"{label}-{run}.yaml"
         spec.write_text(yaml.safe_dump(job_spec(f"{label}-{run.replace('_', '-')}", corpus, val, tokenizer_dir, cache)))
@@ -221,6 +241,7 @@ def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: 
             "wall_s": round(usage.wall_s, 1),
             "first_step_s": round(usage.first_step_s or 0.0, 1),
             "peak_rss_gib": round(usage.tree_peak / 2**30, 2),
+            "peak_pss_gib": round(usage.tree_pss_peak / 2**30, 2),
             "rank_peak_rss_mib": {rank: round(size / 2**20) for rank, size in sorted(usage.rank_peak.items())},
         }
     return result
@@ -263,10 +284,13 @@ def main() -> None:
         ("corpus MB", small["corpus_mb"], large["corpus_mb"]),
         ("reference prepare wall s", small["reference"]["wall_s"], "-"),
         ("reference peak RSS GiB", small["reference"]["peak_rss_gib"], "-"),
+        ("reference peak PSS GiB", small["reference"]["peak_pss_gib"], "-"),
         ("first start wall s", small["first_start"]["wall_s"], large["first_start"]["wall_s"]),
         ("first start peak RSS GiB", small["first_start"]["peak_rss_gib"], large["first_start"]["peak_rss_gib"]),
+        ("first start peak PSS GiB", small["first_start"]["peak_pss_gib"], large["first_start"]["peak_pss_gib"]),
         ("restart: first step s", small["restart"]["first_step_s"], large["restart"]["first_step_s"]),
         ("restart peak RSS GiB", small["restart"]["peak_rss_gib"], large["restart"]["peak_rss_gib"]),
+        ("restart peak PSS GiB", small["restart"]["peak_pss_gib"], large["restart"]["peak_pss_gib"]),
     ]
     for rank in small["restart"]["rank_peak_rss_mib"]:
         rows.append(

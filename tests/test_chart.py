@@ -9,7 +9,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
+import urllib.request
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -286,8 +289,8 @@ def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() 
     assert container["image"] == trainer_container({"spec": training})["image"]
     assert violations(pod) == []
     # The training pods wait for the Job's manifest rather than preparing the data themselves.
-    for template in pod_templates(by_kind["PyTorchJob"]).values():
-        assert {"name": PREPARED_BY_JOB_ENV, "value": "1"} in trainer_container(template)["env"]
+    for template in pod_templates(by_kind["PyTorchJob"]).values():  # named, for their message if it never ends
+        assert {"name": PREPARED_BY_JOB_ENV, "value": job["metadata"]["name"]} in trainer_container(template)["env"]
     assert not {e["name"] for e in container["env"]} & {PREPARED_BY_JOB_ENV, "PROMETHEUS_MULTIPROC_DIR"}
     assert "Job" not in objects(spec_of())
     assert PREPARED_BY_JOB_ENV not in {
@@ -1024,6 +1027,75 @@ def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
         assert not monitor["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
 
 
+@pytest.mark.parametrize("api_kind", ["PyTorchJob", "TrainJob"])
+def test_prepare_job_series_get_the_job_label_of_the_training_pods(api_kind: str, tmp_path: Path) -> None:
+    """The PodMonitor's rules, run by a real Prometheus on the pod labels Kubernetes' service discovery gives
+    (what prometheus-operator generates for a PodMonitor: `job` = namespace/name, then the jobLabel's value,
+    then the endpoint's relabelings): the prepare Job's pod, which has no jobLabel, gets the same `job` as
+    the training pods, so the alert rules and the dashboard (`job="<name>"`) see its series."""
+    values = VARIANTS["prepare-job"] | {"metrics": {"podMonitor": {"enabled": True}}, "apiKind": api_kind}
+    by_kind = objects(spec_of(**values))
+    monitor = by_kind["PodMonitor"]
+
+    def meta(label: str) -> str:
+        return "__meta_kubernetes_pod_label_" + re.sub("[^a-zA-Z0-9_]", "_", label)
+
+    def pod(port: int, labels: dict[str, str]) -> dict[str, Any]:
+        return {"targets": [f"127.0.0.1:{port}"], "labels": {meta(k): v for k, v in labels.items()}}
+
+    job_label = monitor["spec"]["jobLabel"]
+    training_kind = "PyTorchJob" if api_kind == "PyTorchJob" else "TrainingRuntime"
+    training_template = next(iter(pod_templates(by_kind[training_kind]).values()))
+    training = training_template["metadata"]["labels"] | {job_label: "job"}  # added by the operator (JobSet)
+    prepare_job = by_kind["Job"]
+    prepare = prepare_job["spec"]["template"]["metadata"]["labels"] | {
+        "batch.kubernetes.io/job-name": prepare_job["metadata"]["name"]  # added by the Job controller
+    }
+    for labels in (training, prepare):
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    snake = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    relabel_configs = [
+        {"target_label": "job", "replacement": f"default/{monitor['metadata']['name']}"},
+        {"source_labels": [meta(job_label)], "regex": "(.+)", "target_label": "job", "replacement": "${1}"},
+        *({snake.get(k, k): v for k, v in rule.items()} for rule in endpoint.get("relabelings", [])),
+    ]
+    config = tmp_path / "prometheus.yaml"
+    scrape = {"job_name": "podmonitor", "scrape_interval": "1h", "relabel_configs": relabel_configs}
+    config.write_text(
+        yaml.safe_dump({"scrape_configs": [scrape | {"static_configs": [pod(1, training), pod(2, prepare)]}]})
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    server = subprocess.Popen(
+        [
+            prometheus_tool("prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address={address}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    targets: list[dict[str, Any]] = []
+    try:
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"http://{address}/api/v1/targets", timeout=5) as response:
+                    targets = json.load(response)["data"]["activeTargets"]
+                if len(targets) == 2:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert sorted(t["labels"]["job"] for t in targets) == ["job", "job"], targets
+
+
 def test_monitors_and_rules_carry_the_stack_selector_labels() -> None:
     by_kind = objects(MONITORING)
     assert by_kind["PodMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -1095,3 +1167,5 @@ def test_dashboard_is_importable_as_is() -> None:
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     for metric in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"):
         assert metric in exprs
+    # Preparation shows as such, not as a stall before the first step (test_metrics checks the data behind them).
+    assert "ddpjob_prepare_read_bytes_total" in exprs and "ddpjob_prepare_eta_seconds" in exprs

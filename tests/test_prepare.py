@@ -8,8 +8,11 @@ import csv
 import json
 import socket
 import sysconfig
+import threading
+import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +22,17 @@ import pytest
 import torch
 import yaml
 from conftest import run_ctl, tiny_spec
+from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
+from trainer import prepare
 from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import PREPARED_BY_JOB_ENV
 from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
-from trainer.workloads import wait_for
+from trainer.workloads import PreparationFailed, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB of real text in ~30 files, some empty
@@ -79,8 +84,22 @@ def tokens(entry: Path, split: str = "train") -> np.ndarray:
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-def test_causal_lm_tokens_equal_a_single_process_tokenization(tmp_path, tokenizer_dir, mixed_inputs, workers) -> None:
+def test_causal_lm_tokens_equal_a_single_process_tokenization(
+    tmp_path, tokenizer_dir, mixed_inputs, workers, monkeypatch
+) -> None:
     files, documents = mixed_inputs
+    # Long documents are encoded in pieces (the tokenizer's memory): here every document of over 2,000 characters.
+    monkeypatch.setattr(prepare, "ENCODE_BATCH_BYTES", 2000)
+    assert sum(len(prepare.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
+    backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
+    assert prepare.cuts_at_newlines(backend.to_str())
+    # A whitespace run across a newline is one token (" \n\n"): a cut there would split it, so none is made there.
+    tricky = "x = 1 \n\n y = 2\n" * 300
+    whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges " \n\n"
+    cut = replace(whole, cut=50)
+    assert len(prepare.pieces_of(tricky, 50)) > 1 and np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "\n..." would become " \n..."
+    assert not prepare.cuts_at_newlines(backend.to_str())
     spec = training(
         "causal-lm",
         [str(f) for f in files],
@@ -229,3 +248,62 @@ def test_ranks_waiting_for_the_prepare_job_exit_with_its_bad_data_line(tmp_path,
     monkeypatch.setenv(PREPARED_BY_JOB_ENV, "1")
     with pytest.raises(SpecError, match=f"^data.train: {corpus}:1: something wrong$"):
         wait_for(plan, Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu")))
+
+
+def waiting_rank() -> Dist:
+    return Dist(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
+
+
+def with_wait_bound(spec: TrainingSpec, seconds: int) -> TrainingSpec:
+    """`spec` with `timeouts.longWorkSeconds` below what the model allows (10 s), to keep the test short."""
+    return spec.model_copy(update={"timeouts": spec.timeouts.model_copy(update={"long_work_seconds": seconds})})
+
+
+def test_ranks_waiting_for_a_prepare_job_that_never_prepares_give_up_naming_the_dataset(tmp_path, monkeypatch) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text\n")
+    plan = make_plan(with_wait_bound(training("char-gpt", [str(corpus)], tmp_path), 1), tmp_path / "run", None)
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "news-prepare")
+    failures: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            wait_for(plan, waiting_rank())
+        except BaseException as exc:
+            failures.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=120)
+    assert not waiter.is_alive(), "the rank waits forever"
+    (failure,) = failures
+    assert isinstance(failure, PreparationFailed), failure
+    (line,) = str(failure).splitlines()
+    assert line.startswith(f"the prepare Job news-prepare has not prepared dataset {plan.fingerprint} ({plan.entry})")
+    assert "no progress from it for 1 s (training.timeouts.longWorkSeconds)" in line
+    assert "`kubectl logs job/news-prepare`" in line and "`ctl prepare SPEC`" in line
+    assert not plan.entry.exists()
+
+
+def test_a_prepare_job_showing_progress_is_waited_for_past_the_bound(tmp_path, monkeypatch) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to prepare\n" * 100)
+    spec = with_wait_bound(training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1), 2)
+    plan = make_plan(spec, tmp_path / "run", None)
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "news-prepare")
+
+    def slow_job() -> None:
+        plan.progress_path.parent.mkdir(parents=True)
+        for _ in range(20):  # 5 s of progress lines, over twice the bound
+            plan.progress_path.write_text("tokenizing train: 50.0%\n")
+            time.sleep(0.25)
+        prepare_spec(spec, tmp_path / "run", print, for_job=True)
+
+    job = threading.Thread(target=slow_job)
+    job.start()
+    try:
+        manifest = wait_for(plan, waiting_rank())
+    finally:
+        job.join()
+    assert manifest == json.loads(plan.manifest_path.read_text())
+    assert not plan.progress_path.exists() and not plan.error_path.exists()

@@ -1,6 +1,7 @@
 """Entry point: `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (torchrun).
 
-Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE), 2 bad input
+Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE; one line when the data
+was never prepared: trainer.workloads.PreparationFailed), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
 saving a checkpoint (128 + 15: what a terminated process reports); the next start
 resumes from it. 200 (EXIT_HUNG): the watchdog found the job hung (trainer.watchdog);
@@ -27,11 +28,12 @@ from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
 from trainer.loop import train
 from trainer.metrics import clear_shared_directory, metrics_endpoint
-from trainer.names import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.tasks import load
 from trainer.tracking import check_installed, finish
+from trainer.workloads import PreparationFailed
 
 
 def run(spec: TrainingSpec, dist: Dist) -> int:
@@ -89,13 +91,13 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     return 0
 
 
-def exit_bad_input(message: str) -> NoReturn:
-    """Tell torchrun (and through it `ctl run`) the one-line reason, then exit 2; a traceback would only be noise."""
+def exit_with(code: int, message: str) -> NoReturn:
+    """Tell torchrun (and through it `ctl run`) the one-line reason, then exit; a traceback would only be noise."""
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         rank = int(os.environ.get("RANK", "0"))
-        write_record(Path(error_file), Failure(EXIT_BAD_INPUT, message, time.time(), rank))
+        write_record(Path(error_file), Failure(code, message, time.time(), rank))
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(code)
 
 
 @record
@@ -110,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         dist = init_distributed(spec.timeouts)
         code = run(spec, dist)
     except SpecError as exc:
-        exit_bad_input(str(exc))
+        exit_with(EXIT_BAD_INPUT, str(exc))
+    except PreparationFailed as exc:  # the data was not prepared, and waiting longer will not change that
+        exit_with(EXIT_ERROR, str(exc))
     finish(code)  # the MLflow/W&B run ends with this outcome (an exception ends it failed, at exit)
     # Only after a success: on a failure the peers learn of it when this process exits, after its record is
     # written (here or by @record), so that their "connection closed by peer" never comes before the cause.

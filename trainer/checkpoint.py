@@ -67,9 +67,9 @@ class TrainerState:
     val_loss: float | None = None  # at this step, when evaluated for the save
     best_val_loss: float | None = None
     best_step: int | None = None
-    # Sums since the last log line and since the epoch began (loss, correct, targets[, tokens]), over all ranks.
+    # Sums since the last log line and since the epoch began, over all ranks: trainer.loop.Totals.FIELDS in order.
     interval_totals: list[float] = field(default_factory=lambda: [0.0] * 4)
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 3)
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 4)
 
 
 def step_name(step: int) -> str:

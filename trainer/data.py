@@ -189,9 +189,13 @@ class TrainBatches:
         return self.epoch + self.position / max(1, self.batches_per_epoch * self.global_batch)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The epoch's shuffled sample order, as a tensor: 8 bytes a sample, where a list of ints takes 36."""
+        """The epoch's shuffled sample order, as a tensor: 4 bytes a sample, where a list of ints takes 36.
+
+        randperm draws the same permutation whatever its dtype, so int32 changes no order, only the memory.
+        """
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.dataset), generator=generator)
+        dtype = torch.int32 if len(self.dataset) <= torch.iinfo(torch.int32).max else torch.int64
+        return torch.randperm(len(self.dataset), generator=generator, dtype=dtype)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

@@ -106,13 +106,57 @@ def batch_stats(
     return loss_sum, correct, batch["labels"].numel(), predicted
 
 
-def running_totals(loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> torch.Tensor:
-    """(loss sum, correct, count) as one float64 vector on the batch's device.
+@dataclass(frozen=True)
+class Summed:
+    """A span's totals summed over every rank, on the host."""
 
-    `count` is filled in on the device: `torch.tensor(count, device=cuda)` is a blocking
-    host-to-device copy, which would make every step wait for the GPU.
+    loss_sum: float
+    correct: float
+    targets: float  # scored targets: tokens (language modelling) or examples (classification)
+    tokens: float  # input tokens
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.targets, 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.targets, 1)
+
+
+class Totals:
+    """Running sums over a span of steps (a log interval, an epoch, an evaluation), on this rank's device.
+
+    The named fields live in one float64 vector: adding a batch never waits for the device (the
+    count is filled in there: `torch.tensor(count, device=cuda)` would be a blocking copy), and
+    summing over ranks is one all-reduce.
     """
-    return torch.stack([loss_sum.detach().double(), correct.double(), correct.new_full((), count, dtype=torch.float64)])
+
+    FIELDS = ("loss_sum", "correct", "targets", "tokens")
+
+    def __init__(self, device: torch.device, saved: list[float] | None = None) -> None:
+        self.vector = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        if saved:  # a checkpoint's; those written before tokens were summed per epoch hold the first three
+            self.vector[: len(saved)] = torch.tensor(saved, dtype=torch.float64)
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, targets: int, tokens: int = 0) -> None:
+        self.vector[:3] += torch.stack(
+            [loss_sum.detach().double(), correct.double(), correct.new_full((), targets, dtype=torch.float64)]
+        )
+        self.vector[3] += tokens
+
+    def summed(self, rider: torch.Tensor | None = None) -> tuple[Summed, list[float]]:
+        """These totals over every rank, and `rider` summed in the same all-reduce (the stop votes at a log step)."""
+        extra = [] if rider is None else [rider]
+        values = all_reduce_sum(torch.cat([self.vector, *extra])).tolist()
+        return Summed(*values[: len(self.FIELDS)]), values[len(self.FIELDS) :]
+
+    def saved(self) -> list[float]:
+        """Summed over every rank, for a checkpoint: on resume rank 0 carries them and the other ranks start at 0."""
+        return all_reduce_sum(self.vector.clone()).tolist()
+
+    def zero(self) -> None:
+        self.vector.zero_()
 
 
 @torch.no_grad()
@@ -129,17 +173,17 @@ def evaluate(
     """
     model.eval()
     options = forward_options(model)
-    totals = torch.zeros(3, dtype=torch.float64, device=dist.device)  # loss sum, correct, count
+    totals = Totals(dist.device)
     for batch in loader:
         batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
             loss_sum, correct, count, predicted = batch_stats(model, batch, options)
-        totals += running_totals(loss_sum, correct, count)
+        totals.add(loss_sum, correct, count)
         if predictions is not None:
             predictions += zip(batch["index"].tolist(), predicted.tolist(), strict=True)
     model.train()
-    loss_sum, correct, count = all_reduce_sum(totals).tolist()
-    return Evaluation(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), count=int(count))
+    summed, _ = totals.summed()
+    return Evaluation(loss=summed.loss, accuracy=summed.accuracy, count=int(summed.targets))
 
 
 def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> list[int]:
@@ -252,18 +296,16 @@ def train(
         tracker.checkpoint_saved(checkpoints.last_save)
 
     def save(wait: bool = False) -> None:
-        # Running sums summed over ranks; on resume rank 0 carries them and the other ranks start at zero.
-        state.interval_totals = all_reduce_sum(interval.clone()).tolist()
-        state.epoch_totals = all_reduce_sum(epoch_totals.clone()).tolist()
+        state.interval_totals, state.epoch_totals = interval.saved(), epoch_totals.saved()
         state.epoch, state.position = batches.epoch, batches.position
         with watchdog.long_work("checkpoint save"):
             checkpoints.save(model, optimizer, scaler, state, wait=wait)
         report_checkpoint()
 
-    # loss sum, correct, targets, tokens: summed locally, all-reduced when logged.
+    # Summed on each rank, over ranks when logged; on resume rank 0 carries the saved sums.
     carried = dist.is_main and saved is not None
-    interval = torch.tensor(state.interval_totals if carried else [0.0] * 4, dtype=torch.float64, device=device)
-    epoch_totals = torch.tensor(state.epoch_totals if carried else [0.0] * 3, dtype=torch.float64, device=device)
+    interval = Totals(device, state.interval_totals if carried else None)  # since the last log line
+    epoch_totals = Totals(device, state.epoch_totals if carried else None)  # since the epoch began
     stream = metrics.timed(iter(batches))  # measures the data wait
     is_ddp = isinstance(forward_model, DDP)
     train_loss = float("nan")
@@ -294,11 +336,10 @@ def train(
                         loss_sum, correct, count, _ = batch_stats(forward_model, batch, options, train_stats)
                         loss = loss_sum / count / spec.grad_accum
                     scaler.scale(loss).backward()
-                stats = running_totals(loss_sum, correct, count)
-                interval[:3] += stats
-                epoch_totals += stats
-                interval[3] += batch["input_ids"].numel()
-                step_tokens += batch["input_ids"].numel()
+                tokens = batch["input_ids"].numel()
+                interval.add(loss_sum, correct, count, tokens)
+                epoch_totals.add(loss_sum, correct, count, tokens)
+                step_tokens += tokens
             if sync is not None:
                 sync.backward_done()
             if spec.grad_clip > 0:
@@ -320,12 +361,11 @@ def train(
             stop_votes = None
             if done % spec.log_every == 0 or done == max_steps:
                 # The stop flags ride along: no reduction of their own at log steps.
-                logged = all_reduce_sum(torch.cat([interval, stop_request.vote(step_seconds, device)]))
-                loss_sum_all, correct_all, count_all, tokens_all, *stop_votes = logged.tolist()
-                train_loss = loss_sum_all / count_all
+                logged, stop_votes = interval.summed(stop_request.vote(step_seconds, device))
+                train_loss = logged.loss
                 now = time.perf_counter()
-                state.tokens += int(tokens_all)
-                tokens_per_second = tokens_all / (now - interval_start)
+                state.tokens += int(logged.tokens)
+                tokens_per_second = logged.tokens / (now - interval_start)
                 # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
                 norm = None if grad_norm is None else grad_norm.item()
                 metrics.logged(train_loss, lr, norm, tokens_per_second)
@@ -333,7 +373,7 @@ def train(
                     done,
                     {
                         "train/loss": train_loss,
-                        "train/accuracy": correct_all / count_all,
+                        "train/accuracy": logged.accuracy,
                         "train/learning_rate": lr,
                         "train/grad_norm": norm,
                         "train/tokens_per_second": tokens_per_second,
@@ -351,22 +391,19 @@ def train(
                 )
                 report_checkpoint()  # a background save may have finished since
                 log(
-                    f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {correct_all / count_all:.4f}"
+                    f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {logged.accuracy:.4f}"
                     f" | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s"
                 )
                 if not math.isfinite(train_loss):
                     raise_non_finite("training loss", train_loss, done, checkpoints)
-                interval.zero_()
+                interval.zero()
                 interval_start = now
             state.val_loss = None
             if batches.completed_epochs > epochs_before:
                 epoch = batches.completed_epochs
-                loss_sum_all, correct_all, count_all = all_reduce_sum(epoch_totals).tolist()
-                log(
-                    f"epoch {epoch} | train loss {loss_sum_all / count_all:.4f}"
-                    f" | accuracy {correct_all / count_all:.4f}"
-                )
-                epoch_totals.zero_()
+                summed, _ = epoch_totals.summed()
+                log(f"epoch {epoch} | train loss {summed.loss:.4f} | accuracy {summed.accuracy:.4f}")
+                epoch_totals.zero()
                 if done < max_steps:  # the last evaluation is the final one, done by the caller
                     state.val_loss = report_eval(f"epoch {epoch}")
             elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:

@@ -38,7 +38,8 @@ GPT2_POSITIONS = 1024
 PROGRESS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 PROGRESS_CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
 PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
-# Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
+# Set by the chart to the prepare Job's name when one prepares the data: the training pods then wait for it instead of
+# preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
 # The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);

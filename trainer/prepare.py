@@ -55,9 +55,13 @@ TOKENIZER_DIR = "tokenizer"
 CACHE_DIR_NAME = "_datasets"  # next to run directories; `_` is never in a job name (DNS-1035), so no run collides
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
-PROGRESS_INTERVAL_S = 10.0
-# Text per chunk at most: a process holds its chunk's ids as Python ints (~36 bytes per token) for a moment.
-CHUNK_BYTES = 4 * 2**20  # a progress line this often when stderr is not a terminal
+PROGRESS_INTERVAL_S = 10.0  # a progress line this often when stderr is not a terminal
+CHUNK_BYTES = 4 * 2**20  # text per chunk a pool process tokenizes at most (one round trip to the pool)
+# Text per call of the Rust tokenizer within a chunk: it takes over 100 bytes per byte of text while it encodes
+# (alignments, offsets, token strings, masks), so a whole 4 MiB chunk at once held ~200 MB per process, and one
+# 4 MB document alone ~500 MB. A longer document is encoded in pieces of about this size where that leaves its
+# ids unchanged (Encoder.cut).
+ENCODE_BATCH_BYTES = 256 * 2**10
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,11 @@ class Plan:
     def error_path(self) -> Path:
         """Where the prepare Job leaves its one-line bad-data error for the training pods waiting on it."""
         return self.entry.with_name(f".{self.entry.name}.error")
+
+    @property
+    def progress_path(self) -> Path:
+        """The prepare Job's latest progress line, rewritten every PROGRESS_INTERVAL_S: its sign of life."""
+        return self.entry.with_name(f".{self.entry.name}.progress")
 
     @property
     def key(self) -> dict[str, Any]:
@@ -324,6 +333,7 @@ class Encoder:
     chars: str | None = None  # char-gpt: the sorted vocabulary; a chunk's documents are joined by "\n"
     eos_id: int | None = None  # appended after every document (causal-lm packing)
     max_length: int | None = None  # classification: truncation
+    cut: int | None = None  # pieces of about this many characters for long documents (see cuts_at_newlines)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, per-document lengths) of a chunk."""
@@ -332,14 +342,60 @@ class Encoder:
             tokens = np.searchsorted(_codepoints(self.chars), points).astype(self.dtype)
             return tokens, np.array([len(t) for t in texts], dtype=np.int64)
         backend = _backend(self.tokenizer_json)
-        ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=self.max_length is not None)]
-        if self.max_length is not None:
-            ids = [i[: self.max_length] for i in ids]
-        if self.eos_id is not None:
-            ids = [[*i, self.eos_id] for i in ids]
-        lengths = np.array([len(i) for i in ids], dtype=np.int64)
-        flat = np.fromiter((t for i in ids for t in i), dtype=self.dtype, count=int(lengths.sum()))
+        special = self.max_length is not None
+        pieces = [(doc, piece) for doc, text in enumerate(texts) for piece in pieces_of(text, self.cut)]
+        ids_of: list[list[np.ndarray]] = [[] for _ in texts]
+        for batch in text_batches(pieces, ENCODE_BATCH_BYTES):
+            # encode_batch_fast: the same ids without the offsets, which take a third of the tokenizer's memory.
+            encodings = backend.encode_batch_fast([piece for _, piece in batch], add_special_tokens=special)
+            for (doc, _), encoding in zip(batch, encodings, strict=True):
+                ids_of[doc].append(np.array(encoding.ids, dtype=self.dtype))
+        parts = []
+        for pieces_ids in ids_of:
+            ids = np.concatenate(pieces_ids)[: self.max_length]
+            parts.append(ids if self.eos_id is None else np.append(ids, np.array(self.eos_id, dtype=self.dtype)))
+        lengths = np.array([len(part) for part in parts], dtype=np.int64)
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
         return flat, lengths
+
+
+def cuts_at_newlines(tokenizer_json: str) -> bool:
+    """Whether cutting a text before a newline that follows a printable ASCII character leaves its ids unchanged.
+
+    So for GPT-2's byte-level BPE (and the one preparation trains): no normalizer, and the ByteLevel
+    pre-tokenizer's regex without a prefix space. Every regex match that holds such a character ends right
+    before the newline, none looks behind, BPE merges stay within a match, and no added token holds a
+    newline or takes the whitespace after it. Other tokenizers are never cut.
+    """
+    config = json.loads(tokenizer_json)
+    pre = config.get("pre_tokenizer") or {}
+    added = config.get("added_tokens") or []
+    return (
+        config.get("normalizer") is None
+        and (config.get("model") or {}).get("type") == "BPE"
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+        and not any("\n" in token["content"] or token.get("rstrip") for token in added)
+    )
+
+
+def pieces_of(text: str, size: int | None) -> list[str]:
+    """`text` in pieces of at least `size` characters, each cut before a newline that follows a printable
+    ASCII character (a line of code or prose ends so); the whole text when `size` is None or no such cut exists."""
+    if size is None:
+        return [text]
+    pieces, start = [], 0
+    cut = text.find("\n", start + size)
+    while cut != -1:
+        if "!" <= text[cut - 1] <= "~":
+            pieces.append(text[start:cut])
+            start = cut
+            cut = text.find("\n", start + size)
+        else:
+            cut = text.find("\n", cut + 1)
+    pieces.append(text[start:])
+    return pieces
 
 
 _BACKENDS: dict[str, Any] = {}
@@ -372,6 +428,18 @@ def _init_pool(encoder: Encoder) -> None:
 
 def _encode_in_pool(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _POOL_ENCODER[0].encode(texts)
+
+
+def text_batches(pieces: list[tuple[int, str]], batch_bytes: int) -> Iterator[list[tuple[int, str]]]:
+    """(document, text) pieces in consecutive runs of about `batch_bytes` characters (a longer piece: alone)."""
+    start = size = 0
+    for end, (_, text) in enumerate(pieces, start=1):
+        size += len(text)
+        if size >= batch_bytes:
+            yield pieces[start:end]
+            start, size = end, 0
+    if start < len(pieces):
+        yield pieces[start:]
 
 
 def chunks(docs: Iterable[Document], chunk_bytes: int) -> Iterator[list[Document]]:
@@ -433,15 +501,24 @@ def encoded(
 class Progress:
     """Bytes of input done out of a known total: a bar on a terminal, a line every 10 s otherwise, and metrics."""
 
-    def __init__(self, label: str, total_bytes: int, stream: Any = None, metrics: PrepareMetrics | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total_bytes: int,
+        stream: Any = None,
+        metrics: PrepareMetrics | None = None,
+        heartbeat: Path | None = None,
+    ) -> None:
         self.label, self.total = label, max(1, total_bytes)
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.metrics = metrics
+        self.heartbeat = heartbeat  # a file that gets the latest line (for waiting trainers), when given
         self.done_bytes = self.documents = self.tokens = 0
-        self.started = self.shown = time.monotonic()
+        self.started = self.shown = self.beaten = time.monotonic()
         if metrics:
             metrics.start(label, total_bytes)
+        self.beat(f"{label}: started")
 
     def advance(self, size: int, documents: int, tokens: int) -> None:
         self.done_bytes += size
@@ -456,6 +533,11 @@ class Progress:
             self.shown = now
             self.show(rate, eta)
 
+    def beat(self, text: str) -> None:
+        if self.heartbeat is not None:
+            self.beaten = time.monotonic()
+            self.heartbeat.write_text(text + "\n", encoding="utf-8")
+
     def show(self, rate: float, eta: float, end: str = "") -> None:
         share = min(1.0, self.done_bytes / self.total)
         text = (
@@ -463,6 +545,8 @@ class Progress:
             f" | {rate / 2**20:.1f} MiB/s | {self.documents:,} docs, {self.tokens:,} tokens"
             f" | ETA {eta:,.0f} s"
         )
+        if time.monotonic() - self.beaten >= PROGRESS_INTERVAL_S or end:
+            self.beat(text)
         if self.tty:
             bar = "#" * int(share * 20)
             self.stream.write(f"\r[{bar:<20}] {text}{end}")
@@ -583,6 +667,7 @@ class Builder:
     workers: int
     log: Callable[[str], None]
     metrics: PrepareMetrics | None = None
+    heartbeat: Path | None = None  # the prepare Job's: Plan.progress_path
     skipped: Skipped = field(default_factory=Skipped)
 
     @property
@@ -601,7 +686,7 @@ class Builder:
 
     def pass_over(self, label: str, splits: list[str]) -> Iterator[Document]:
         """The documents of `splits` with a progress display of their own."""
-        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics)
+        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics, heartbeat=self.heartbeat)
         for split in splits:
             for doc in self.docs(split):
                 progress.advance(doc.size, 1, 0)
@@ -652,11 +737,14 @@ class Builder:
                 tokenizer = load_tokenizer(str(staging / TOKENIZER_DIR), "tokenizer")
                 manifest["tokenizerSha256"] = tokenizer_hash(tokenizer)
             vocab_size = len(tokenizer)
+            tokenizer_json = tokenizer.backend_tokenizer.to_str()
             encoder = Encoder(
                 dtype_for(vocab_size),
-                tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+                tokenizer_json=tokenizer_json,
                 eos_id=None if self.labelled else tokenizer.eos_token_id,
                 max_length=spec.model.block_size if self.labelled else None,
+                # Pieces would each get the special tokens that classification adds.
+                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_at_newlines(tokenizer_json) else None,
             )
         manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
         label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
@@ -664,7 +752,9 @@ class Builder:
         for split in splits:
             writer = SplitWriter(staging, split, self.labelled)
             seen[split] = set()
-            progress = Progress(f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics)
+            progress = Progress(
+                f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
+            )
             for chunk, tokens, lengths in encoded(encoder, self.docs(split), self.workers, self.buffer_bytes):
                 progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
                 ids = None
@@ -732,10 +822,11 @@ def worker_count(data: DataSpec) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], error_file: bool = False) -> Plan:
+def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], for_job: bool = False) -> Plan:
     """`ctl prepare` and the chart's prepare Job: the spec's dataset in its cache, prepared unless already there.
 
-    `error_file`: leave a bad-data error where training pods waiting on this preparation find it.
+    `for_job`: the prepare Job's, which training pods wait for: its progress (Plan.progress_path) shows them it is
+    alive, and a bad-data error (Plan.error_path) is what they exit with.
     """
     builtin = None
     if spec.data.builtin:
@@ -753,14 +844,19 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     workers = worker_count(spec.data)
     log(f"preparing {plan.entry} with {workers} process(es)")
     port = int(os.environ.get(METRICS_PORT_ENV) or 0)
+    heartbeat = plan.progress_path if for_job else None
+    if heartbeat is not None:
+        heartbeat.parent.mkdir(parents=True, exist_ok=True)
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
-            manifest = Builder(plan, tokenizer, workers, log, metrics).build()
+            manifest = Builder(plan, tokenizer, workers, log, metrics, heartbeat).build()
     except SpecError as exc:
-        if error_file:
-            plan.error_path.parent.mkdir(parents=True, exist_ok=True)
+        if for_job:
             plan.error_path.write_text(f"error {exc}", encoding="utf-8")
         raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.unlink(missing_ok=True)
     plan.error_path.unlink(missing_ok=True)
     splits = manifest["splits"].items()
     counts = ", ".join(f"{split} {c['tokens']:,} tokens / {c['documents']:,} docs" for split, c in splits)
@@ -780,7 +876,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = load_training_spec(args.config)
         run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
-        prepare_spec(spec, run_dir, log, error_file=True)
+        prepare_spec(spec, run_dir, log, for_job=True)
     except SpecError as exc:
         log(f"error: {exc}")
         sys.exit(2)

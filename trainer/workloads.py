@@ -11,6 +11,7 @@ barrier.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -44,6 +45,11 @@ class Workload:
     val: Dataset
     data: Plan  # the prepared dataset it reads
     collate: Collate | None = None
+
+
+class PreparationFailed(RuntimeError):
+    """The data was not prepared for a reason other than the data (a crash, an OOM kill, a lost node, a prepare
+    Job that never ran): one line that says so and what to run next. Exit code 1: restarting cannot help."""
 
 
 def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
@@ -146,19 +152,26 @@ def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
 
 
 def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
-    """Poll for rank 0's (or the prepare Job's) outcome: the store's key, the manifest, or the Job's error file."""
+    """Poll for rank 0's (or the prepare Job's) outcome: the store's key, the manifest, or the Job's error file.
+
+    Rank 0 failing ends the whole group (torchrun), so its wait needs no bound. The prepare Job is another
+    pod: when it has shown no progress (Plan.progress_path) for `training.timeouts.longWorkSeconds`, it has
+    died or never ran, and the rank gives up instead of waiting forever.
+    """
     store, key = rendezvous_store(), outcome_key(plan)
-    by_job = bool(os.environ.get(PREPARED_BY_JOB_ENV))
-    who = "the prepare Job" if by_job else "rank 0"
+    job = os.environ.get(PREPARED_BY_JOB_ENV)
+    who = f"the prepare Job {job}" if job else "rank 0"
+    bound = plan.spec.timeouts.long_work_seconds
     started = logged = time.monotonic()
+    started_at = time.time()
     done_at: float | None = None
     say(f"rank {dist.rank}: waiting for {who} to prepare {plan.entry}")
     while True:
         manifest = read_manifest(plan)
         if manifest is not None:
             return manifest
-        failure = plan.error_path.read_text(encoding="utf-8") if by_job and plan.error_path.exists() else None
-        if store is not None and not by_job and store.check([key]):
+        failure = plan.error_path.read_text(encoding="utf-8") if job and plan.error_path.exists() else None
+        if store is not None and not job and store.check([key]):
             outcome = store.get(key).decode()
             if outcome != "ok":
                 failure = outcome
@@ -173,11 +186,27 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
             kind, _, message = failure.partition(" ")
             if kind == "error":
                 raise SpecError(message)
-            raise RuntimeError(f"{who} failed to prepare {plan.entry}: {message}")
+            raise PreparationFailed(f"{who} failed to prepare {plan.entry}: {message}")
+        progress, last_sign = job_progress(plan, started_at) if job else ("", math.inf)
+        if time.time() - last_sign > bound:  # the Job's node's clock may differ a little: the bound is long
+            raise PreparationFailed(
+                f"{who} has not prepared dataset {plan.fingerprint} ({plan.entry}): no progress from it for"
+                f" {bound} s (training.timeouts.longWorkSeconds), after {time.monotonic() - started:.0f} s of waiting;"
+                f" see `kubectl logs job/{job}`, or prepare it with `ctl prepare SPEC`, then start the job again"
+            )
         if time.monotonic() - logged >= WAIT_LOG_S:
             logged = time.monotonic()
-            say(f"rank {dist.rank}: still waiting for {who} ({logged - started:.0f} s)")
+            say(f"rank {dist.rank}: still waiting for {who} ({logged - started:.0f} s){progress}")
         time.sleep(WAIT_POLL_S)
+
+
+def job_progress(plan: Plan, since: float) -> tuple[str, float]:
+    """(`: ` and the prepare Job's latest progress line, or ""; the wall time of its last sign of life, or `since`)."""
+    try:
+        line = plan.progress_path.read_text(encoding="utf-8").strip()
+        return f": {line}", max(since, plan.progress_path.stat().st_mtime)
+    except FileNotFoundError:  # not started yet, or between its attempts
+        return "", since
 
 
 def record_dataset(plan: Plan, run_dir: Path) -> None:

@@ -101,6 +101,13 @@ app.kubernetes.io/component: trainer
 {{- end }}
 
 {{/*
+The prepare Job's name (prepare.enabled).
+*/}}
+{{- define "ddpjob.prepareJobName" -}}
+{{- printf "%s-prepare" (include "ddpjob.fullname" .) -}}
+{{- end }}
+
+{{/*
 A PromQL selector for this job's series: Prometheus' `job` label is the PyTorchJob's name (the PodMonitor's jobLabel).
 */}}
 {{- define "ddpjob.jobSelector" -}}
@@ -308,9 +315,9 @@ spec:
           value: "1"
         {{- end }}
         {{- if .Values.prepare.enabled }}
-        # The prepare Job tokenizes the data: the trainer waits for its manifest instead of preparing.
+        # The prepare Job (named here) tokenizes the data: the trainer waits for its manifest instead of preparing.
         - name: DDPJOB_PREPARED_BY_JOB
-          value: "1"
+          value: {{ include "ddpjob.prepareJobName" . }}
         {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
