@@ -384,7 +384,7 @@ def train(
                     max_steps,
                     {
                         "loss": train_loss,
-                        "accuracy": correct_all / count_all,
+                        "accuracy": logged.accuracy,
                         "tokens_per_second": tokens_per_second,
                         "step": done,
                     },
