@@ -5,7 +5,6 @@ controller and webhooks do with them (pkg/runtime/framework/plugins/{torch,jobse
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -207,15 +206,3 @@ def test_ctl_run_trains_two_trainjob_nodes_with_trainer_v2s_env(tmp_path, write_
     report = json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 5
     assert processes_with_marker(marker) == []
-
-
-def test_submit_refuses_to_wait_for_a_trainjob_before_touching_the_cluster(tmp_path: Path) -> None:
-    """ctl status/logs/wait read PyTorchJobs only so far: `submit --wait` says so, creating nothing."""
-    example = REPO / "examples" / "trainjob.yaml"
-    env = os.environ | {"KUBECONFIG": str(tmp_path / "no-such-kubeconfig")}
-    for flag in ("--wait", "--follow"):
-        result = run_ctl("submit", str(example), flag, cwd=tmp_path, env=env)
-        assert (result.returncode, result.stdout) == (2, "")
-        assert result.stderr == (
-            "error: --wait/--follow: not available for apiKind TrainJob yet; follow it with kubectl (see the notes)\n"
-        )

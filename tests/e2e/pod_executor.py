@@ -6,7 +6,8 @@ and reports the pod's status through the pods/status subresource (Running, then 
 code), so the training operator reconciles PyTorchJobs for real. What a node would provide is stood in for like
 this:
 
-- volumes: a ConfigMap or Secret is written to a per-pod directory; a PersistentVolumeClaim is a directory per
+- volumes: a ConfigMap or Secret is written to a per-pod directory, as are a projected volume's service account
+  tokens (TokenRequests) and ConfigMap keys; a PersistentVolumeClaim is a directory per
   claim shared by all pods (like ReadWriteMany); an emptyDir is a per-pod directory. Each mount path is replaced
   by its local directory wherever it appears as a path in the command, the env values and the ConfigMap files
   (training.yaml names the checkpoint directory under the claim's mount path).
@@ -15,10 +16,15 @@ this:
   pods/proxy reaches it. The trainer's metrics endpoint listens there (DDPJOB_METRICS_HOST), on the port its pod
   spec declares. Where addresses cannot be added (no CAP_NET_ADMIN), pods share loopback instead, as they did
   before: podIP 127.0.0.1 (which pods/proxy refuses) and a free metrics port per pod; the log says so once.
-  Either way the host part of MASTER_ADDR, PET_MASTER_ADDR and PET_RDZV_ENDPOINT, when it names a Service of the
-  pod's namespace (as the operator sets it), becomes 127.0.0.1 (no Service proxy runs here); nothing else is
-  rewritten. The pod starts once that Service exists (as the operator's init container waits for the master's
-  DNS name). PROMETHEUS_MULTIPROC_DIR is a per-pod directory.
+  Either way the host part of MASTER_ADDR, PET_MASTER_ADDR and PET_RDZV_ENDPOINT, and of the URL in
+  KUBEFLOW_TRAINER_SERVER_URL, when it names a Service as cluster DNS resolves names (`svc[.namespace[.svc...]]`,
+  as the v1 operator sets it, or a pod's `hostname.subdomain` under its headless Service, as Trainer v2 and JobSet
+  do: `<job>-node-0-0.<job>`), becomes 127.0.0.1 (no Service proxy or DNS runs here); nothing else is rewritten.
+  The pod starts once that Service exists (as the operator's init container waits for the master's DNS name).
+  Pods of one headless Service share a free port in place of PET_MASTER_PORT (Trainer v2 fixes it at 29500, which
+  two jobs running at once on this one machine would both bind). PROMETHEUS_MULTIPROC_DIR is a per-pod directory.
+- env: values, ConfigMap and Secret keys, and the downward API's fields, labels and annotations (Trainer v2's
+  PET_NODE_RANK is the Job's completion-index annotation).
 - images: the command runs from this Python environment (its bin directory, with torchrun, first on PATH).
   Security contexts are not applied (processes run as the executor's user).
 - init containers (the operator's wait-for-master-DNS) are reported completed without running: the address they
@@ -77,6 +83,10 @@ from pod_network import POD_CIDR, AddressesUnavailable, PodAddresses
 NODE_NAME = "ddpjob-e2e-node"
 MAX_PODS = 110  # the kubelet's default
 HOST_VARIABLES = ("MASTER_ADDR", "PET_MASTER_ADDR", "PET_RDZV_ENDPOINT")
+URL_VARIABLES = ("KUBEFLOW_TRAINER_SERVER_URL",)  # Trainer v2's status server (TrainJobStatus)
+MASTER_PORT_VARIABLE = "PET_MASTER_PORT"
+# The downward API's metadata.labels['key'] and metadata.annotations['key'].
+METADATA_KEY_FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 # The trainer's metrics endpoint and prometheus_client's multiprocess directory (trainer/spec.py).
 METRICS_PORT_VARIABLE = "DDPJOB_METRICS_PORT"
 METRICS_HOST_VARIABLE = "DDPJOB_METRICS_HOST"
@@ -163,6 +173,7 @@ class PodExecutor:
         self.stopping = threading.Event()
         self.kubelet = KubeletServer(self, tls)
         self.addresses: PodAddresses | None = None  # None: pods share loopback
+        self.master_ports: dict[tuple[str, str], int] = {}  # (namespace, headless Service): the port its pods share
         self.network_note = ""
 
     # -- the node -------------------------------------------------------------------------------------------------
@@ -431,7 +442,7 @@ class PodExecutor:
         container = containers[0]
         local.image = container.image or ""
         (local.directory / local.container).mkdir(parents=True, exist_ok=True)
-        volumes = {v.name: self.volume_dir(local, v) for v in pod.spec.volumes or []}
+        volumes = {v.name: self.volume_dir(local, pod, v) for v in pod.spec.volumes or []}
         mounts = {}
         for mount in container.volume_mounts or []:
             if mount.name not in volumes:
@@ -448,7 +459,14 @@ class PodExecutor:
         env = {name: rewrite(value) for name, value in self.container_env(local, pod, container).items()}
         for name in HOST_VARIABLES:
             if name in env:
-                env[name] = self.loopback_if_service(env[name], local)
+                env[name], service = self.loopback_if_service(env[name], local)
+                if service and name == "PET_MASTER_ADDR" and MASTER_PORT_VARIABLE in env:
+                    env[MASTER_PORT_VARIABLE] = str(self.master_port(local.namespace, service))
+        for name in URL_VARIABLES:
+            if name in env:
+                url = urllib.parse.urlsplit(env[name])
+                netloc, _ = self.loopback_if_service(url.netloc, local)
+                env[name] = urllib.parse.urlunsplit(url._replace(netloc=netloc))
         if METRICS_PORT_VARIABLE in env:
             env |= self.metrics_endpoint(local, env[METRICS_PORT_VARIABLE])
         if METRICS_DIR_VARIABLE in env:
@@ -472,7 +490,7 @@ class PodExecutor:
             return {METRICS_HOST_VARIABLE: local.address, METRICS_PORT_VARIABLE: port}
         return {METRICS_HOST_VARIABLE: LOOPBACK, METRICS_PORT_VARIABLE: str(free_port())}
 
-    def volume_dir(self, local: LocalPod, volume: kubernetes.client.V1Volume) -> Path:
+    def volume_dir(self, local: LocalPod, pod: kubernetes.client.V1Pod, volume: kubernetes.client.V1Volume) -> Path:
         directory = local.directory / "volumes" / volume.name
         if volume.persistent_volume_claim is not None:
             directory = self.work_dir / "volumes" / local.namespace / volume.persistent_volume_claim.claim_name
@@ -485,9 +503,32 @@ class PodExecutor:
             data = self.core.read_namespaced_secret(volume.secret.secret_name, local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_bytes(base64.b64decode(value))
-        elif volume.persistent_volume_claim is None and volume.empty_dir is None and volume.projected is None:
+        elif volume.projected is not None:
+            self.project(local, pod, volume.projected.sources or [], directory)
+        elif volume.persistent_volume_claim is None and volume.empty_dir is None:
             raise PodSetupError(f"volume {volume.name!r}: only configMap, secret, PVC, emptyDir and projected")
         return directory
+
+    def project(self, local: LocalPod, pod: kubernetes.client.V1Pod, sources: list[Any], directory: Path) -> None:
+        """A projected volume's service account tokens (a TokenRequest for the pod's service account, with the
+        source's audience, bound to the pod, as a kubelet asks) and ConfigMap keys (Trainer v2's status server
+        token and CA)."""
+        for source in sources:
+            if source.service_account_token is not None:
+                projection = source.service_account_token
+                spec = {
+                    "audiences": [projection.audience] if projection.audience else None,
+                    "expirationSeconds": projection.expiration_seconds or 3600,
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": local.name, "uid": local.uid},
+                }
+                account = pod.spec.service_account_name or "default"
+                request = self.core.create_namespaced_service_account_token(account, local.namespace, {"spec": spec})
+                (directory / projection.path).write_text(request.status.token)
+            elif source.config_map is not None:
+                data = self.core.read_namespaced_config_map(source.config_map.name, local.namespace).data or {}
+                items = {item.key: item.path for item in source.config_map.items or []} or {k: k for k in data}
+                for key, path in items.items():
+                    (directory / path).write_text(data[key])
 
     def container_env(
         self, local: LocalPod, pod: kubernetes.client.V1Pod, container: kubernetes.client.V1Container
@@ -512,6 +553,8 @@ class PodExecutor:
                 env[var.name] = var.value or ""
             elif source.field_ref is not None and source.field_ref.field_path in fields:
                 env[var.name] = fields[source.field_ref.field_path]
+            elif source.field_ref is not None and (key := METADATA_KEY_FIELD.match(source.field_ref.field_path)):
+                env[var.name] = (getattr(pod.metadata, key[1]) or {}).get(key[2], "")
             elif source.config_map_key_ref is not None:
                 ref = source.config_map_key_ref
                 env[var.name] = self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data[ref.key]
@@ -523,25 +566,36 @@ class PodExecutor:
                 raise PodSetupError(f"env {var.name}: this valueFrom is not supported by the local executor")
         return env
 
-    def loopback_if_service(self, value: str, local: LocalPod) -> str:
-        """`host[:port]` with host 127.0.0.1 when host is a Service of the namespace (`name[.namespace[.svc...]]`).
-        The operator creates a job's Services just after its pods, so this waits for the Service a while, as the
-        worker's init container waits for the master's DNS name."""
-        namespace = local.namespace
+    def loopback_if_service(self, value: str, local: LocalPod) -> tuple[str, str]:
+        """`host[:port]` with host 127.0.0.1 when host names a Service as cluster DNS resolves it, with the name of
+        the headless Service when host is one of its pods (`hostname.subdomain`; else ""). Controllers create the
+        Services just after the pods, so this waits for the Service a while, as the v1 worker's init container
+        waits for the master's DNS name."""
         host, colon, port = value.partition(":")
-        name, _, rest = host.partition(".")
-        if (rest and not rest.startswith(namespace)) or is_ip_address(host):
-            return value
+        labels = host.split(".")
+        if is_ip_address(host):
+            return value, ""
+        # svc, svc.ns, svc.ns.svc[.cluster.local]; or hostname.subdomain[.ns[.svc[.cluster.local]]].
+        cluster_suffix = len(labels) >= 3 and labels[2] == "svc"
+        pod_of_service = len(labels) >= 2 and not cluster_suffix and (len(labels) > 2 or labels[1] != local.namespace)
+        service = labels[1] if pod_of_service else labels[0]
+        rest = labels[2:] if pod_of_service else labels[1:]
+        namespace = rest[0] if rest else local.namespace
         deadline = time.monotonic() + SERVICE_WAIT_S
         while True:
             try:
-                self.core.read_namespaced_service(name, namespace)
-                return f"{LOOPBACK}{colon}{port}"
+                self.core.read_namespaced_service(service, namespace)
+                return f"{LOOPBACK}{colon}{port}", service if pod_of_service else ""
             except kubernetes.client.ApiException as error:
                 if error.status != 404:
                     raise
             if time.monotonic() > deadline or local.wakeup.wait(0.5):  # waited enough, or deleted, or stopping
-                return value
+                return value, ""
+
+    def master_port(self, namespace: str, service: str) -> int:
+        """The port the pods of a headless Service use for their master's, the same for each of its pods."""
+        with self.lock:
+            return self.master_ports.setdefault((namespace, service), free_port())
 
     # -- container logs -------------------------------------------------------------------------------------------
 
