@@ -187,6 +187,7 @@ def test_notes_and_alerts_point_at_the_trainjob_pods() -> None:
     node_zero = "-l jobset.sigs.k8s.io/jobset-name=job,batch.kubernetes.io/job-completion-index=0 -c node"
     assert "TrainJob job in namespace ml: 2 pod(s)" in text
     assert "kubectl get trainjob job -n ml -w" in text and f"kubectl logs -n ml -f {node_zero}" in text
+    assert "ctl status job -n ml\n" in text and "ctl logs job -n ml -f\n" in text
     assert "kubectl delete trainingruntime job -n ml" in text
     rules = objects(spec_of(apiKind="TrainJob", metrics={"alerts": {"enabled": True}}))["PrometheusRule"]
     annotations = " ".join(v for g in rules["spec"]["groups"] for r in g["rules"] for v in r["annotations"].values())
