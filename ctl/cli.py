@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from trainer.names import EXIT_BAD_INPUT
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 
 if TYPE_CHECKING:
     from ctl.cluster import Target
+    from ctl.local import LocalJob
     from ctl.logs import LogOptions
     from ctl.spec import JobSpec
 
@@ -77,11 +78,6 @@ def load_job(spec: Path, set_values: list[str]) -> JobSpec:
         raise fail(str(exc)) from None
 
 
-def run_directory(job: JobSpec, run_dir: Path | None) -> Path:
-    """--run-dir, else training.checkpoint.dir, else ./runs/<name>: where `ctl run` trains."""
-    return (run_dir or Path(job.training.checkpoint.dir or Path("runs") / job.name)).absolute()
-
-
 @app.command()
 def run(
     spec: SpecArg,
@@ -92,7 +88,7 @@ def run(
         typer.Option("--verbose", "-v", help="Also stream every rank's output and torchrun's own (else in logs/)."),
     ] = False,
 ) -> None:
-    """Run the job on this machine: one torchrun agent per node, with the operator's env.
+    """Run the job on this machine: one torchrun agent per node, from the rendered pods, with the operator's env.
 
     Shows rank 0's progress, then one line: the outcome, or the root cause of a failure with the log files that
     hold the rest (the run directory's logs/). SIGTERM stops the run as Ctrl-C does: every rank saves at one
@@ -102,11 +98,25 @@ def run(
     require_trainer("run")
     from ctl.local import run_local  # kept out of `ctl --help`'s import time
 
-    directory = run_directory(job, run_dir)
-    if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
-        prepare_data(job, directory)
-    code = run_local(job, directory, verbose)
+    with local_pods(job, run_dir) as pods:
+        if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
+            prepare_data(job, pods.run_dir)
+        code = run_local(job, pods, verbose)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def local_pods(job: JobSpec, run_dir: Path | None) -> Iterator[LocalJob]:
+    """The job's rendered pods, materialised for local processes; exit 1 with the reason when they cannot be."""
+    from ctl.local import local_job
+    from ctl.pod import PodSetupError
+    from ctl.render import RenderError
+
+    try:
+        with local_job(job, run_dir) as pods:
+            yield pods
+    except (RenderError, PodSetupError) as exc:
+        raise fail(str(exc), code=EXIT_ERROR) from None
 
 
 def require_trainer(command: str) -> None:
@@ -145,7 +155,8 @@ def prepare(
     """
     job = load_job(spec, set_values)
     require_trainer("prepare")
-    plan = prepare_data(job, run_directory(job, run_dir))
+    with local_pods(job, run_dir) as pods:  # the run directory is the one the rendered training config names
+        plan = prepare_data(job, pods.run_dir)
     typer.echo(str(plan.entry))
 
 

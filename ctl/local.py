@@ -1,9 +1,15 @@
-"""`ctl run`: a job's pods as local torchrun agents, each with the env its pod would get.
+"""`ctl run`: a job's pods as local torchrun agents, each started from the rendered pod template.
 
-The training config is written to a temporary file standing in for the mounted
-ConfigMap; agents run `python -m trainer.launch -m trainer --config FILE` (torchrun with
-signal exit codes) exactly as a pod does.
-When any agent fails, the others are stopped: no process outlives the run.
+The chart is rendered as for a cluster and each pod becomes a local process through ctl/pod.py, the code the e2e
+pod executor uses too: the trainer container's command, args and env as rendered, its mounted ConfigMap's files
+(training.yaml) in a directory of the run, and every mount path rewritten to its local directory. Then the env
+the chosen operator injects (ctl/operator_env.py) with the master on 127.0.0.1. What stands in for a node:
+a claim is ./runs (so the chart's run directory, <storage.mountPath>/<name>, is ./runs/<name>); the pod's HOME
+is this user's home, with its caches; an emptyDir is this machine's directory of that path where one exists
+(/tmp, /dev/shm), else a directory of the run per node; a variable exported here keeps its value (credentials,
+a chosen TMPDIR or TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and references to Secrets or ConfigMaps in `env`/`envFrom`
+are the variables exported here or nothing. When any agent fails, the others are stopped: no process outlives
+the run.
 
 The terminal gets rank 0's progress (its stdout) and one line for the outcome: bad input's line
 (exit 2), the root cause of a failure (exit 1), or where a stopped run can resume (143 for SIGTERM,
@@ -26,21 +32,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import yaml
 
-from ctl.operator_env import (
-    ELASTIC_ENV,
-    SHUTDOWN_TIMEOUT_ENV,
-    TRAINJOB_ENV,
-    Replica,
-    operator_env,
-    replicas,
-    shutdown_timeout,
-)
+from ctl.operator_env import Replica, operator_env, replicas
+from ctl.pod import LocalContainer, PodSetupError, Volume, image_path, local_container
+from ctl.render import Manifest, chart_values, render_chart, split_manifests
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
 from trainer.names import (
@@ -50,14 +51,17 @@ from trainer.names import (
     EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
-    JOB_NAME_ENV,
     LATEST_CHECKPOINT,
-    METRICS_DIR_ENV,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
 )
 
 LOCAL_ADDRESS = "127.0.0.1"
+NAMESPACE = "default"
+# Every PersistentVolumeClaim of a local run: the chart's run directory <mountPath>/<name> is ./runs/<name> here.
+LOCAL_CLAIMS = Path("runs")
+# The pod label holding a TrainJob node's completion index (a fieldRef a pod may read).
+COMPLETION_INDEX_FIELD = "metadata.labels['batch.kubernetes.io/job-completion-index']"
 STOP_GRACE_SECONDS = 15
 # After one node fails, how long the others may take to fail by themselves: their own error may be the
 # root cause (rank 0's bad input while rank 1 lost its connection to it and exited first).
@@ -129,37 +133,148 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def agent_env(
-    spec: JobSpec,
-    replica: Replica,
-    port: int,
-    error_file: Path,
-    metrics_port: int,
-    metrics_dir: Path,
-    log_dir: Path,
-    verbose: bool,
-) -> dict[str, str]:
-    """This process's env, less launcher variables, plus what the operator and the chart give the pod."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in LAUNCHER_VARIABLES}
-    env |= operator_env(spec, replica, address=LOCAL_ADDRESS, port=port)
-    if spec.elastic.enabled:
-        env |= ELASTIC_ENV
+@dataclass(frozen=True)
+class LocalNode:
+    """One pod of the job, ready to start here: which replica, and its container as a local process."""
+
+    replica: Replica
+    container: LocalContainer
+
+
+@dataclass(frozen=True)
+class LocalJob:
+    """The job's pods as rendered, materialised under `work_dir` (ConfigMaps written, mount paths rewritten)."""
+
+    nodes: list[LocalNode]
+    run_dir: Path  # the checkpoint directory the nodes' training config names, on this machine
+    work_dir: Path
+
+
+def rendered_pods(manifests: list[Manifest], spec: JobSpec) -> dict[Replica, dict[str, Any]]:
+    """Each replica's pod spec as the operator creates it from the rendered job object."""
+    by_kind = {m.kind: m.obj for m in manifests}
     if spec.api_kind == "TrainJob":
-        env |= TRAINJOB_ENV
-    # The grace period a pod would have; one exported here (like a spec's `env` in a pod) wins.
-    env.setdefault(SHUTDOWN_TIMEOUT_ENV, shutdown_timeout(spec))
+        pod = trainjob_pod(by_kind["TrainingRuntime"], by_kind["TrainJob"])
+        return {replica: pod for replica in replicas(spec)}
+    replica_specs = by_kind["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
+    return {r: replica_specs[r.type.capitalize()]["template"]["spec"] for r in replicas(spec)}
+
+
+def trainjob_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's pod spec of a TrainingRuntime, with the TrainJob's trainer image, command, args and env applied
+    to the container `node` as Trainer v2 applies them (the torch plugin's env is operator_env's)."""
+    (trainer,) = [
+        rj["template"]["spec"]["template"]["spec"]
+        for rj in runtime["spec"]["template"]["spec"]["replicatedJobs"]
+        if rj["template"]["metadata"]["labels"].get("trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"
+    ]
+    overrides = job["spec"].get("trainer", {})
+    for container in trainer["containers"]:
+        if container["name"] == "node":
+            container |= {key: overrides[key] for key in ("image", "command", "args") if key in overrides}
+            env = overrides.get("env", [])
+            replaced = {var["name"] for var in env}
+            container["env"] = [var for var in container.get("env", []) if var["name"] not in replaced] + env
+    return trainer
+
+
+@contextlib.contextmanager
+def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
+    """Render the job (`run_dir`: its training.checkpoint.dir, as `--run-dir` asks) and materialise its pods in a
+    temporary directory, removed afterwards. PodSetupError when a pod needs what this machine cannot give."""
+    values = chart_values(spec)
+    if run_dir is not None:
+        values["training"].setdefault("checkpoint", {})["dir"] = str(run_dir.absolute())
+    manifests = split_manifests(render_chart(values, spec.name, NAMESPACE))
+    config_maps = {m.name: m.obj for m in manifests if m.kind == "ConfigMap"}
+    with tempfile.TemporaryDirectory(prefix="ddpjob-") as tmp:
+        work_dir = Path(tmp)
+        nodes = []
+        for replica, pod in rendered_pods(manifests, spec).items():
+            pod_dir = work_dir / replica.pod_name(spec.name)
+
+            def volume_dir(volume: Volume, pod_dir: Path = pod_dir) -> Path:
+                return local_volume(volume, pod_dir, config_maps)
+
+            fields = {
+                "metadata.name": replica.pod_name(spec.name),
+                "metadata.namespace": NAMESPACE,
+                "spec.nodeName": socket.gethostname(),
+                "status.podIP": LOCAL_ADDRESS,
+                "status.hostIP": LOCAL_ADDRESS,
+                COMPLETION_INDEX_FIELD: str(replica.index),
+            }
+            container = local_container(pod, volume_dir, fields, lambda name, source: None, provided_dirs(pod))
+            nodes.append(LocalNode(replica, container))
+        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)  # every node's config names the same
+
+
+def local_volume(volume: Volume, pod_dir: Path, config_maps: dict[str, dict[str, Any]]) -> Path:
+    """A volume of a local pod: a claim is ./runs; a ConfigMap the chart rendered, its files in the pod's directory;
+    an emptyDir, a directory of the pod's."""
+    if "persistentVolumeClaim" in volume:
+        return LOCAL_CLAIMS.absolute()
+    directory = pod_dir / "volumes" / volume["name"]
+    if "configMap" in volume:
+        name = volume["configMap"]["name"]
+        if name not in config_maps:
+            raise PodSetupError(f"volume {volume['name']}: ConfigMap {name} is not one the chart renders")
+        directory.mkdir(parents=True)
+        for key, text in (config_maps[name].get("data") or {}).items():
+            (directory / key).write_text(text, encoding="utf-8")
+    elif "emptyDir" in volume:
+        directory.mkdir(parents=True)
+    else:
+        kind = next((key for key in volume if key != "name"), "unknown")
+        raise PodSetupError(f"volume {volume['name']}: ctl run cannot provide a {kind} volume")
+    return directory
+
+
+def provided_dirs(pod: dict[str, Any]) -> dict[str, Path]:
+    """Mounts that are this machine's own directories: the pod's HOME is this user's (a laptop keeps its caches),
+    and an emptyDir mounted where this machine has a directory (/tmp, /dev/shm) is that directory."""
+    container = pod["containers"][0]
+    empty_dirs = {v["name"] for v in pod.get("volumes") or [] if "emptyDir" in v}
+    provided = {
+        m["mountPath"]: Path(m["mountPath"])
+        for m in container.get("volumeMounts") or []
+        if m["name"] in empty_dirs and Path(m["mountPath"]).is_dir()
+    }
+    home = next((var.get("value") for var in container.get("env") or [] if var["name"] == "HOME"), None)
+    return provided | ({home.rstrip("/"): Path.home()} if home else {})
+
+
+def training_run_dir(pod: dict[str, Any], container: LocalContainer) -> Path:
+    """The run directory named by the training config: the mounted ConfigMap file that the command reads."""
+    config_volumes = {v["name"] for v in pod.get("volumes") or [] if "configMap" in v}
+    config_dirs = [
+        container.mounts[m["mountPath"].rstrip("/")]
+        for m in pod["containers"][0].get("volumeMounts") or []
+        if m["name"] in config_volumes
+    ]
+    for arg in container.command:
+        path = Path(arg)
+        if path.is_file() and any(path.is_relative_to(directory) for directory in config_dirs):
+            checkpoint = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
+            return Path(checkpoint.get("dir") or LOCAL_CLAIMS).absolute()
+    raise PodSetupError(f"the trainer's command reads no file of its mounted ConfigMap: {container.command}")
+
+
+def agent_env(
+    spec: JobSpec, node: LocalNode, port: int, error_file: Path, metrics_port: int, log_dir: Path, verbose: bool
+) -> dict[str, str]:
+    """The pod's env under this process's (less launcher variables), plus the operator's and torchrun's flags."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k not in LAUNCHER_VARIABLES}
+    env = node.container.env | inherited  # a variable exported here keeps its value, as a spec's `env` would set it
+    env["PATH"] = image_path(inherited.get("PATH", os.defpath))
+    env |= operator_env(spec, node.replica, address=LOCAL_ADDRESS, port=port)
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     # torchrun's flags as variables: every rank's stdout and stderr into files, and their error records
     # next to them; the terminal gets local rank 0's stdout (rank 0's progress), or with --verbose everything.
     env |= {"PET_LOG_DIR": str(log_dir), "PET_REDIRECTS": "3", "PET_LOG_LINE_PREFIX_TEMPLATE": LINE_PREFIX}
     env |= {"PET_TEE": "3"} if verbose else {"PET_TEE": "1", "PET_LOCAL_RANKS_FILTER": "0"}
-    # The pod's metrics endpoint, on loopback: one port and one shared metrics directory per simulated pod.
-    env |= {
-        JOB_NAME_ENV: spec.name,
-        METRICS_PORT_ENV: str(metrics_port),
-        METRICS_HOST_ENV: LOCAL_ADDRESS,
-        METRICS_DIR_ENV: str(metrics_dir),
-    }
+    if METRICS_PORT_ENV in node.container.env:  # the pod serves metrics: all nodes share loopback, a port each
+        env |= {METRICS_PORT_ENV: str(metrics_port), METRICS_HOST_ENV: LOCAL_ADDRESS}
     # Share the machine's cores among all local processes instead of oversubscribing.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))))
     return env
@@ -329,79 +444,71 @@ def failure_line(cause: Failure, agent: Agent, job: str, logs: Path, kept: Path)
 
 
 def run_local(
-    spec: JobSpec, run_dir: Path, verbose: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    spec: JobSpec, job: LocalJob, verbose: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr
 ) -> int:
-    """Run the job on this machine; returns the exit code for `ctl run`."""
-    training = spec.training.to_values()
-    training["checkpoint"]["dir"] = str(run_dir)
+    """Run the job's materialised pods on this machine; returns the exit code for `ctl run`."""
+    run_dir = job.run_dir
     port = free_port()
     started = time.strftime("%Y%m%d-%H%M%S")
     logs = Path(tempfile.mkdtemp(prefix="ddpjob-logs-"))
     console = Console(out, err)
     agents: list[Agent] = []
     previous_handler = signal.signal(signal.SIGTERM, terminate)
-    with tempfile.TemporaryDirectory(prefix="ddpjob-") as tmp:
-        config = Path(tmp) / "training.yaml"
-        config.write_text(yaml.safe_dump(training, sort_keys=False), encoding="utf-8")
-        pumps: list[threading.Thread] = []
-        try:
-            for node, replica in enumerate(replicas(spec)):
-                pod = replica.pod_name(spec.name)
-                metrics_port = free_port()
-                env = agent_env(
-                    spec,
-                    replica,
-                    port,
-                    Path(tmp) / f"error-{pod}.json",
-                    metrics_port,
-                    Path(tmp) / f"metrics-{pod}",
-                    logs / f"node-{node}",
-                    verbose,
-                )
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "trainer.launch", "-m", "trainer", "--config", str(config)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    bufsize=1,
-                    start_new_session=True,  # its own process group, so stop() reaches its workers too
-                )
-                agent = Agent(node, replica, process, Path(tmp) / f"error-{pod}.json")
-                agents.append(agent)
-                pumps += [
-                    threading.Thread(target=pump_stdout, args=(agent, console), daemon=True),
-                    threading.Thread(
-                        target=pump_stderr,
-                        args=(agent, logs / f"node-{node}.log", console if verbose else None),
-                        daemon=True,
-                    ),
-                ]
-                console.held.append(f"ctl: metrics of node {node} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics")
-            console.held.append(
-                f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}"
+    pumps: list[threading.Thread] = []
+    try:
+        for node_index, node in enumerate(job.nodes):
+            pod = node.replica.pod_name(spec.name)
+            metrics_port = free_port()
+            error_file = job.work_dir / f"error-{pod}.json"
+            env = agent_env(spec, node, port, error_file, metrics_port, logs / f"node-{node_index}", verbose)
+            process = subprocess.Popen(
+                node.container.command,
+                env=env,
+                cwd=node.container.working_dir,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                bufsize=1,
+                start_new_session=True,  # its own process group, so stop() reaches its workers too
             )
-            if verbose:
-                console.release()
-            for thread in pumps:
-                thread.start()
-            failed = supervise(agents)
-        except (KeyboardInterrupt, Terminated) as exc:
-            # Every node saves at one agreed step and exits; a second signal must not cut that short.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            stop(agents)
-            join(pumps)
-            kept = keep_logs(logs, run_dir, started)
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            console.note(stopped(run_dir, "interrupted (SIGINT)" if interrupted else "terminated (SIGTERM)"))
-            console.note(f"ctl: logs of every rank in {kept}")
-            return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
-        finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            agent = Agent(node_index, node.replica, process, error_file)
+            agents.append(agent)
+            pumps += [
+                threading.Thread(target=pump_stdout, args=(agent, console), daemon=True),
+                threading.Thread(
+                    target=pump_stderr,
+                    args=(agent, logs / f"node-{node_index}.log", console if verbose else None),
+                    daemon=True,
+                ),
+            ]
+            if METRICS_PORT_ENV in node.container.env:
+                console.held.append(
+                    f"ctl: metrics of node {node_index} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics"
+                )
+        console.held.append(
+            f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}"
+        )
+        if verbose:
+            console.release()
+        for thread in pumps:
+            thread.start()
+        failed = supervise(agents)
+    except (KeyboardInterrupt, Terminated) as exc:
+        # Every node saves at one agreed step and exits; a second signal must not cut that short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop(agents)
         join(pumps)
-        by_failure = {agent.failure(): agent for agent in failed}  # their records are in `tmp`
+        kept = keep_logs(logs, run_dir, started)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        console.note(stopped(run_dir, "interrupted (SIGINT)" if interrupted else "terminated (SIGTERM)"))
+        console.note(f"ctl: logs of every rank in {kept}")
+        return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    join(pumps)
+    by_failure = {agent.failure(): agent for agent in failed}  # their records are in the work directory
     if not by_failure:
         console.note(f"ctl: logs of every rank in {keep_logs(logs, run_dir, started)}")
         return 0

@@ -1,10 +1,10 @@
 """The environment the job's operator injects into each pod: the Kubeflow training operator v1.9
 (PyTorchJob) or Kubeflow Trainer v2.3's torch plugin (TrainJob).
 
-Both `ctl run` (which starts one torchrun agent per simulated pod) and the tests use
-this module, so a laptop run and a cluster run see the same variables. torchrun reads
-every `PET_*` variable as its own flag, so the command stays `python -m trainer.launch -m trainer ...`
-(torchrun, with signal exit codes).
+Only what the operator adds: everything else a pod gets is in the rendered pod template, which `ctl run` starts
+its agents from (ctl/local.py). Both `ctl run` and the tests use this module, so a laptop run and a cluster run
+see the same variables. torchrun reads every `PET_*` variable as its own flag, so the command stays
+`python -m trainer.launch -m trainer ...` (torchrun, with signal exit codes).
 """
 
 from __future__ import annotations
@@ -15,23 +15,6 @@ from typing import Literal
 from ctl.spec import TRAINJOB_MASTER_PORT, JobSpec
 
 RDZV_BACKEND = "c10d"
-# Set by the chart (not the operator) on elastic pods: a fresh rendezvous store every round.
-# torchrun's shared store keeps the previous round's keys, and restarted workers can then
-# wait forever for peers that are gone.
-ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# Set by the chart on TrainJob pods: the operator v1 sets it itself, Trainer v2 does not, and a trainer whose
-# stdout is a pipe would otherwise show its log in blocks.
-TRAINJOB_ENV = {"PYTHONUNBUFFERED": "1"}
-# Set by the chart on every pod: how long torchrun waits for its workers to save and exit after it
-# forwards SIGTERM, before it kills them. torch's own default is 30 s whatever the pod's grace period;
-# the chart gives them the grace period less a margin for torchrun's own exit.
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-SHUTDOWN_MARGIN_SECONDS = 5
-
-
-def shutdown_timeout(spec: JobSpec) -> str:
-    """The chart's TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the pods of `spec`."""
-    return str(max(0, spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS))
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from conftest import tiny_spec
 
-from ctl.local import agent_env
-from ctl.operator_env import SHUTDOWN_TIMEOUT_ENV, TRAINJOB_ENV, Replica, operator_env, replicas, shutdown_timeout
+from ctl.local import agent_env, local_job
+from ctl.operator_env import Replica, operator_env, replicas
 from ctl.spec import JobSpec
+from trainer.names import SHUTDOWN_TIMEOUT_ENV
 
 
 def job(corpus: Path, **fields) -> JobSpec:
@@ -59,15 +60,16 @@ def test_elastic_workers_get_rendezvous_and_no_master(corpus_file: Path) -> None
 
 def local_env(spec: JobSpec, replica: Replica, tmp_path: Path) -> dict[str, str]:
     """What `ctl run` gives `replica`'s agent: rendezvous port 40123, metrics port 40124, files under tmp_path."""
-    return agent_env(
-        spec, replica, 40123, tmp_path / "error.json", 40124, tmp_path / "metrics", tmp_path / "logs", False
-    )
+    with local_job(spec) as job:
+        (node,) = [node for node in job.nodes if node.replica == replica]
+        return agent_env(spec, node, 40123, tmp_path / "error.json", 40124, tmp_path / "logs", False)
 
 
 def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path, tmp_path: Path, monkeypatch) -> None:
     # An outer launcher's variables must not leak into a simulated pod.
     monkeypatch.setenv("RANK", "7")
     monkeypatch.setenv("PET_RDZV_ID", "outer")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     spec = job(corpus_file, nodes=2, procsPerNode=2)
     env = local_env(spec, Replica("worker", 0), tmp_path)
     injected = operator_env(spec, Replica("worker", 0), address="127.0.0.1", port=40123)
@@ -75,9 +77,10 @@ def test_local_agents_get_the_same_env_with_a_loopback_master(corpus_file: Path,
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["PET_MASTER_PORT"] == "40123" and env["RANK"] == "1"
     assert "PET_RDZV_ID" not in env
     assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "error.json")
-    # The chart's metrics env, with the simulated pod's own port and directory.
+    # The chart's metrics env, with the simulated pod's own port, and its metrics volume a directory of its own.
     assert env["DDPJOB_METRICS_PORT"] == "40124" and env["DDPJOB_METRICS_HOST"] == "127.0.0.1"
-    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "metrics") and env["DDPJOB_JOB_NAME"] == spec.name
+    assert env["PROMETHEUS_MULTIPROC_DIR"].endswith("/news-worker-0/volumes/metrics")
+    assert env["DDPJOB_JOB_NAME"] == spec.name
 
 
 def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
@@ -86,7 +89,7 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
     monkeypatch.delenv(SHUTDOWN_TIMEOUT_ENV, raising=False)
     spec = job(corpus_file, terminationGracePeriodSeconds=300)
     env = local_env(spec, Replica("master", 0), tmp_path)
-    assert env[SHUTDOWN_TIMEOUT_ENV] == shutdown_timeout(spec) == "295"
+    assert env[SHUTDOWN_TIMEOUT_ENV] == "295"  # the chart's: the grace period less 5 s
     monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
     env = local_env(spec, Replica("master", 0), tmp_path)
     assert env[SHUTDOWN_TIMEOUT_ENV] == "7"
@@ -116,4 +119,4 @@ def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
     assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
     assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
     assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them
-    assert env.items() >= TRAINJOB_ENV.items()  # what the chart gives TrainJob pods (test_trainjob.py)
+    assert env["PYTHONUNBUFFERED"] == "1"  # the chart's, on TrainJob pods (test_trainjob.py)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 
+from trainer.names import SHUTDOWN_TIMEOUT_ENV
 from trainer.spec import TimeoutsSpec
 
 # Public (and _set_pg_timeout deprecated) in newer torch releases than the oldest one supported.
@@ -132,7 +133,7 @@ class StopRequest:
         self.dist = dist
         self.requested = False
         self.previous_handler: Any = None
-        self.budget = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")) / 4
+        self.budget = float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "30")) / 4
         self.next_check = 0  # the first step after a start or resume is checked
 
     def __enter__(self) -> StopRequest:

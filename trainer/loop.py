@@ -30,6 +30,7 @@ from trainer.data import Collate, TrainBatches, eval_loader
 from trainer.dist import Dist, StopRequest, all_reduce_sum, step_timeouts
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
+from trainer.progress import ProgressReporter
 from trainer.spec import ScheduleSpec, TrainingSpec
 from trainer.tracking import Tracker
 from trainer.watchdog import GradientSync, Watchdog, test_slowdown
@@ -234,6 +235,7 @@ def train(
 
     metrics = TrainingMetrics(spec, dist, model, state.max_steps)
     tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if saved is None else saved.step)
+    progress = ProgressReporter.from_env() if dist.is_main else ProgressReporter(None)  # a TrainJob's status
     watchdog = Watchdog(dist, sync, metrics)
     slowdown = test_slowdown(dist.rank)
 
@@ -273,7 +275,7 @@ def train(
     first_step = state.step + 1
     reuse_freed_memory()
     started = interval_start = time.perf_counter()
-    with StopRequest(dist) as stop_request, watchdog:
+    with StopRequest(dist) as stop_request, watchdog, progress:
         while state.step < state.max_steps:
             step_started, step_tokens = time.perf_counter(), 0
             lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
@@ -335,6 +337,16 @@ def train(
                         "train/learning_rate": lr,
                         "train/grad_norm": norm,
                         "train/tokens_per_second": tokens_per_second,
+                    },
+                )
+                progress.report(
+                    done,
+                    max_steps,
+                    {
+                        "loss": train_loss,
+                        "accuracy": correct_all / count_all,
+                        "tokens_per_second": tokens_per_second,
+                        "step": done,
                     },
                 )
                 report_checkpoint()  # a background save may have finished since

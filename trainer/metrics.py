@@ -16,7 +16,7 @@ processes that are gone never linger.
 Without PROMETHEUS_MULTIPROC_DIR (a single process, e.g. `python -m trainer`) the
 values live in this process and it serves them itself.
 
-Environment (trainer.spec names it): DDPJOB_METRICS_PORT (unset or 0: no endpoint),
+Environment (trainer.names names it): DDPJOB_METRICS_PORT (unset or 0: no endpoint),
 DDPJOB_METRICS_HOST (bind address, default every interface), DDPJOB_JOB_NAME (the
 job's name, for the info series), TORCHELASTIC_RESTART_COUNT (from torchrun).
 

@@ -12,6 +12,9 @@ METRICS_PORT_ENV = "DDPJOB_METRICS_PORT"  # local rank 0 serves the pod's metric
 METRICS_HOST_ENV = "DDPJOB_METRICS_HOST"  # address it binds (default: every interface, as a pod needs)
 # prometheus_client's own variable: the directory where a pod's trainer processes keep their metric files.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# torchrun's: how long it waits for its workers to exit after forwarding SIGTERM (the chart: the grace period
+# less 5 s); the trainer spaces its stop checks by it (trainer.dist.StopRequest).
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 # Test hook only: "RANK:SECONDS" makes that rank sleep SECONDS in every step (a straggler on demand).
 SLOW_RANK_ENV = "DDPJOB_TEST_SLOW_RANK"
 # What every rank exits with when its watchdog finds the job hung. Retryable: the operator's
@@ -29,6 +32,17 @@ LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
 # The largest context a named GPT-2 size (model.size) takes: its position embeddings.
 GPT2_POSITIONS = 1024
+# Set by Kubeflow Trainer v2's TrainJobStatus plugin (v2.3, feature gate TrainJobStatus) on the trainer pods:
+# the full https URL of the job's status endpoint, and the paths of the server's CA certificate and of a
+# projected service-account token (rotated by the kubelet) to send as a bearer token. trainer/progress.py.
+PROGRESS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
+PROGRESS_CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # Set by the chart when a prepare Job prepares the data: the training pods then wait for it instead of preparing.
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
+# The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);
+# tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
+# `ctl run` and the e2e pod executor (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
+# Trainer v2's controller.
+POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)

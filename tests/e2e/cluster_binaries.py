@@ -9,8 +9,9 @@
 The first build takes minutes. On a shared 2-core machine under load: kube-apiserver 3 min 56 s,
 kube-controller-manager 1 min 17 s, kubectl 46 s, etcd 32 s (partly in the Go build cache already), JobSet
 4 min 43 s, Trainer v2 4 min 21 s, plus the module downloads. Each binary missing from
-`~/.cache/ddpjob/bin/<name>-<version>` is built alone; when none is missing, calls return at once. `python tests/e2e/cluster_binaries.py` builds everything (`make e2e-binaries`, a
-prerequisite of `make test` and `make e2e`).
+`~/.cache/ddpjob/bin/<name>-<version>` is built alone; when none is missing, calls return at once.
+`python tests/e2e/cluster_binaries.py` builds everything (`make e2e-binaries`, a prerequisite of `make test` and
+`make e2e`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob, JobSet and Trainer v2 CRDs,
-kube-controller-manager (its garbage collector, namespace, PVC-protection and Job controllers only), the Kubeflow
-training operator (v1.9), the JobSet controller (v0.12) and the Kubeflow Trainer v2 controller manager (v2.3, its
-TrainJobStatus feature on), and the local pod executor (tests/e2e/pod_executor.py) standing in for a kubelet. No
-scheduler runs (the executor binds pods to its node), nor the controller-manager's other controllers (no
-Deployments, service account tokens, endpoints; a namespace's `default` ServiceAccount is created by
-`ensure_namespace`).
+kube-controller-manager (its garbage collector, namespace, PVC-protection, Job and root CA publisher controllers
+only), the Kubeflow training operator (v1.9), the JobSet controller (v0.12) and the Kubeflow Trainer v2 controller
+manager (v2.3, its TrainJobStatus feature on), and the local pod executor (tests/e2e/pod_executor.py) standing
+in for a kubelet. No scheduler runs (the executor binds pods to its node), nor the controller-manager's other
+controllers (no Deployments, service account tokens, endpoints; a namespace's `default` ServiceAccount is created
+by `ensure_namespace`).
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
@@ -70,12 +70,14 @@ CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 # What the tier needs of a controller-manager: owner references followed (pods and Services of a deleted job,
 # foreground deletions finished), deleted namespaces emptied and removed, and a deleted claim's
 # kubernetes.io/pvc-protection finalizer removed once no pod uses it (else its namespace stays Terminating).
-# The Job controller runs the batch Jobs a JobSet creates (Indexed: each pod gets its completion index).
+# The Job controller runs the batch Jobs a JobSet creates (Indexed: each pod gets its completion index); the root
+# CA publisher gives every namespace the kube-root-ca.crt ConfigMap that a pod's API access volume projects.
 CONTROLLERS = (
     "garbage-collector-controller",
     "namespace-controller",
     "persistentvolumeclaim-protection-controller",
     "job-controller",
+    "root-ca-certificate-publisher-controller",
 )
 # A user with no rights but those k8s/rbac.yaml gives its group, for checking that the Role is enough for ctl.
 RESTRICTED_USER, RESTRICTED_GROUP = "ddpjob-e2e-user", "ddpjob-users"
@@ -202,7 +204,8 @@ class ControlPlane:
     pod_addresses: bool = False
     pod_network: str = ""
     webhook_ports: dict[str, int] = field(default_factory=dict)  # by controller manager
-    trainer_status: str = ""  # whether Trainer v2's TrainJobStatus feature is on here, or why not
+    trainjob_status: bool = False  # Trainer v2's TrainJobStatus feature on (progress in .status.trainerStatus)
+    trainjob_status_note: str = ""  # why it is off here
 
     @property
     def pods_dir(self) -> Path:
@@ -390,6 +393,7 @@ def start_controller_manager(plane: ControlPlane, binary: Path, certs: dict[str,
         # Tokens are checked by TokenReview; the API server publishes no client CA to look up (no client certs).
         "--authentication-skip-lookup",
         f"--controllers={','.join(CONTROLLERS)}",
+        f"--root-ca-file={certs['ca'].cert}",
         "--use-service-account-credentials=true",
         "--leader-elect=false",
         f"--bind-address={LOOPBACK}",
@@ -593,7 +597,8 @@ def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) 
     status server's URL (a Service name, created here as a release does), its CA (the Secret's ca.crt) and a
     token; the status server reads its pair and, to find the token issuer, the pod's own service account token
     at fixed paths, which it gets in a private mount namespace (SERVICE_ACCOUNT_DIR, SHARED_CERT_DIR). Where the
-    machine allows no mount namespace (not root), the feature stays off and `plane.trainer_status` says why."""
+    machine allows no mount namespace (not root), the feature stays off and `plane.trainjob_status_note` says
+    why."""
     client = plane.api_client()
     ensure_namespace(client, TRAINER_NAMESPACE)
     core = kubernetes.client.CoreV1Api(client)
@@ -644,10 +649,10 @@ def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) 
         )
         command = ["unshare", "--mount", "--propagation=private", "sh", "-c", mounts, str(account_dir), str(serving),
                    *command]  # fmt: skip
-        plane.trainer_status = f"TrainJobStatus on, its status server on port {status_port}"
+        plane.trainjob_status = True
     else:
         config["featureGates"] = {"TrainJobStatus": False}
-        plane.trainer_status = "TrainJobStatus off: no private mount namespace here (unshare --mount refused)"
+        plane.trainjob_status_note = "TrainJobStatus off: no private mount namespace here (unshare --mount refused)"
     return start_manager(plane, "trainer-controller-manager", command, config, certs)
 
 

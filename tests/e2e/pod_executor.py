@@ -10,7 +10,8 @@ this:
   tokens (TokenRequests) and ConfigMap keys; a PersistentVolumeClaim is a directory per
   claim shared by all pods (like ReadWriteMany); an emptyDir is a per-pod directory. Each mount path is replaced
   by its local directory wherever it appears as a path in the command, the env values and the ConfigMap files
-  (training.yaml names the checkpoint directory under the claim's mount path).
+  (training.yaml names the checkpoint directory under the claim's mount path): ctl/pod.py, the code `ctl run`
+  starts its nodes from the rendered pods with.
 - networking: each pod gets an address of its own from 10.244.0.0/16, added to `lo` for the pod's lifetime
   (tests/e2e/pod_network.py) and reported as its podIP (and as the `status.podIP` env field), so the API server's
   pods/proxy reaches it. The trainer's metrics endpoint listens there (DDPJOB_METRICS_HOST), on the port its pod
@@ -60,7 +61,6 @@ import ipaddress
 import json
 import os
 import platform
-import re
 import select
 import signal
 import ssl
@@ -80,17 +80,14 @@ from container_logs import LogOptions, LogOptionsError, LogWriter, flag, stream_
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
 from pod_network import POD_CIDR, AddressesUnavailable, PodAddresses
 
+from ctl.pod import PodSetupError, Volume, image_path, local_container, the_container
+from trainer.names import METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, PROGRESS_URL_ENV
+
 NODE_NAME = "ddpjob-e2e-node"
 MAX_PODS = 110  # the kubelet's default
 HOST_VARIABLES = ("MASTER_ADDR", "PET_MASTER_ADDR", "PET_RDZV_ENDPOINT")
-URL_VARIABLES = ("KUBEFLOW_TRAINER_SERVER_URL",)  # Trainer v2's status server (TrainJobStatus)
+URL_VARIABLES = (PROGRESS_URL_ENV,)  # Trainer v2's status server (TrainJobStatus)
 MASTER_PORT_VARIABLE = "PET_MASTER_PORT"
-# The downward API's metadata.labels['key'] and metadata.annotations['key'].
-METADATA_KEY_FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
-# The trainer's metrics endpoint and prometheus_client's multiprocess directory (trainer/spec.py).
-METRICS_PORT_VARIABLE = "DDPJOB_METRICS_PORT"
-METRICS_HOST_VARIABLE = "DDPJOB_METRICS_HOST"
-METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 START_ERROR_EXIT_CODE = 128  # what a kubelet reports for a container that could not start
 # How long a pod's start waits for the Service its master address names (the operator creates it after the pods).
 SERVICE_WAIT_S = 60.0
@@ -99,10 +96,6 @@ RESTART_BACKOFF_S = 10.0
 RESTART_BACKOFF_MAX_S = 300.0
 # How long an ended container's output may take to reach its log file.
 LOG_DRAIN_S = 10.0
-
-
-class PodSetupError(RuntimeError):
-    """The pod asks for something this executor cannot provide; the pod fails with this message."""
 
 
 class KubeletError(Exception):
@@ -435,28 +428,21 @@ class PodExecutor:
         return exit_code
 
     def prepare(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> tuple[list[str], dict[str, str], Path]:
-        """The container's command line, environment and working directory, with the volumes materialised."""
-        containers = pod.spec.containers
-        if len(containers) != 1:
-            raise PodSetupError(f"the local executor runs single-container pods; this one has {len(containers)}")
-        container = containers[0]
-        local.image = container.image or ""
+        """The container's command line, environment and working directory, with the volumes materialised: the
+        code `ctl run` starts its nodes with (ctl/pod.py)."""
+        spec = self.client.sanitize_for_serialization(pod.spec)  # camelCase, as rendered
+        if the_container(spec).get("envFrom"):
+            raise PodSetupError("envFrom is not supported by the local executor")
+        local.image = the_container(spec).get("image", "")
         (local.directory / local.container).mkdir(parents=True, exist_ok=True)
-        volumes = {v.name: self.volume_dir(local, pod, v) for v in pod.spec.volumes or []}
-        mounts = {}
-        for mount in container.volume_mounts or []:
-            if mount.name not in volumes:
-                raise PodSetupError(f"volume {mount.name!r} is not supported by the local executor")
-            source = volumes[mount.name] / (mount.sub_path or "")
-            if not source.exists():  # a kubelet creates a missing subPath as a directory
-                source.mkdir(parents=True)
-            mounts[mount.mount_path.rstrip("/")] = source
-        rewrite = path_rewriter(mounts)
-        for volume in pod.spec.volumes or []:
-            if volume.config_map is not None:  # the config names paths under the other mounts
-                for file in volumes[volume.name].iterdir():
-                    file.write_text(rewrite(file.read_text()))
-        env = {name: rewrite(value) for name, value in self.container_env(local, pod, container).items()}
+
+        def reference(name: str, source: dict[str, Any]) -> str:
+            return self.env_reference(pod.metadata.namespace, name, source)
+
+        container = local_container(
+            spec, lambda volume: self.volume_dir(local, pod, volume), self.fields(local, pod), reference
+        )
+        env = container.env
         for name in HOST_VARIABLES:
             if name in env:
                 env[name], service = self.loopback_if_service(env[name], local)
@@ -467,76 +453,91 @@ class PodExecutor:
                 url = urllib.parse.urlsplit(env[name])
                 netloc, _ = self.loopback_if_service(url.netloc, local)
                 env[name] = urllib.parse.urlunsplit(url._replace(netloc=netloc))
-        if METRICS_PORT_VARIABLE in env:
-            env |= self.metrics_endpoint(local, env[METRICS_PORT_VARIABLE])
-        if METRICS_DIR_VARIABLE in env:
-            env[METRICS_DIR_VARIABLE] = str(local.directory / "metrics")
-            Path(env[METRICS_DIR_VARIABLE]).mkdir(exist_ok=True)
-        python_bin = str(Path(sys.executable).parent)
+        if METRICS_PORT_ENV in env:
+            env |= self.metrics_endpoint(local, env[METRICS_PORT_ENV])
+        if METRICS_DIR_ENV in env:
+            env[METRICS_DIR_ENV] = str(local.directory / "metrics")
+            Path(env[METRICS_DIR_ENV]).mkdir(exist_ok=True)
         tmp = local.directory / "tmp"
         tmp.mkdir(exist_ok=True)
-        base = {"PATH": f"{python_bin}:{os.environ.get('PATH', os.defpath)}", "HOME": str(Path.home())}
+        base = {"PATH": image_path(os.environ.get("PATH", os.defpath)), "HOME": str(Path.home())}
         env = base | {"TMPDIR": str(tmp), "HOSTNAME": local.name} | env
-        command = [rewrite(arg) for arg in [*(container.command or []), *(container.args or [])]]
-        if not command:
-            raise PodSetupError("the container has no command (the image's entrypoint is unknown here)")
-        cwd = Path(rewrite(container.working_dir)) if container.working_dir else local.directory
-        return command, env, cwd
+        return container.command, env, container.working_dir or local.directory
 
     def metrics_endpoint(self, local: LocalPod, port: str) -> dict[str, str]:
         """Where the trainer serves its metrics: on the pod's address and the port of its spec, as in a cluster;
         on loopback, where all pods share the ports, a free port of its own."""
         if local.address != LOOPBACK:
-            return {METRICS_HOST_VARIABLE: local.address, METRICS_PORT_VARIABLE: port}
-        return {METRICS_HOST_VARIABLE: LOOPBACK, METRICS_PORT_VARIABLE: str(free_port())}
+            return {METRICS_HOST_ENV: local.address, METRICS_PORT_ENV: port}
+        return {METRICS_HOST_ENV: LOOPBACK, METRICS_PORT_ENV: str(free_port())}
 
-    def volume_dir(self, local: LocalPod, pod: kubernetes.client.V1Pod, volume: kubernetes.client.V1Volume) -> Path:
-        directory = local.directory / "volumes" / volume.name
-        if volume.persistent_volume_claim is not None:
-            directory = self.work_dir / "volumes" / local.namespace / volume.persistent_volume_claim.claim_name
+    def volume_dir(self, local: LocalPod, pod: kubernetes.client.V1Pod, volume: Volume) -> Path:
+        directory = local.directory / "volumes" / volume["name"]
+        if "persistentVolumeClaim" in volume:
+            directory = self.work_dir / "volumes" / local.namespace / volume["persistentVolumeClaim"]["claimName"]
         directory.mkdir(parents=True, exist_ok=True)
-        if volume.config_map is not None:
-            data = self.core.read_namespaced_config_map(volume.config_map.name, local.namespace).data or {}
+        if "configMap" in volume:
+            data = self.core.read_namespaced_config_map(volume["configMap"]["name"], local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_text(value)
-        elif volume.secret is not None:
-            data = self.core.read_namespaced_secret(volume.secret.secret_name, local.namespace).data or {}
+        elif "secret" in volume:
+            data = self.core.read_namespaced_secret(volume["secret"]["secretName"], local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_bytes(base64.b64decode(value))
-        elif volume.projected is not None:
-            self.project(local, pod, volume.projected.sources or [], directory)
-        elif volume.persistent_volume_claim is None and volume.empty_dir is None:
-            raise PodSetupError(f"volume {volume.name!r}: only configMap, secret, PVC, emptyDir and projected")
+        elif "projected" in volume:
+            self.project(local, pod, volume["projected"].get("sources") or [], directory)
+        elif not {"persistentVolumeClaim", "emptyDir"} & set(volume):
+            raise PodSetupError(f"volume {volume['name']!r}: only configMap, secret, PVC, emptyDir and projected")
         return directory
 
     def project(self, local: LocalPod, pod: kubernetes.client.V1Pod, sources: list[Any], directory: Path) -> None:
-        """A projected volume's service account tokens (a TokenRequest for the pod's service account, with the
-        source's audience, bound to the pod, as a kubelet asks) and ConfigMap keys (Trainer v2's status server
-        token and CA)."""
+        """A projected volume as a kubelet fills it: service account tokens (a TokenRequest for the pod's service
+        account with the source's audience, bound to the pod), ConfigMap keys (waited for a while, as a kubelet
+        retries the mount) and downward API fields; e.g. Trainer v2's status server token and CA, or the API
+        access volume of a pod that mounts its service account token."""
         for source in sources:
-            if source.service_account_token is not None:
-                projection = source.service_account_token
+            if projection := source.get("serviceAccountToken"):
                 spec = {
-                    "audiences": [projection.audience] if projection.audience else None,
-                    "expirationSeconds": projection.expiration_seconds or 3600,
+                    "audiences": [projection["audience"]] if projection.get("audience") else None,
+                    "expirationSeconds": projection.get("expirationSeconds", 3600),
                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": local.name, "uid": local.uid},
                 }
                 account = pod.spec.service_account_name or "default"
                 request = self.core.create_namespaced_service_account_token(account, local.namespace, {"spec": spec})
-                (directory / projection.path).write_text(request.status.token)
-            elif source.config_map is not None:
-                data = self.core.read_namespaced_config_map(source.config_map.name, local.namespace).data or {}
-                items = {item.key: item.path for item in source.config_map.items or []} or {k: k for k in data}
+                (directory / projection["path"]).write_text(request.status.token)
+            elif projection := source.get("configMap"):
+                data = self.wait_for_config_map(local, projection["name"], projection.get("optional", False))
+                items = {i["key"]: i["path"] for i in projection.get("items") or []} or {key: key for key in data}
                 for key, path in items.items():
-                    (directory / path).write_text(data[key])
+                    if key in data:
+                        (directory / path).write_text(data[key])
+            elif projection := source.get("downwardAPI"):
+                fields = self.fields(local, pod)
+                for item in projection.get("items") or []:
+                    (directory / item["path"]).write_text(fields.get(item.get("fieldRef", {}).get("fieldPath"), ""))
 
-    def container_env(
-        self, local: LocalPod, pod: kubernetes.client.V1Pod, container: kubernetes.client.V1Container
-    ) -> dict[str, str]:
-        """The container's env list (values and references), the operator's variables included."""
-        if container.env_from:
-            raise PodSetupError("envFrom is not supported by the local executor")
-        fields = {
+    def wait_for_config_map(self, local: LocalPod, name: str, optional: bool) -> dict[str, str]:
+        deadline = time.monotonic() + SERVICE_WAIT_S
+        while True:
+            try:
+                return self.core.read_namespaced_config_map(name, local.namespace).data or {}
+            except kubernetes.client.ApiException as error:
+                if error.status != 404:
+                    raise
+            if optional:
+                return {}
+            if time.monotonic() > deadline or local.wakeup.wait(0.5):
+                raise PodSetupError(f"configmap {name!r} not found (a projected volume of the pod)")
+
+    def fields(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> dict[str, str]:
+        """The fieldRefs a container's env may name, as this node answers them: the pod's labels and
+        annotations too (Trainer v2's PET_NODE_RANK is the Job's completion-index annotation)."""
+        metadata = {
+            f"metadata.{kind}['{key}']": value
+            for kind, values in (("labels", pod.metadata.labels), ("annotations", pod.metadata.annotations))
+            for key, value in (values or {}).items()
+        }
+        return metadata | {
             "metadata.name": pod.metadata.name,
             "metadata.namespace": pod.metadata.namespace,
             "metadata.uid": pod.metadata.uid,
@@ -546,25 +547,14 @@ class PodExecutor:
             "status.hostIP": LOOPBACK,
             "status.hostIPs": LOOPBACK,
         }
-        env: dict[str, str] = {}
-        for var in container.env or []:
-            source = var.value_from
-            if source is None:
-                env[var.name] = var.value or ""
-            elif source.field_ref is not None and source.field_ref.field_path in fields:
-                env[var.name] = fields[source.field_ref.field_path]
-            elif source.field_ref is not None and (key := METADATA_KEY_FIELD.match(source.field_ref.field_path)):
-                env[var.name] = (getattr(pod.metadata, key[1]) or {}).get(key[2], "")
-            elif source.config_map_key_ref is not None:
-                ref = source.config_map_key_ref
-                env[var.name] = self.core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data[ref.key]
-            elif source.secret_key_ref is not None:
-                ref = source.secret_key_ref
-                data = self.core.read_namespaced_secret(ref.name, pod.metadata.namespace).data
-                env[var.name] = base64.b64decode(data[ref.key]).decode()
-            else:
-                raise PodSetupError(f"env {var.name}: this valueFrom is not supported by the local executor")
-        return env
+
+    def env_reference(self, namespace: str, name: str, source: dict[str, Any]) -> str:
+        """A configMapKeyRef or secretKeyRef, read from the API; any other valueFrom fails the pod."""
+        if ref := source.get("configMapKeyRef"):
+            return self.core.read_namespaced_config_map(ref["name"], namespace).data[ref["key"]]
+        if ref := source.get("secretKeyRef"):
+            return base64.b64decode(self.core.read_namespaced_secret(ref["name"], namespace).data[ref["key"]]).decode()
+        raise PodSetupError(f"env {name}: this valueFrom is not supported by the local executor")
 
     def loopback_if_service(self, value: str, local: LocalPod) -> tuple[str, str]:
         """`host[:port]` with host 127.0.0.1 when host names a Service as cluster DNS resolves it, with the name of
@@ -703,15 +693,6 @@ def memory_kib() -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1])
     return 0
-
-
-def path_rewriter(mounts: dict[str, Path]) -> Any:
-    """Replaces each mount path, where it appears as a whole path prefix, by its local directory."""
-    if not mounts:
-        return lambda text: text
-    paths = sorted(mounts, key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w./-])(" + "|".join(re.escape(p) for p in paths) + r")(?=/|$|[^\w.-])")
-    return lambda text: pattern.sub(lambda m: str(mounts[m.group(1)]), text)
 
 
 class KubeletServer(ThreadingHTTPServer):

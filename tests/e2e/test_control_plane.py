@@ -819,7 +819,19 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     }
     assert all(p["name"].startswith(f"{name}-") for p in status["pods"])
     assert set(status["replicas"]) == kind.replicas
-    assert ctl("status", name).stdout.startswith(f"{name} ({namespace}): Succeeded\n")
+    table = ctl("status", name).stdout
+    assert table.startswith(f"{name} ({namespace}): Succeeded\n")
+    if kind is PYTORCHJOB:
+        assert status["trainerStatus"] is None
+    elif cluster.plane is not None and not cluster.plane.trainjob_status:
+        print(f"trainerStatus not checked: {cluster.plane.trainjob_status_note}")
+    else:  # rank 0 reported its progress to Trainer v2's status server, the last report at the end
+        reported = status["trainerStatus"]
+        assert reported["progressPercentage"] == 100 and reported["estimatedRemainingSeconds"] == 0, reported
+        metrics = {m["name"]: m["value"] for m in reported["metrics"]}
+        assert metrics["step"] == str(PROGRESS_STEPS) and float(metrics["loss"]) > 0, metrics
+        assert "\n  trainer status: 100%, about 0 s left, " in table, table
+        assert "cannot report progress" not in pod_logs(cluster, namespace)
     if cluster.plane is not None:  # the run directory on the claim: a committed checkpoint and the report
         run_dir = cluster.plane.claim_dir(namespace, f"{name}-checkpoints") / name
         assert (run_dir / (run_dir / "latest").read_text().strip() / "COMMITTED").exists()

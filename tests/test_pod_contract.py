@@ -1,0 +1,108 @@
+"""One pod contract: `ctl run` starts each node from the rendered pod template (ctl/pod.py, the e2e pod executor's
+code too), so a chart change reaches a laptop run without a Python change, and every variable the trainer reads
+from trainer/names.py is one the rendered pods set (or is named as someone else's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_ctl, tiny_spec
+
+import trainer.names as names
+from ctl.local import local_job
+from ctl.render import CHART_ENV
+from ctl.spec import JobSpec
+
+# Prints what the container got: a chart variable, one the spec's env overrides, the operator's node rank, a
+# downward-API field, and the run directory its mounted training.yaml names (a container path, rewritten here).
+PRINT_CONTAINER = (
+    "import os, sys, yaml; e = os.environ; config = yaml.safe_load(open(sys.argv[1]));"
+    " print(e['DDPJOB_CHART_SAYS'], e['DDPJOB_JOB_NAME'], e['PET_NODE_RANK'], e['POD'], config['checkpoint']['dir'])"
+)
+
+
+def changed_chart(tmp_path: Path, replacements: dict[str, str]) -> Path:
+    """A copy of the chart with text of its pod template (_helpers.tpl) replaced, each found exactly once."""
+    chart = tmp_path / "chart"
+    shutil.copytree(REPO / "helm" / "ddpjob", chart)
+    helpers = chart / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    for old, new in replacements.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    helpers.write_text(text)
+    return chart
+
+
+def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    # The container's command, and one more variable in its env, changed in the template alone.
+    added = '        - name: DDPJOB_CHART_SAYS\n          value: "from-the-template"\n'
+    chart = changed_chart(
+        tmp_path,
+        {
+            "command: [python, -m, trainer.launch, -m, trainer, --config,": (
+                f"command: [python, -c, {json.dumps(PRINT_CONTAINER)},"
+            ),
+            "\n      env:\n": f"\n      env:\n{added}",
+        },
+    )
+
+    spec = tiny_spec(corpus_file) | {
+        "nodes": 2,
+        # A chart-set variable overridden by the spec's env (the later entry wins, as in a pod), and a fieldRef.
+        "env": [
+            {"name": "DDPJOB_JOB_NAME", "value": "renamed"},
+            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+    }
+    run = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=os.environ | {CHART_ENV: str(chart)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    run_dir = tmp_path / "runs" / "tiny"  # the chart's <storage.mountPath>/<name>, the claim being ./runs
+    assert sorted(run.stdout.splitlines()) == [
+        f"from-the-template renamed 0 tiny-master-0 {run_dir}",
+        f"from-the-template renamed 1 tiny-worker-0 {run_dir}",
+    ]
+
+
+def test_a_pod_that_ctl_run_cannot_give_a_volume_is_one_line_and_nothing_written(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    shared_memory = "emptyDir:\n        medium: Memory\n        sizeLimit: {{ .Values.resources.shm | quote }}"
+    chart = changed_chart(tmp_path, {shared_memory: "hostPath:\n        path: /dev/shm"})
+    run = run_ctl(
+        "run", str(write_spec(tiny_spec(corpus_file))), cwd=tmp_path, env=os.environ | {CHART_ENV: str(chart)}
+    )
+    assert (run.returncode, run.stdout) == (1, "")
+    assert run.stderr == "error: volume dshm: ctl run cannot provide a hostPath volume\n"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("api_kind", ["PyTorchJob", "TrainJob"])
+def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: str, corpus_file: Path) -> None:
+    declared = {name: value for name, value in vars(names).items() if name.endswith("_ENV") and isinstance(value, str)}
+    not_the_charts = {
+        "METRICS_HOST_ENV",
+        "SLOW_RANK_ENV",
+        "PROGRESS_URL_ENV",
+        "PROGRESS_CA_CERT_ENV",
+        "PROGRESS_TOKEN_ENV",
+    }
+    assert set(declared) - not_the_charts == {n for n, v in declared.items() if v in names.POD_TEMPLATE_ENV}
+    # Each is read by the trainer (not only declared).
+    sources = "".join(p.read_text() for p in (REPO / "trainer").rglob("*.py") if p.name != "names.py")
+    assert [name for name in declared if not re.search(rf"\b{name}\b", sources)] == []
+
+    spec = JobSpec.model_validate(
+        tiny_spec(corpus_file) | {"apiKind": api_kind, "nodes": 2, "prepare": {"enabled": True}}
+    )
+    with local_job(spec) as job:
+        assert len(job.nodes) == 2
+        for node in job.nodes:
+            assert set(names.POD_TEMPLATE_ENV) <= set(node.container.env), node.replica
