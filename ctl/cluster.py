@@ -243,15 +243,20 @@ def require_operator(target: Target, api: JobApi = PYTORCHJOB) -> None:
 def delete_job(target: Target, name: str, foreground: bool = False, api: JobApi = PYTORCHJOB) -> None:
     """Delete the job and wait until it is gone. In the background (the default) the cluster's garbage
     collector removes its pods and Services afterwards; in the foreground the job object goes only once the
-    collector has removed them, so a job recreated under its name never meets the old pods."""
-    policy = "Foreground" if foreground else "Background"
+    collector has removed them, so a job recreated under its name never meets the old pods. A TrainJob is deleted
+    in the background even so, and then its pods awaited: Trainer v2.3 recreates the JobSet of a TrainJob that a
+    foreground deletion holds, again and again until the collector wins the race."""
+    policy = "Foreground" if foreground and api is not TRAINJOB else "Background"
     target.call(api.path(target.namespace, name), "DELETE", body={"propagationPolicy": policy})
     deadline = time.monotonic() + DELETE_WAIT_S
+    pods = f"/api/v1/namespaces/{target.namespace}/pods"
     while time.monotonic() < deadline:
         try:
             get_job(target, name, api)
         except JobNotFound:
-            return
+            selector = [("labelSelector", f"{api.pod_label}={name}")]
+            if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
+                return
         time.sleep(0.5)
     left = " (its pods and Services are still being removed)" if foreground else ""
     raise ClusterError(f"{api.kind.lower()} {name} still exists {DELETE_WAIT_S} s after its deletion{left}")

@@ -1075,7 +1075,11 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
 
     sdk = TrainerClient(KubernetesBackendConfig(namespace=namespace, config_file=str(cluster.kubeconfig)))
-    spec = spec_file(tmp_path, job_spec(marker, name=ours, apiKind="TrainJob"))
+    # kubeflow 0.5 describes a runtime (and so a TrainJob) only when its trainer has a cpu, GPU, TPU or NPU limit
+    # (kubernetes/utils.py get_container_devices); the chart sets none for the CPU (a throttled rank would hold
+    # up the others), so the job asks for a GPU, which this executor ignores and the trainer does not need.
+    resources = {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi", "gpu": 1}
+    spec = spec_file(tmp_path, job_spec(marker, name=ours, apiKind="TrainJob", resources=resources))
     assert ctl("submit", str(spec)).returncode == 0
 
     # The SDK on ctl's job.
