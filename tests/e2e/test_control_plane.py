@@ -1113,7 +1113,8 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
 
 def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Path) -> None:
     """A cluster without the PyTorchJob CRD (a second, bare control plane): one line saying how to install the
-    operator, exit 1, and nothing created."""
+    operator, exit 1, and nothing created. With Trainer v2's CRDs only, a spec without apiKind becomes a
+    TrainJob."""
     if EXTERNAL_KUBECONFIG:
         pytest.skip("needs a cluster without the operator: runs on a local control plane only")
     plane = controlplane.start(tmp_path / "bare", with_operator=False)
@@ -1136,5 +1137,16 @@ def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Pa
         # (the namespace's kube-root-ca.crt, from the controller-manager, is all there is)
         assert [c.metadata.name for c in core.list_namespaced_config_map("bare").items] == ["kube-root-ca.crt"]
         assert core.list_namespaced_persistent_volume_claim("bare").items == []
+
+        # Once the cluster serves TrainJobs (and still not PyTorchJobs), a spec that leaves apiKind out is
+        # submitted as a TrainJob, which ctl says; one that names PyTorchJob is refused as before.
+        controlplane.install_crds(plane, controlplane.job_set_and_trainer_crds(ensure_binaries()))
+        unset = tmp_path / "unset.yaml"
+        unset.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(spec.read_text()).items() if k != "apiKind"}))
+        chosen = run_ctl("submit", str(unset), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
+        assert (chosen.returncode, chosen.stdout) == (0, "trainjob.trainer.kubeflow.org/bare (server dry run)\n")
+        assert "apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob" in chosen.stderr
+        named = run_ctl("submit", str(spec), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
+        assert named.returncode == 1 and "the cluster has no PyTorchJob resource" in named.stderr
     finally:
         plane.stop()
