@@ -36,8 +36,9 @@ demo: install
 prometheus:
 	.ci/install-prometheus
 
-# The e2e tier's etcd, kube-apiserver and training operator, built from their Go modules into
-# ~/.cache/ddpjob/bin the first time (minutes: ~5 of compiling on 2 cores, plus downloads), found there afterwards.
+# The e2e tier's etcd, kube-apiserver, kube-controller-manager, kubectl, training operator, Trainer v2 manager and
+# JobSet controller, built from their Go modules into ~/.cache/ddpjob/bin the first time (about 16 minutes of
+# compiling on 2 busy cores, plus downloads; docs/testing.md), found there afterwards.
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
 

@@ -38,7 +38,7 @@ EXIT_CODES = (
 
 app = typer.Typer(
     name="ctl",
-    help="Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob.",
+    help="Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob or TrainJob.",
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -58,7 +58,7 @@ RunDirOpt = Annotated[
 
 @app.callback()
 def cli() -> None:
-    """Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob."""
+    """Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob or TrainJob."""
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
@@ -280,35 +280,27 @@ def submit(
     if dry_run not in ("none", "client", "server"):
         raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
     job = load_job(spec, set_values)
-    if job.api_kind == "TrainJob" and (wait_for or follow):
-        # ctl status/logs/wait read PyTorchJobs only so far (docs/trainer-v2.md).
-        raise fail("--wait/--follow: not available for apiKind TrainJob yet; follow it with kubectl (see the notes)")
+    target = None if dry_run == "client" else cluster_target(kubeconfig, context, namespace)
+    if target is not None and "api_kind" not in job.model_fields_set:
+        job = served_kind(target, job, spec, set_values)
     from ctl.render import RenderError, render, to_yaml
 
     try:
         manifests = render(job)
     except RenderError as exc:
         raise fail(str(exc), code=1) from None
-    if dry_run == "client":
+    if target is None:
         typer.echo(to_yaml(manifests), nl=False)
         return
+    from ctl.cluster import JOB_APIS, wait
     from ctl.cluster import submit as submit_objects
-    from ctl.cluster import wait
 
-    target = cluster_target(kubeconfig, context, namespace)
     with cluster_errors():
         submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
     ns = target.namespace
-    from ctl.cluster import JOB_APIS
-
     api = JOB_APIS[job.api_kind]
     typer.echo(f"{api.kind.lower()}.{api.group}/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":
-        return
-    if job.api_kind == "TrainJob":  # ctl's own follow-up commands read PyTorchJobs only so far: kubectl's
-        from ctl.render import notes
-
-        typer.echo(notes(job, ns), err=True)
         return
     typer.echo(
         f"next: ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"
@@ -327,6 +319,18 @@ def submit(
         if follow:
             printer.join(LOG_DRAIN_S)
         raise typer.Exit(code)
+
+
+def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str]) -> JobSpec:
+    """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
+    spec as a TrainJob (validated as one), said on stderr."""
+    from ctl.cluster import PYTORCHJOB, TRAINJOB, serves
+
+    with cluster_errors():
+        if serves(target, PYTORCHJOB) or not serves(target, TRAINJOB):
+            return job
+    note("apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob: submitting a TrainJob")
+    return load_job(spec, [*set_values, "apiKind=TrainJob"])
 
 
 @app.command("wait")
@@ -393,6 +397,8 @@ def status_table(data: dict[str, Any]) -> str:
     lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
     if data["progress"]:
         lines.append(f"  progress: {progress_text(data['progress'])}")
+    if data["trainerStatus"]:
+        lines.append(f"  trainer status: {trainer_status_text(data['trainerStatus'])}")
     lines += [
         f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
     ]
@@ -409,7 +415,7 @@ def status_table(data: dict[str, Any]) -> str:
 def status_line(data: dict[str, Any]) -> str:
     """`ctl status -w`'s line: state, progress and the pods."""
     pods = ", ".join(
-        f"{p['name'].removeprefix(data['name'] + '-')} {p['phase']}"  # the operator's <job>-master-0
+        f"{p['node']} {p['phase']}"  # master-0, worker-0; node-0, node-1
         + (f" ({p['restarts']} restarts)" if p["restarts"] else "")
         for p in data["pods"]
     )
@@ -429,6 +435,17 @@ def progress_text(progress: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def trainer_status_text(status: dict[str, Any]) -> str:
+    """A TrainJob's `.status.trainerStatus` (what its trainer reported to Trainer v2) in one line."""
+    parts = [f"{status['progressPercentage']}%"] if status.get("progressPercentage") is not None else []
+    if status.get("estimatedRemainingSeconds") is not None:
+        parts.append(f"about {status['estimatedRemainingSeconds']} s left")
+    parts += [f"{m['name']} {m['value']}" for m in status.get("metrics") or []]
+    if status.get("lastUpdatedTime"):
+        parts.append(f"at {status['lastUpdatedTime']}")
+    return ", ".join(parts)
+
+
 @app.command("list")
 def list_command(
     all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Jobs of every namespace.")] = False,
@@ -437,7 +454,8 @@ def list_command(
     context: ContextOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """The PyTorchJobs of the namespace: state, nodes x processes per node, age, rank 0's step while running."""
+    """The jobs of the namespace, PyTorchJobs and TrainJobs: state, nodes x processes per node, age, rank 0's step
+    while running."""
     from ctl.cluster import list_jobs
 
     target = cluster_target(kubeconfig, context, namespace)
@@ -445,10 +463,11 @@ def list_command(
         rows = list_jobs(target, all_namespaces)
 
     def table() -> str:
-        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
+        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'KIND':<10} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
         lines += [
-            f"{r['namespace']:<20} {r['name']:<32} {r['state']:<11} {r['nodes']} x {r['procsPerNode']:<10}"
-            f" {str(r['ageSeconds']) + 's':<8} {progress_text(r['progress']) if r['progress'] else ''}"
+            f"{r['namespace']:<20} {r['name']:<32} {r['kind']:<10} {r['state']:<11}"
+            f" {r['nodes']} x {r['procsPerNode']:<10} {str(r['ageSeconds']) + 's':<8}"
+            f" {progress_text(r['progress']) if r['progress'] else ''}"
             for r in rows
         ]
         return "\n".join(lines)
@@ -463,7 +482,7 @@ def logs(
         int | None, typer.Option("--rank", help="The pod that runs this global rank (default 0).", show_default=False)
     ] = None,
     all_nodes: Annotated[
-        bool, typer.Option("--all", help="Every pod, each line prefixed [master-0], [worker-0]...")
+        bool, typer.Option("--all", help="Every pod, each line prefixed [master-0], [worker-0]... ([node-0]...)")
     ] = False,
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Stream new lines, across restarts, until the job ends.")
@@ -494,15 +513,15 @@ def logs(
 
 def print_logs(target: Target, name: str, all_nodes: bool, rank: int, options: LogOptions) -> None:
     """The chosen pods' lines on stdout (prefixed by pod with --all, coloured on a terminal); notes on stderr."""
-    from ctl.cluster import get_job, node_labels, procs_per_node
+    from ctl.cluster import find_job, node_labels, procs_per_node
     from ctl.logs import interleaved, node_lines
 
     with cluster_errors():
-        job = get_job(target, name)
+        job = find_job(target, name)
         labels = node_labels(job)
         if not all_nodes:
             labels = [labels[node_of_rank(rank, len(labels), procs_per_node(job))]]
-        streams = {label: node_lines(target, name, label, options, note) for label in labels}
+        streams = {label: node_lines(target, job, label, options, note) for label in labels}
         colours = dict(zip(labels, itertools.cycle(PREFIX_COLOURS), strict=False)) if colour_enabled() else {}
         for label, line in interleaved(streams):
             if not all_nodes:
@@ -540,12 +559,15 @@ def delete(
 ) -> None:
     """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
     from ctl.cluster import delete as delete_objects
+    from ctl.cluster import find_job
 
     target = cluster_target(kubeconfig, context, namespace)
     if not yes:
         if not sys.stdin.isatty():
             raise fail("delete: confirm with --yes (stdin is not a terminal)")
-        if not typer.confirm(f"delete pytorchjob {name} in namespace {target.namespace}?", err=True):
+        with cluster_errors():
+            kind = find_job(target, name)["kind"].lower()
+        if not typer.confirm(f"delete {kind} {name} in namespace {target.namespace}?", err=True):
             raise typer.Exit(1)
     with cluster_errors():
         removed = delete_objects(target, name, purge)

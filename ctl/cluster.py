@@ -1,4 +1,5 @@
-"""ctl against a cluster: targeting like kubectl, server-side apply, and a PyTorchJob's state in training terms.
+"""ctl against a cluster: targeting like kubectl, server-side apply, and a job's state in training terms, for both
+job APIs: the training operator v1's PyTorchJob and Kubeflow Trainer v2's TrainJob (pods of JobSet's Indexed Jobs).
 
 Only the Kubernetes API is used (the `kubernetes` client, no kubectl). Every failure that is
 not the job's own outcome is a `ClusterError` with one line for the user.
@@ -24,10 +25,14 @@ from kubernetes.client.exceptions import ApiException
 from ctl import storage
 
 FIELD_MANAGER = "ctl"
-CONTAINER = "pytorch"  # the operator requires every replica's training container to have this name
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+# A TrainJob's pods: JobSet's labels (the JobSet is named after the TrainJob) and the Indexed Job's completion index.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
 DELETE_WAIT_S = 300
 METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
@@ -52,6 +57,8 @@ class JobApi:
     version: str
     plural: str
     install: str
+    container: str  # the trainer's container, by the name the controller requires
+    pod_label: str  # the label naming the job on each of its pods
 
     def path(self, namespace: str, name: str = "") -> str:
         return f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
@@ -63,17 +70,22 @@ PYTORCHJOB = JobApi(
     "v1",
     "pytorchjobs",
     f"the Kubeflow training operator v1.9 first, e.g. {OPERATOR_INSTALL}",
+    container="pytorch",
+    pod_label=JOB_NAME_LABEL,
 )
-# Kubeflow Trainer v2 (apiKind TrainJob): `ctl submit` creates TrainJobs; status, logs, list and wait read
-# PyTorchJobs only so far (docs/trainer-v2.md).
 TRAINJOB = JobApi(
     "TrainJob",
     "trainer.kubeflow.org",
     "v1alpha1",
     "trainjobs",
     "Kubeflow Trainer v2.3 and JobSet first (docs/trainer-v2.md)",
+    container="node",
+    pod_label=JOBSET_NAME_LABEL,
 )
+# In the order a name is looked up in (PyTorchJob, the default kind, first).
 JOB_APIS = {api.kind: api for api in (PYTORCHJOB, TRAINJOB)}
+# The training objects rendered with a TrainJob, deleted with it (selected by the chart's instance label).
+TRAINING_RUNTIMES = ("/apis/trainer.kubeflow.org/v1alpha1", "trainingruntimes")
 
 
 class ClusterError(RuntimeError):
@@ -200,27 +212,51 @@ def get_job(target: Target, name: str, api: JobApi = PYTORCHJOB) -> dict[str, An
         raise JobNotFound(f"{api.kind.lower()} {name} not found in namespace {target.namespace}") from None
 
 
-def require_operator(target: Target, api: JobApi = PYTORCHJOB) -> None:
+def find_job(target: Target, name: str) -> dict[str, Any]:
+    """The job of that name, of whichever kind the cluster has it as (PyTorchJob first)."""
+    for api in JOB_APIS.values():
+        try:
+            return target.call(api.path(target.namespace, name))
+        except NotFound:  # no such job, or no such resource in this cluster
+            continue
+    raise JobNotFound(f"job {name} not found in namespace {target.namespace} (neither PyTorchJob nor TrainJob)")
+
+
+def api_of(job: dict[str, Any]) -> JobApi:
+    return JOB_APIS[job["kind"]]
+
+
+def serves(target: Target, api: JobApi) -> bool:
+    """Whether the cluster serves the kind (its CRD installed)."""
     try:
         resources = target.call(f"/apis/{api.group}/{api.version}")["resources"]
     except NotFound:
-        resources = []
-    if not any(r["name"] == api.plural for r in resources):
+        return False
+    return any(r["name"] == api.plural for r in resources)
+
+
+def require_operator(target: Target, api: JobApi = PYTORCHJOB) -> None:
+    if not serves(target, api):
         raise ClusterError(f"the cluster has no {api.kind} resource ({api.plural}.{api.group}): install {api.install}")
 
 
 def delete_job(target: Target, name: str, foreground: bool = False, api: JobApi = PYTORCHJOB) -> None:
     """Delete the job and wait until it is gone. In the background (the default) the cluster's garbage
     collector removes its pods and Services afterwards; in the foreground the job object goes only once the
-    collector has removed them, so a job recreated under its name never meets the old pods."""
-    policy = "Foreground" if foreground else "Background"
+    collector has removed them, so a job recreated under its name never meets the old pods. A TrainJob is deleted
+    in the background even so, and then its pods awaited: Trainer v2.3 recreates the JobSet of a TrainJob that a
+    foreground deletion holds, again and again until the collector wins the race."""
+    policy = "Foreground" if foreground and api is not TRAINJOB else "Background"
     target.call(api.path(target.namespace, name), "DELETE", body={"propagationPolicy": policy})
     deadline = time.monotonic() + DELETE_WAIT_S
+    pods = f"/api/v1/namespaces/{target.namespace}/pods"
     while time.monotonic() < deadline:
         try:
             get_job(target, name, api)
         except JobNotFound:
-            return
+            selector = [("labelSelector", f"{api.pod_label}={name}")]
+            if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
+                return
         time.sleep(0.5)
     left = " (its pods and Services are still being removed)" if foreground else ""
     raise ClusterError(f"{api.kind.lower()} {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
@@ -257,7 +293,23 @@ def submit(
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
+    if dry_run and api is TRAINJOB and not runtime_exists(target, job):
+        if note:
+            note(
+                "note: Trainer v2's webhook checks a TrainJob against its TrainingRuntime, which a dry run does not"
+                " create: the runtime and the other objects passed the server dry run, the TrainJob was not sent"
+            )
+        return job
     return apply(target, job, dry_run=dry_run)
+
+
+def runtime_exists(target: Target, job: dict[str, Any]) -> bool:
+    base, plural = TRAINING_RUNTIMES
+    try:
+        target.call(f"{base}/namespaces/{target.namespace}/{plural}/{job['spec']['runtimeRef']['name']}")
+    except NotFound:
+        return False
+    return True
 
 
 class StorageMismatch(ClusterError):
@@ -294,9 +346,18 @@ def check_claim(target: Target, objects: list[dict[str, Any]]) -> str | None:
 
 
 def condition(job: dict[str, Any]) -> str:
-    """The job's state: its newest true condition (Created, Running, Restarting, Succeeded, Failed...)."""
-    true = [c for c in job.get("status", {}).get("conditions") or [] if c.get("status") == "True"]
-    return true[-1]["type"] if true else "Pending"
+    """The job's state in one word, the same for both kinds: Created, Running, Restarting, Succeeded, Failed...
+    A PyTorchJob's newest true condition; a TrainJob's Complete (as Succeeded), Failed or Suspended condition, else
+    Running while a Job of its JobSet has pods active, else Created."""
+    status = job.get("status") or {}
+    true = [c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"]
+    if job["kind"] == PYTORCHJOB.kind:
+        return true[-1] if true else "Pending"
+    for kind, state in (("Failed", "Failed"), ("Complete", "Succeeded"), ("Suspended", "Suspended")):
+        if kind in true:
+            return state
+    active = any(j.get("active") or j.get("ready") for j in status.get("jobsStatus") or [])
+    return "Running" if active else "Created"
 
 
 def finished(job: dict[str, Any]) -> bool:
@@ -309,7 +370,7 @@ def wait(target: Target, name: str, state: str, timeout: float, progress: Callab
     last = ""
     while True:
         try:
-            current = condition(get_job(target, name))
+            current = condition(find_job(target, name))
         except JobNotFound:
             return EXIT_NOT_FOUND
         if current != last and progress:
@@ -328,30 +389,33 @@ def wait(target: Target, name: str, state: str, timeout: float, progress: Callab
         time.sleep(1)
 
 
-def job_pods(target: Target, name: str) -> list[dict[str, Any]]:
-    """The job's pods in node-rank order (master-0, worker-0, worker-1...)."""
-    pods = target.call(
-        f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", f"{JOB_NAME_LABEL}={name}")]
-    )["items"]
-    order = {"master": 0, "worker": 1}
-    return sorted(pods, key=lambda p: (order.get(replica(p)[0], 2), replica(p)[1]))
-
-
-def replica(pod: dict[str, Any]) -> tuple[str, int]:
-    """(replica type, index) from the operator's labels: ("master", 0), ("worker", 1)..."""
-    labels = pod["metadata"].get("labels") or {}
-    return labels.get(REPLICA_TYPE_LABEL, ""), int(labels.get(REPLICA_INDEX_LABEL, "0"))
+def job_pods(target: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's pods in node-rank order (master-0, worker-0, worker-1...; node-0, node-1...), oldest first
+    among a node's pods (a Job replaces a failed pod by a new one)."""
+    name = job["metadata"]["name"]
+    selector = f"{api_of(job).pod_label}={name}"
+    pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
+    ranks = {label: rank for rank, label in enumerate(node_labels(job))}
+    return sorted(
+        pods["items"], key=lambda p: (ranks.get(pod_label(p), len(ranks)), p["metadata"].get("creationTimestamp", ""))
+    )
 
 
 def pod_label(pod: dict[str, Any]) -> str:
-    """`master-0`, `worker-1`: the pod's name within its job."""
-    kind, index = replica(pod)
-    return f"{kind}-{index}"
+    """`master-0`, `worker-1` (the operator's labels), `node-0`, `node-1` (JobSet's replicated job and the
+    completion index): the pod's name within its job."""
+    labels = pod["metadata"].get("labels") or {}
+    if REPLICATED_JOB_LABEL in labels:
+        return f"{labels[REPLICATED_JOB_LABEL]}-{labels.get(COMPLETION_INDEX_LABEL, '0')}"
+    return f"{labels.get(REPLICA_TYPE_LABEL, '')}-{labels.get(REPLICA_INDEX_LABEL, '0')}"
 
 
 def node_labels(job: dict[str, Any]) -> list[str]:
     """The job's pods by node rank, as `master-0`, `worker-0`, ...: the master is node 0, the workers follow
-    (an elastic job without a master starts at worker-0)."""
+    (an elastic job without a master starts at worker-0); a TrainJob's are `node-0`, `node-1`, ... (its
+    replicated job `node`, one pod per completion index)."""
+    if job["kind"] == TRAINJOB.kind:
+        return [f"node-{index}" for index in range(nodes(job))]
     specs = job["spec"].get("pytorchReplicaSpecs") or {}
     return [
         f"{kind.lower()}-{index}"
@@ -361,9 +425,23 @@ def node_labels(job: dict[str, Any]) -> list[str]:
     ]
 
 
+def nodes(job: dict[str, Any]) -> int:
+    """The job's pods: a TrainJob's numNodes (1, the torch plugin's default, when its runtime decides)."""
+    if job["kind"] == TRAINJOB.kind:
+        return int((job["spec"].get("trainer") or {}).get("numNodes", 1))
+    return sum(int(s.get("replicas", 1)) for s in (job["spec"].get("pytorchReplicaSpecs") or {}).values())
+
+
+def procs_value(job: dict[str, Any]) -> str:
+    """Processes per pod as the job says it: a number, or `auto`, `gpu`... (each node decides)."""
+    if job["kind"] == TRAINJOB.kind:
+        return str((job["spec"].get("trainer") or {}).get("numProcPerNode", "auto"))
+    return str(job["spec"].get("nprocPerNode", "1"))
+
+
 def procs_per_node(job: dict[str, Any]) -> int | None:
     """Processes per pod when the job fixes the number (`auto`, `gpu`... leave it to each node)."""
-    value = str(job["spec"].get("nprocPerNode", "1"))
+    value = procs_value(job)
     return int(value) if value.isdigit() else None
 
 
@@ -416,13 +494,20 @@ def metrics_progress(text: str) -> dict[str, Any] | None:
     }
 
 
-def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
+def trainer_status(pod: dict[str, Any], container: str) -> dict[str, Any]:
+    """The status of the pod's trainer container ({} before it has one)."""
     statuses = pod.get("status", {}).get("containerStatuses") or []
-    trainer = next((s for s in statuses if s["name"] == "pytorch"), {})
+    return next((s for s in statuses if s["name"] == container), {})
+
+
+def pod_summary(pod: dict[str, Any], container: str) -> dict[str, Any]:
+    trainer = trainer_status(pod, container)
     terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+    labels = pod["metadata"].get("labels") or {}
     return {
         "name": pod["metadata"]["name"],
-        "replicaType": pod["metadata"].get("labels", {}).get("training.kubeflow.org/replica-type", ""),
+        "node": pod_label(pod),
+        "replicaType": labels.get(REPLICA_TYPE_LABEL) or labels.get(REPLICATED_JOB_LABEL, ""),
         "phase": pod.get("status", {}).get("phase", "Unknown"),
         "restarts": trainer.get("restartCount", 0),
         "exitCode": terminated.get("exitCode") if terminated else None,
@@ -430,12 +515,24 @@ def pod_summary(pod: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replica_counts(job: dict[str, Any]) -> dict[str, Any]:
+    """Pods by state for each replica: a PyTorchJob's replicaStatuses; a TrainJob's jobsStatus, by replicated
+    job."""
+    status = job.get("status") or {}
+    if job["kind"] == PYTORCHJOB.kind:
+        return status.get("replicaStatuses") or {}
+    counts = ("active", "ready", "succeeded", "failed", "suspended")
+    return {j["name"]: {k: j.get(k, 0) for k in counts} for j in status.get("jobsStatus") or []}
+
+
 def status(target: Target, name: str) -> dict[str, Any]:
-    """The job in one stable shape: state, training progress, conditions, replica counts, pods, recent events
-    (of the job and of its pods)."""
-    job = get_job(target, name)
-    pods = job_pods(target, name)
+    """The job in one stable shape, for both kinds: state, training progress (rank 0's metrics while it runs;
+    for a TrainJob also what its trainer reported to Trainer v2, `trainerStatus`), conditions, replica counts,
+    pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
+    job = find_job(target, name)
+    pods = job_pods(target, job)
     involved = {name} | {pod["metadata"]["name"] for pod in pods}
+    involved |= {(pod["metadata"].get("labels") or {}).get(BATCH_JOB_NAME_LABEL) for pod in pods}
     events = [
         e
         for e in target.call(f"/api/v1/namespaces/{target.namespace}/events")["items"]
@@ -444,14 +541,16 @@ def status(target: Target, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": target.namespace,
+        "kind": job["kind"],
         "state": condition(job),
         "progress": rank0_progress(target, job, pods),
+        "trainerStatus": (job.get("status") or {}).get("trainerStatus"),
         "conditions": [
             {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
             for c in job.get("status", {}).get("conditions") or []
         ],
-        "replicas": job.get("status", {}).get("replicaStatuses") or {},
-        "pods": [pod_summary(pod) for pod in pods],
+        "replicas": replica_counts(job),
+        "pods": [pod_summary(pod, api_of(job).container) for pod in pods],
         "events": [
             {"object": f"{e['involvedObject'].get('kind', '').lower()}/{e['involvedObject'].get('name')}"}
             | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
@@ -461,55 +560,57 @@ def status(target: Target, name: str) -> dict[str, Any]:
 
 
 def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Progress from node 0's pod (where rank 0 runs) while the job runs."""
+    """Progress from node 0's pod (where rank 0 runs; its newest) while the job runs."""
     labels = node_labels(job)
     rank0 = [p for p in pods if labels and pod_label(p) == labels[0]]
-    return progress(target, rank0[0]) if rank0 and not finished(job) else None
+    return progress(target, rank0[-1]) if rank0 and not finished(job) else None
 
 
 def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
-    api = PYTORCHJOB
-    path = (
-        f"/apis/{api.group}/{api.version}/" + ("" if all_namespaces else f"namespaces/{target.namespace}/") + api.plural
-    )
-    try:
-        items = target.call(path)["items"]
-    except NotFound:
+    """The jobs of both kinds the cluster serves (an error naming the install when it serves neither)."""
+    items = []
+    for api in JOB_APIS.values():
+        scope = "" if all_namespaces else f"namespaces/{target.namespace}/"
+        try:
+            items += target.call(f"/apis/{api.group}/{api.version}/{scope}{api.plural}")["items"]
+        except NotFound:  # this kind is not served here
+            continue
+    if not items and not any(serves(target, api) for api in JOB_APIS.values()):
         require_operator(target)
-        raise
     rows = []
-    for job in items:
+    for job in sorted(items, key=lambda j: (j["metadata"]["namespace"], j["metadata"]["name"], j["kind"])):
         in_namespace = Target(target.api, job["metadata"]["namespace"])
         running = condition(job) in ("Running", "Restarting")
-        pods = job_pods(in_namespace, job["metadata"]["name"]) if running else []
+        pods = job_pods(in_namespace, job) if running else []
         rows.append(job_row(job) | {"progress": rank0_progress(in_namespace, job, pods) if running else None})
     return rows
 
 
 def job_row(job: dict[str, Any]) -> dict[str, Any]:
-    specs = job["spec"].get("pytorchReplicaSpecs", {})
-    nodes = sum(int(s.get("replicas", 1)) for s in specs.values())
     created = datetime.fromisoformat(job["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
     return {
         "name": job["metadata"]["name"],
         "namespace": job["metadata"]["namespace"],
+        "kind": job["kind"],
         "state": condition(job),
-        "nodes": nodes,
-        "procsPerNode": str(job["spec"].get("nprocPerNode", "1")),
+        "nodes": nodes(job),
+        "procsPerNode": procs_value(job),
         "ageSeconds": int((datetime.now(timezone.utc) - created).total_seconds()),
     }
 
 
 def delete(target: Target, name: str, purge: bool) -> list[str]:
-    """The job, and the objects rendered with it (config, monitoring); its claim only with `purge`."""
-    get_job(target, name)
-    delete_job(target, name)
-    removed = [f"pytorchjob/{name}"]
+    """The job, and the objects rendered with it (config, monitoring, a TrainJob's runtime); its claim only with
+    `purge`."""
+    api = api_of(find_job(target, name))
+    delete_job(target, name, api=api)
+    removed = [f"{api.kind.lower()}/{name}"]
     selector = f"app.kubernetes.io/instance={name}"
     kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
     kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
     kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))
     kinds.append(("/apis/batch/v1", "jobs"))  # prepare.enabled: the prepare Job
+    kinds.append(TRAINING_RUNTIMES)
     if purge:
         kinds.append(("/api/v1", "persistentvolumeclaims"))
     for base, plural in kinds:

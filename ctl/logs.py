@@ -1,7 +1,8 @@
 """`ctl logs`: a job's pod logs through the API server (pods/log), by node, waiting for pods to start.
 
 A pod's log is read as the kubelet serves it, one container run at a time. Following goes on across the
-pod's restarts (and its re-creation by the operator) until the job has ended, as a user watching a
+pod's restarts (and its re-creation by the operator, or by a TrainJob's Job under a new name) until the job has
+ended, as a user watching a
 training run expects; `--all` reads every node's pod at once, one thread each, lines interleaved as
 they arrive.
 """
@@ -17,7 +18,17 @@ from typing import Any
 
 import urllib3
 
-from ctl.cluster import CONTAINER, ClusterError, Target, finished, get_job, job_pods, pod_label
+from ctl.cluster import (
+    ClusterError,
+    JobApi,
+    Target,
+    api_of,
+    finished,
+    get_job,
+    job_pods,
+    pod_label,
+    trainer_status,
+)
 
 POLL_S = 1.0
 CHUNK_BYTES = 64 * 1024
@@ -32,21 +43,23 @@ class LogOptions:
 
 
 def node_lines(
-    target: Target, job_name: str, label: str, options: LogOptions, note: Callable[[str], None]
+    target: Target, job: dict[str, Any], label: str, options: LogOptions, note: Callable[[str], None]
 ) -> Iterator[str]:
-    """The log lines of the job's pod `label` (`master-0`, `worker-1`): waits for it to start; with `follow`,
-    goes on through its restarts until the job has ended."""
+    """The log lines of the job's pod `label` (`master-0`, `worker-1`, `node-0`; its newest pod): waits for it to
+    start; with `follow`, goes on through its restarts until the job has ended."""
+    api = api_of(job)
+    job_name = job["metadata"]["name"]
     streamed: tuple[str, int] | None = None  # the container run read last: (pod uid, restart count)
     waited = False
     while True:
-        job = get_job(target, job_name)
-        pod = next((p for p in job_pods(target, job_name) if pod_label(p) == label), None)
-        run = container_run(pod) if pod else None
+        job = get_job(target, job_name, api)
+        pod = next((p for p in reversed(job_pods(target, job)) if pod_label(p) == label), None)
+        run = container_run(pod, api) if pod else None
         if run is not None and run != streamed:
             if streamed is not None:
                 note(f"{label}: container restarted (restart {run[1]})")
             streamed = run
-            yield from read_log(target, pod["metadata"]["name"], options)
+            yield from read_log(target, pod["metadata"]["name"], api, options)
             if not options.follow or options.previous:
                 return
             continue
@@ -60,12 +73,11 @@ def node_lines(
         time.sleep(POLL_S)
 
 
-def container_run(pod: dict[str, Any]) -> tuple[str, int] | None:
+def container_run(pod: dict[str, Any], api: JobApi) -> tuple[str, int] | None:
     """(uid, restart count) of the pod's container run that has a log (running, ended, or backing off after
     ending); None before the container has first started."""
-    statuses = pod.get("status", {}).get("containerStatuses") or []
-    trainer = next((s for s in statuses if s["name"] == CONTAINER), None)
-    if trainer is None:
+    trainer = trainer_status(pod, api.container)
+    if not trainer:
         return None
     state, last = trainer.get("state") or {}, trainer.get("lastState") or {}
     if "running" in state or "terminated" in state or "terminated" in last:
@@ -73,9 +85,9 @@ def container_run(pod: dict[str, Any]) -> tuple[str, int] | None:
     return None
 
 
-def read_log(target: Target, pod: str, options: LogOptions) -> Iterator[str]:
+def read_log(target: Target, pod: str, api: JobApi, options: LogOptions) -> Iterator[str]:
     """One container run's log, line by line as it arrives (to the run's end when following)."""
-    query = [("container", CONTAINER)]
+    query = [("container", api.container)]
     query += [("follow", "true")] if options.follow and not options.previous else []
     query += [("previous", "true")] if options.previous else []
     query += [("timestamps", "true")] if options.timestamps else []

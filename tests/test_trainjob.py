@@ -5,7 +5,6 @@ controller and webhooks do with them (pkg/runtime/framework/plugins/{torch,jobse
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +186,7 @@ def test_notes_and_alerts_point_at_the_trainjob_pods() -> None:
     node_zero = "-l jobset.sigs.k8s.io/jobset-name=job,batch.kubernetes.io/job-completion-index=0 -c node"
     assert "TrainJob job in namespace ml: 2 pod(s)" in text
     assert "kubectl get trainjob job -n ml -w" in text and f"kubectl logs -n ml -f {node_zero}" in text
+    assert "ctl status job -n ml\n" in text and "ctl logs job -n ml -f\n" in text
     assert "kubectl delete trainingruntime job -n ml" in text
     rules = objects(spec_of(apiKind="TrainJob", metrics={"alerts": {"enabled": True}}))["PrometheusRule"]
     annotations = " ".join(v for g in rules["spec"]["groups"] for r in g["rules"] for v in r["annotations"].values())
@@ -206,15 +206,3 @@ def test_ctl_run_trains_two_trainjob_nodes_with_trainer_v2s_env(tmp_path, write_
     report = json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 5
     assert processes_with_marker(marker) == []
-
-
-def test_submit_refuses_to_wait_for_a_trainjob_before_touching_the_cluster(tmp_path: Path) -> None:
-    """ctl status/logs/wait read PyTorchJobs only so far: `submit --wait` says so, creating nothing."""
-    example = REPO / "examples" / "trainjob.yaml"
-    env = os.environ | {"KUBECONFIG": str(tmp_path / "no-such-kubeconfig")}
-    for flag in ("--wait", "--follow"):
-        result = run_ctl("submit", str(example), flag, cwd=tmp_path, env=env)
-        assert (result.returncode, result.stdout) == (2, "")
-        assert result.stderr == (
-            "error: --wait/--follow: not available for apiKind TrainJob yet; follow it with kubectl (see the notes)\n"
-        )

@@ -1,15 +1,17 @@
 """The control plane's binaries, built from their Go modules once and cached by version outside the repo.
 
-- kube-apiserver, kube-controller-manager and etcd: one generated wrapper module requiring `k8s.io/kubernetes`
-  (its staging modules replaced by their published v0 releases, read from upstream's own go.mod) and the etcd
-  server version that Kubernetes release itself depends on; a `main` package per binary.
-- the Kubeflow training operator: `go install ...training-operator.v1@<version>`.
+- kube-apiserver, kube-controller-manager, kubectl and etcd: one generated wrapper module requiring
+  `k8s.io/kubernetes` (its staging modules replaced by their published v0 releases, read from upstream's own go.mod)
+  and the etcd server version that Kubernetes release itself depends on; a `main` package per binary.
+- the Kubeflow training operator v1, the Kubeflow Trainer v2 controller manager and the JobSet controller (the
+  version Trainer v2 requires): each a generated wrapper module requiring its module, building its main package.
 
-The first build takes minutes: on two cores about 5 of compiling kube-apiserver and etcd, plus the module
-downloads; kube-controller-manager then took 1 min 16 s more (most of its packages in the Go build cache already;
-a cold build of all three was not timed). Each binary missing from `~/.cache/ddpjob/bin/<name>-<version>` is built
-alone; when none is missing, calls return at once. `python tests/e2e/cluster_binaries.py` builds everything
-(`make e2e-binaries`, a prerequisite of `make test` and `make e2e`).
+The first build takes minutes. On a shared 2-core machine under load: kube-apiserver 3 min 56 s,
+kube-controller-manager 1 min 17 s, kubectl 46 s, etcd 32 s (partly in the Go build cache already), JobSet
+4 min 43 s, Trainer v2 4 min 21 s, plus the module downloads. Each binary missing from
+`~/.cache/ddpjob/bin/<name>-<version>` is built alone; when none is missing, calls return at once.
+`python tests/e2e/cluster_binaries.py` builds everything (`make e2e-binaries`, a prerequisite of `make test` and
+`make e2e`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-KUBERNETES_VERSION = "v1.31.3"
-# The etcd server k8s.io/kubernetes v1.31.3 itself requires (its go.mod), so the pair is one upstream tested.
-ETCD_VERSION = "v3.5.13"
+KUBERNETES_VERSION = "v1.36.3"
+# The etcd server k8s.io/kubernetes v1.36.3 itself requires (its go.mod), so the pair is one upstream tested.
+ETCD_VERSION = "v3.6.8"
 TRAINING_OPERATOR_VERSION = "v1.9.0"
 TRAINING_OPERATOR_MODULE = "github.com/kubeflow/training-operator"
 PYTORCHJOB_CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+TRAINER_VERSION = "v2.3.0"
+TRAINER_MODULE = "github.com/kubeflow/trainer/v2"
+# The JobSet release Trainer v2.3.0 requires (its go.mod): the controller TrainJobs are built on.
+JOBSET_VERSION = "v0.12.0"
+JOBSET_MODULE = "sigs.k8s.io/jobset"
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
@@ -49,6 +56,22 @@ import (
 func main() {{
 \tos.Exit(cli.Run(app.{constructor}()))
 }}
+"""
+
+# kubectl's own main: its root command, errors printed the way kubectl prints them.
+KUBECTL_MAIN = """package main
+
+import (
+\t"k8s.io/component-base/cli"
+\t"k8s.io/kubectl/pkg/cmd"
+\t"k8s.io/kubectl/pkg/cmd/util"
+)
+
+func main() {
+\tif err := cli.RunNoErrOutput(cmd.NewDefaultKubectlCommand()); err != nil {
+\t\tutil.CheckErr(err)
+\t}
+}
 """
 
 ETCD_MAIN = """package main
@@ -74,8 +97,14 @@ class Binaries:
     etcd: Path
     kube_apiserver: Path
     kube_controller_manager: Path
+    kubectl: Path
     training_operator: Path
     pytorchjob_crd: Path
+    trainer_controller_manager: Path
+    jobset_controller: Path
+    # The two modules' source directories: their CRDs and webhook manifests, as their releases install them.
+    trainer_source: Path
+    jobset_source: Path
 
 
 def go_toolchain() -> str:
@@ -118,18 +147,22 @@ def install(built: Path, target: Path) -> Path:
 
 
 def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
-    """The generated module that builds kube-apiserver, kube-controller-manager and etcd."""
+    """The generated module that builds kube-apiserver, kube-controller-manager, kubectl and etcd."""
     upstream = (download_module("k8s.io/kubernetes", version) / "go.mod").read_text()
     staging = STAGING_REPLACE.findall(upstream)
     if not staging:
         raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no replace block for the staging modules")
     staging_version = "v0." + version.removeprefix("v1.")
+    go_directive = re.search(r"^go (\S+)$", upstream, re.MULTILINE)
+    if go_directive is None:
+        raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no go directive")
     module = CACHE / "build" / f"control-plane-{version}"
     mains = {
         "kube-apiserver": KUBERNETES_MAIN.format(command="kube-apiserver", constructor="NewAPIServerCommand"),
         "kube-controller-manager": KUBERNETES_MAIN.format(
             command="kube-controller-manager", constructor="NewControllerManagerCommand"
         ),
+        "kubectl": KUBECTL_MAIN,
         "etcd": ETCD_MAIN,
     }
     for name, main in mains.items():
@@ -137,19 +170,20 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
         (module / "cmd" / name / "main.go").write_text(main)
     replaces = "\n".join(f"\t{path} => {path} {staging_version}" for path in staging)
     (module / "go.mod").write_text(
-        "module ddpjob.local/control-plane\n\ngo 1.22.0\n\n"
+        f"module ddpjob.local/control-plane\n\ngo {go_directive[1]}\n\n"
         f"require (\n\tk8s.io/kubernetes {version}\n\tgo.etcd.io/etcd/server/v3 {etcd_version}\n)\n\n"
         f"replace (\n{replaces}\n)\n"
     )
     return module
 
 
-def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> tuple[Path, Path, Path]:
-    """(etcd, kube-apiserver, kube-controller-manager), each built on the first call that lacks it."""
+def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> dict[str, Path]:
+    """etcd, kube-apiserver, kube-controller-manager and kubectl by name, each built on the first call that lacks it."""
     targets = {
         "etcd": cached("etcd", etcd_version),
         "kube-apiserver": cached("kube-apiserver", version),
         "kube-controller-manager": cached("kube-controller-manager", version),
+        "kubectl": cached("kubectl", version),
     }
     missing = [name for name, target in targets.items() if not target.exists()]
     if missing:
@@ -160,18 +194,27 @@ def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD
         for name in missing:
             run_go(*build, str(out / name), f"./cmd/{name}", cwd=module)
             install(out / name, targets[name])
-    return targets["etcd"], targets["kube-apiserver"], targets["kube-controller-manager"]
+    return targets
 
 
-def build_training_operator(version: str = TRAINING_OPERATOR_VERSION) -> Path:
-    operator = cached("training-operator", version)
-    if operator.exists():
-        return operator
-    gobin = CACHE / "build" / f"training-operator-{version}"
-    env = go_env() | {"GOBIN": str(gobin), "GOFLAGS": "-trimpath"}
-    package = f"{TRAINING_OPERATOR_MODULE}/cmd/training-operator.v1@{version}"
-    run_go("install", "-p", BUILD_PARALLELISM, "-ldflags=-s -w", package, cwd=CACHE, env=env)
-    return install(gobin / "training-operator.v1", operator)
+def build_main(name: str, module: str, package: str, version: str) -> Path:
+    """The main package `package` of `module` at `version` (a module without replace directives), built in a
+    generated wrapper module that requires it (`go install package@version` would also look up the module's
+    deprecation through the proxy's version list, which the proxy may refuse); cached as `name-version`."""
+    target = cached(name, version)
+    if target.exists():
+        return target
+    upstream = (download_module(module, version) / "go.mod").read_text()
+    go_directive = re.search(r"^go (\S+)$", upstream, re.MULTILINE)
+    wrapper = CACHE / "build" / f"{name}-{version}"
+    wrapper.mkdir(parents=True, exist_ok=True)
+    (wrapper / "go.mod").write_text(
+        f"module ddpjob.local/{name}\n\ngo {go_directive[1] if go_directive else '1.22.0'}\n\n"
+        f"require {module} {version}\n"
+    )
+    built = wrapper / "out" / name
+    run_go("build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o", str(built), package, cwd=wrapper)
+    return install(built, target)
 
 
 def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
@@ -180,8 +223,29 @@ def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
 
 def ensure_binaries() -> Binaries:
     (CACHE / "build").mkdir(parents=True, exist_ok=True)
-    etcd, apiserver, controller_manager = build_kubernetes()
-    return Binaries(etcd, apiserver, controller_manager, build_training_operator(), pytorchjob_crd())
+    kubernetes = build_kubernetes()
+    return Binaries(
+        etcd=kubernetes["etcd"],
+        kube_apiserver=kubernetes["kube-apiserver"],
+        kube_controller_manager=kubernetes["kube-controller-manager"],
+        kubectl=kubernetes["kubectl"],
+        training_operator=build_main(
+            "training-operator",
+            TRAINING_OPERATOR_MODULE,
+            f"{TRAINING_OPERATOR_MODULE}/cmd/training-operator.v1",
+            TRAINING_OPERATOR_VERSION,
+        ),
+        pytorchjob_crd=pytorchjob_crd(),
+        trainer_controller_manager=build_main(
+            "trainer-controller-manager",
+            TRAINER_MODULE,
+            f"{TRAINER_MODULE}/cmd/trainer-controller-manager",
+            TRAINER_VERSION,
+        ),
+        jobset_controller=build_main("jobset", JOBSET_MODULE, JOBSET_MODULE, JOBSET_VERSION),
+        trainer_source=download_module(TRAINER_MODULE, TRAINER_VERSION),
+        jobset_source=download_module(JOBSET_MODULE, JOBSET_VERSION),
+    )
 
 
 if __name__ == "__main__":

@@ -1,13 +1,21 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob CRD, kube-controller-manager
-(its garbage collector, namespace controller and PVC-protection controller only), the Kubeflow training operator
-(v1.9) and the local pod executor (tests/e2e/pod_executor.py) standing in for a kubelet. No scheduler runs (the
-executor binds pods to its node), nor the controller-manager's other controllers (no Deployments, Jobs, service
-account tokens, endpoints; a namespace's `default` ServiceAccount is created by `ensure_namespace`).
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob, JobSet and Trainer v2 CRDs,
+kube-controller-manager (its garbage collector, namespace, PVC-protection, Job and root CA publisher controllers
+only), the Kubeflow training operator (v1.9), the JobSet controller (v0.12) and the Kubeflow Trainer v2 controller
+manager (v2.3, its TrainJobStatus feature on), and the local pod executor (tests/e2e/pod_executor.py) standing
+in for a kubelet. No scheduler runs (the executor binds pods to its node), nor the controller-manager's other
+controllers (no Deployments, service account tokens, endpoints; a namespace's `default` ServiceAccount is created
+by `ensure_namespace`).
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
-So deleting a PyTorchJob removes its pods and Services (owner references; a foreground deletion ends once they
-are gone), and a deleted namespace is emptied and removed, its pods' processes ended by the executor.
+So a PyTorchJob becomes pods and Services (the operator), a TrainJob a JobSet (Trainer v2), a JobSet Indexed batch
+Jobs and a headless Service (JobSet), a Job pods (the Job controller); deleting a job removes what it made (owner
+references; a foreground deletion ends once they are gone), and a deleted namespace is emptied and removed, its
+pods' processes ended by the executor.
+
+The webhooks of Trainer v2 and JobSet are registered as their releases ship them (their modules' kustomize
+manifests and patches), each pointing at its server's 127.0.0.1 URL with this plane's CA as the bundle; the
+servers present a certificate of that CA (their own certificate management is off).
 
 The executor is the one node's kubelet (Node `ddpjob-e2e-node`): pods are bound to it, and the API server reaches
 its HTTPS API for pods/log (the Node's InternalIP 127.0.0.1 and kubelet port; `--kubelet-certificate-authority`
@@ -24,6 +32,7 @@ executor recorded and could not remove itself (when it had to be killed).
 from __future__ import annotations
 
 import atexit
+import base64
 import datetime
 import ipaddress
 import json
@@ -61,16 +70,42 @@ CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 # What the tier needs of a controller-manager: owner references followed (pods and Services of a deleted job,
 # foreground deletions finished), deleted namespaces emptied and removed, and a deleted claim's
 # kubernetes.io/pvc-protection finalizer removed once no pod uses it (else its namespace stays Terminating).
-CONTROLLERS = ("garbage-collector-controller", "namespace-controller", "persistentvolumeclaim-protection-controller")
+# The Job controller runs the batch Jobs a JobSet creates (Indexed: each pod gets its completion index); the root
+# CA publisher gives every namespace the kube-root-ca.crt ConfigMap that a pod's API access volume projects.
+CONTROLLERS = (
+    "garbage-collector-controller",
+    "namespace-controller",
+    "persistentvolumeclaim-protection-controller",
+    "job-controller",
+    "root-ca-certificate-publisher-controller",
+)
 # A user with no rights but those k8s/rbac.yaml gives its group, for checking that the Role is enough for ctl.
 RESTRICTED_USER, RESTRICTED_GROUP = "ddpjob-e2e-user", "ddpjob-users"
 OPERATOR_NAMESPACE = "kubeflow"
 # cmd/training-operator.v1 defaults: the Secret its cert rotator fills and the Service name in its certificate.
 OPERATOR_WEBHOOK_SECRET = "training-operator-webhook-cert"
 OPERATOR_WEBHOOK_DNS = f"training-operator.{OPERATOR_NAMESPACE}.svc"
-# The operator's cert rotator only checks that this file exists (in a cluster the Secret is mounted there); the
-# path is fixed in pkg/cert, so it is shared by every run on the machine and left in place (a public cert only).
-OPERATOR_CERT_CHECK_FILE = Path("/tmp/k8s-webhook-server/serving-certs/tls.crt")
+# A directory fixed in both operators' code, so shared by every control plane on the machine: the v1 operator's
+# cert rotator only checks that tls.crt exists there (pkg/cert), so a public certificate is left there; Trainer
+# v2.3's status server serves the pair it finds there (pkg/util/cert certDir), so its own plane's pair is
+# bind-mounted there in its private mount namespace.
+SHARED_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
+# controller-runtime's webhook server's pair, under $TMPDIR.
+WEBHOOK_CERT_DIR = Path("k8s-webhook-server/serving-certs")
+# Where a pod's service account token is (the status server reads it at start to find the token issuer).
+SERVICE_ACCOUNT_DIR = Path("/run/secrets/kubernetes.io/serviceaccount")
+# Trainer v2.3's defaults (pkg/util/cert, its Configuration's certManagement): the namespace it takes itself to run
+# in outside a pod, the Secret whose ca.crt its TrainJobStatus plugin hands to the pods, and the Service name in
+# the status server's URL.
+TRAINER_NAMESPACE = "kubeflow-system"
+TRAINER_WEBHOOK_SECRET = "kubeflow-trainer-webhook-cert"
+TRAINER_SERVICE = "kubeflow-trainer-controller-manager"
+TRAINER_SERVICE_DNS = f"{TRAINER_SERVICE}.{TRAINER_NAMESPACE}.svc"
+# Where the two modules keep their CRDs and webhook kustomizations.
+TRAINER_CRDS, TRAINER_WEBHOOKS = "manifests/base/crds", "manifests/base/webhook"
+JOBSET_CRDS, JOBSET_WEBHOOKS = "config/components/crd/bases", "config/components/webhook"
+# JobSet's release prefixes its objects' names (config/default's namePrefix); Trainer's patches name its own.
+JOBSET_NAME_PREFIX = "jobset-"
 # How k8s/README.md installs the operator: k8s/operator's kustomization, whose Deployment patch gives it flags and
 # mounts the ConfigMap made of that directory's files (the init container template of Worker pods).
 OPERATOR_OVERLAY = Path(__file__).resolve().parents[2] / "k8s" / "operator"
@@ -168,6 +203,9 @@ class ControlPlane:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     pod_addresses: bool = False
     pod_network: str = ""
+    webhook_ports: dict[str, int] = field(default_factory=dict)  # by controller manager
+    trainjob_status: bool = False  # Trainer v2's TrainJobStatus feature on (progress in .status.trainerStatus)
+    trainjob_status_note: str = ""  # why it is off here
 
     @property
     def pods_dir(self) -> Path:
@@ -216,9 +254,8 @@ class ControlPlane:
 
 def pki(directory: Path) -> dict[str, KeyPair]:
     """The plane's CA and what it issues: the API server's serving certificate and its client certificate for
-    kubelets, the kubelet's (the executor's) and the controller-manager's serving certificates, the operator's
-    webhook certificate; and the
-    service-account signing key."""
+    kubelets, the kubelet's (the executor's) and the controller-manager's serving certificates, the webhook
+    servers' certificate; and the service-account signing key."""
     directory.mkdir(parents=True)
     ca_cert, ca_key, ca = issue_certificate(directory, "ca", "ddpjob-e2e-ca", [], None)
     loopback = [x509.IPAddress(ipaddress.ip_address(LOOPBACK)), x509.DNSName("localhost")]
@@ -230,9 +267,9 @@ def pki(directory: Path) -> dict[str, KeyPair]:
     _, _, controller_manager = issue_certificate(
         directory, "kube-controller-manager", "kube-controller-manager", loopback, (ca_cert, ca_key)
     )
-    _, _, webhook = issue_certificate(
-        directory, "webhook", OPERATOR_WEBHOOK_DNS, [x509.DNSName(OPERATOR_WEBHOOK_DNS)], (ca_cert, ca_key)
-    )
+    # One pair for every webhook server (and Trainer v2's status server): by Service name or by 127.0.0.1.
+    webhook_names = [x509.DNSName(OPERATOR_WEBHOOK_DNS), x509.DNSName(TRAINER_SERVICE_DNS), *loopback]
+    _, _, webhook = issue_certificate(directory, "webhook", OPERATOR_WEBHOOK_DNS, webhook_names, (ca_cert, ca_key))
     service_accounts = KeyPair(directory / "sa.pub", directory / "sa.key")
     sa_key = new_key()
     write_key(sa_key, service_accounts.key)
@@ -313,7 +350,8 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
         "--authorization-mode=RBAC",
         f"--service-account-key-file={certs['service-accounts'].cert}",
         f"--service-account-signing-key-file={certs['service-accounts'].key}",
-        "--service-account-issuer=https://kubernetes.default.svc",
+        # The API server itself: Trainer v2's status server discovers the issuer's keys there (OIDC discovery).
+        f"--service-account-issuer=https://{LOOPBACK}:{port}",
         "--service-cluster-ip-range=10.96.0.0/16",
         # pods/log: to the executor's kubelet API, at the Node's InternalIP (127.0.0.1), its certificate checked.
         "--kubelet-preferred-address-types=InternalIP",
@@ -355,6 +393,7 @@ def start_controller_manager(plane: ControlPlane, binary: Path, certs: dict[str,
         # Tokens are checked by TokenReview; the API server publishes no client CA to look up (no client certs).
         "--authentication-skip-lookup",
         f"--controllers={','.join(CONTROLLERS)}",
+        f"--root-ca-file={certs['ca'].cert}",
         "--use-service-account-credentials=true",
         "--leader-elect=false",
         f"--bind-address={LOOPBACK}",
@@ -381,18 +420,30 @@ def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], 
     return apply(Target(client, obj["metadata"].get("namespace", "default")), obj, dry_run)
 
 
-def install_crd(plane: ControlPlane, crd_file: Path) -> None:
-    crd = yaml.safe_load(crd_file.read_text())
+def install_crds(plane: ControlPlane, crd_files: list[Path]) -> None:
+    """Applies every CRD, then waits until each is established."""
+    crds = [yaml.safe_load(crd_file.read_text()) for crd_file in crd_files]
     client = plane.api_client()
-    server_side_apply(client, crd)
+    for crd in crds:
+        server_side_apply(client, crd)
     extensions = kubernetes.client.ApiextensionsV1Api(client)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        status = extensions.read_custom_resource_definition(crd["metadata"]["name"]).status
-        if any(c.type == "Established" and c.status == "True" for c in (status.conditions or [])):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"CRD {crd['metadata']['name']} not established after {STARTUP_TIMEOUT_S} s")
+    for name in [crd["metadata"]["name"] for crd in crds]:
+        while True:
+            status = extensions.read_custom_resource_definition(name).status
+            if any(c.type == "Established" and c.status == "True" for c in (status.conditions or [])):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"CRD {name} not established after {STARTUP_TIMEOUT_S} s")
+            time.sleep(0.2)
+
+
+def job_set_and_trainer_crds(binaries: Binaries) -> list[Path]:
+    """JobSet's CRD and Trainer v2's (TrainJob, TrainingRuntime, ClusterTrainingRuntime), from their modules."""
+    return [
+        *sorted((binaries.jobset_source / JOBSET_CRDS).glob("*.yaml")),
+        *sorted((binaries.trainer_source / TRAINER_CRDS).glob("trainer.kubeflow.org_*.yaml")),
+    ]
 
 
 def ensure_namespace(client: kubernetes.client.ApiClient, namespace: str) -> None:
@@ -421,15 +472,10 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
     kubernetes.client.CoreV1Api(client).create_namespaced_secret(
         OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_WEBHOOK_SECRET}}
     )
-    OPERATOR_CERT_CHECK_FILE.parent.mkdir(parents=True, exist_ok=True)
-    if not OPERATOR_CERT_CHECK_FILE.exists():
-        OPERATOR_CERT_CHECK_FILE.write_bytes(certs["webhook"].cert.read_bytes())
-    # The webhook server reads its pair from $TMPDIR/k8s-webhook-server/serving-certs (controller-runtime).
-    operator_tmp = plane.work_dir / "operator-tmp"
-    serving = operator_tmp / "k8s-webhook-server" / "serving-certs"
-    serving.mkdir(parents=True)
-    (serving / "tls.crt").write_bytes(certs["webhook"].cert.read_bytes())
-    (serving / "tls.key").write_bytes(certs["webhook"].key.read_bytes())
+    SHARED_CERT_DIR.mkdir(parents=True, exist_ok=True)
+    if not (SHARED_CERT_DIR / "tls.crt").exists():
+        (SHARED_CERT_DIR / "tls.crt").write_bytes(certs["webhook"].cert.read_bytes())
+    operator_tmp = webhook_tmpdir(plane, "training-operator", certs)
     probe = f"{LOOPBACK}:{free_port()}"
     log = plane.work_dir / "training-operator.log"
     command = [
@@ -443,12 +489,190 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
     ]
     env = os.environ | {"KUBECONFIG": str(plane.kubeconfig), "MY_POD_NAMESPACE": OPERATOR_NAMESPACE}
     plane.processes["training-operator"] = process = start_process(command, log, env | {"TMPDIR": str(operator_tmp)})
+    wait_until(readyz(probe), "training operator", STARTUP_TIMEOUT_S, process, log)
 
-    def ready() -> bool:  # readyz: certificates ready and the webhook server listening, i.e. controllers set up
-        with urllib.request.urlopen(f"http://{probe}/readyz", timeout=2) as response:
+
+def readyz(address: str) -> Callable[[], bool]:
+    """A controller-runtime manager's readiness (its health probe's /readyz): certificates ready and the webhook
+    server listening, i.e. controllers set up."""
+
+    def ready() -> bool:
+        with urllib.request.urlopen(f"http://{address}/readyz", timeout=2) as response:
             return response.status == 200
 
-    wait_until(ready, "training operator", STARTUP_TIMEOUT_S, process, log)
+    return ready
+
+
+def write_serving_pair(directory: Path, pair: KeyPair) -> None:
+    """tls.crt and tls.key, each replaced whole (a certificate watcher never reads half a file)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for source, name in ((pair.cert, "tls.crt"), (pair.key, "tls.key")):
+        partial = directory / f".{name}.{os.getpid()}"
+        partial.write_bytes(source.read_bytes())
+        partial.chmod(0o600)
+        partial.replace(directory / name)
+
+
+def webhook_tmpdir(plane: ControlPlane, name: str, certs: dict[str, KeyPair]) -> Path:
+    """A TMPDIR for a controller-runtime manager: its webhook server reads its pair from
+    $TMPDIR/k8s-webhook-server/serving-certs (controller-runtime's default)."""
+    tmp = plane.work_dir / f"{name}-tmp"
+    write_serving_pair(tmp / WEBHOOK_CERT_DIR, certs["webhook"])
+    return tmp
+
+
+def json_patch(obj: Any, operations: list[dict[str, Any]]) -> None:
+    """RFC 6902's add and replace, the operations kustomize patches of the two modules use."""
+    for operation in operations:
+        *parents, key = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        parent = obj
+        for part in parents:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        if operation["op"] not in ("add", "replace"):
+            raise ValueError(f"json patch operation {operation['op']!r} is not supported")
+        if isinstance(parent, list) and operation["op"] == "add":
+            parent.insert(len(parent) if key == "-" else int(key), operation["value"])
+        elif isinstance(parent, list):
+            parent[int(key)] = operation["value"]
+        else:
+            parent[key] = operation["value"]
+
+
+def shipped_webhooks(directory: Path, name_prefix: str, port: int, ca: Path) -> list[dict[str, Any]]:
+    """The webhook configurations of a kustomization directory (its resources with its JSON patches applied),
+    their clients pointed at https://127.0.0.1:port with `ca` as the bundle."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    configurations = [
+        obj
+        for resource in kustomization["resources"]
+        for obj in yaml.safe_load_all((directory / resource).read_text())
+        if obj and obj["kind"].endswith("WebhookConfiguration")
+    ]
+    for patch in kustomization.get("patches") or []:
+        target = patch["target"]
+        for obj in configurations:
+            if obj["kind"] == target["kind"] and target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]:
+                json_patch(obj, yaml.safe_load((directory / patch["path"]).read_text()))
+    bundle = base64.b64encode(ca.read_bytes()).decode()
+    for obj in configurations:
+        obj["metadata"]["name"] = name_prefix + obj["metadata"]["name"]
+        for webhook in obj["webhooks"]:
+            path = webhook["clientConfig"]["service"]["path"]
+            webhook["clientConfig"] = {"url": f"https://{LOOPBACK}:{port}{path}", "caBundle": bundle}
+    return configurations
+
+
+def start_manager(
+    plane: ControlPlane, name: str, command: list[str], config: dict[str, Any], certs: dict[str, KeyPair]
+) -> Callable[[], None]:
+    """Starts a controller-runtime manager with `config` (its --config file) given a health probe address and a
+    webhook port on loopback; returns the wait for its readiness, so that several start at once."""
+    probe, webhook_port = f"{LOOPBACK}:{free_port()}", free_port()
+    config = config | {
+        "health": {"healthProbeBindAddress": probe},
+        "webhook": config.get("webhook", {}) | {"host": LOOPBACK, "port": webhook_port},
+        "metrics": {"bindAddress": "0"},  # off
+    }
+    config_file = plane.work_dir / f"{name}.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    log = plane.work_dir / f"{name}.log"
+    env = os.environ | {"KUBECONFIG": str(plane.kubeconfig), "TMPDIR": str(webhook_tmpdir(plane, name, certs))}
+    plane.processes[name] = process = start_process([*command, f"--config={config_file}"], log, env)
+    plane.webhook_ports[name] = webhook_port
+    return lambda: wait_until(readyz(probe), name, STARTUP_TIMEOUT_S, process, log)
+
+
+def start_jobset(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> Callable[[], None]:
+    config = {
+        "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+    }
+    return start_manager(plane, "jobset", [str(binary), "--zap-log-level=info"], config, certs)
+
+
+def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> Callable[[], None]:
+    """Trainer v2's controller manager. With its TrainJobStatus feature on, it gives each TrainJob's pods the
+    status server's URL (a Service name, created here as a release does), its CA (the Secret's ca.crt) and a
+    token; the status server reads its pair and, to find the token issuer, the pod's own service account token
+    at fixed paths, which it gets in a private mount namespace (SERVICE_ACCOUNT_DIR, SHARED_CERT_DIR). Where the
+    machine allows no mount namespace (not root), the feature stays off and `plane.trainjob_status_note` says
+    why."""
+    client = plane.api_client()
+    ensure_namespace(client, TRAINER_NAMESPACE)
+    core = kubernetes.client.CoreV1Api(client)
+    data = {"ca.crt": certs["ca"].cert, "tls.crt": certs["webhook"].cert, "tls.key": certs["webhook"].key}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": TRAINER_WEBHOOK_SECRET, "namespace": TRAINER_NAMESPACE},
+        "type": "kubernetes.io/tls",
+        "data": {key: base64.b64encode(path.read_bytes()).decode() for key, path in data.items()},
+    }
+    status_port = free_port()  # it listens on every interface: a port of its own for each plane
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": TRAINER_SERVICE, "namespace": TRAINER_NAMESPACE},
+        "spec": {"ports": [{"name": "status", "port": status_port}]},
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": TRAINER_SERVICE, "namespace": TRAINER_NAMESPACE},
+    }
+    for obj in (secret, service, account):
+        server_side_apply(client, obj)
+    config = {
+        "apiVersion": "config.trainer.kubeflow.org/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "certManagement": {"enable": False},
+        "statusServer": {"port": status_port},
+        "featureGates": {"TrainJobStatus": True},
+    }
+    command = [str(binary)]
+    if private_mounts():
+        token = core.create_namespaced_service_account_token(
+            TRAINER_SERVICE, TRAINER_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
+        ).status.token
+        account_dir = plane.work_dir / "trainer-service-account"
+        account_dir.mkdir()
+        (account_dir / "token").write_text(token)
+        (account_dir / "namespace").write_text(TRAINER_NAMESPACE)
+        serving = webhook_tmpdir(plane, "trainer-controller-manager", certs) / WEBHOOK_CERT_DIR
+        mounts = (
+            f"mount -t tmpfs tmpfs {SERVICE_ACCOUNT_DIR.parents[2]} && mkdir -p {SERVICE_ACCOUNT_DIR}"
+            f' && cp "$0"/* {SERVICE_ACCOUNT_DIR} && mkdir -p {SHARED_CERT_DIR}'
+            f' && mount --bind "$1" {SHARED_CERT_DIR} && shift && exec "$@"'
+        )
+        command = ["unshare", "--mount", "--propagation=private", "sh", "-c", mounts, str(account_dir), str(serving),
+                   *command]  # fmt: skip
+        plane.trainjob_status = True
+    else:
+        config["featureGates"] = {"TrainJobStatus": False}
+        plane.trainjob_status_note = "TrainJobStatus off: no private mount namespace here (unshare --mount refused)"
+    return start_manager(plane, "trainer-controller-manager", command, config, certs)
+
+
+def private_mounts() -> bool:
+    """Whether processes can get a mount namespace of their own here (root, or CAP_SYS_ADMIN)."""
+    try:
+        probe = ["unshare", "--mount", "--propagation=private", "sh", "-c", "mount -t tmpfs tmpfs /mnt"]
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except FileNotFoundError:  # no unshare (util-linux)
+        return False
+
+
+def install_webhooks(plane: ControlPlane, binaries: Binaries, certs: dict[str, KeyPair]) -> None:
+    client = plane.api_client()
+    for source, directory, prefix, manager in (
+        (binaries.trainer_source, TRAINER_WEBHOOKS, "", "trainer-controller-manager"),
+        (binaries.jobset_source, JOBSET_WEBHOOKS, JOBSET_NAME_PREFIX, "jobset"),
+    ):
+        for obj in shipped_webhooks(source / directory, prefix, plane.webhook_ports[manager], certs["ca"].cert):
+            server_side_apply(client, obj)
 
 
 def start_pod_executor(plane: ControlPlane, certs: dict[str, KeyPair]) -> None:
@@ -472,8 +696,8 @@ def start_pod_executor(plane: ControlPlane, certs: dict[str, KeyPair]) -> None:
 
 def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_operator: bool = True) -> ControlPlane:
     """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`.
-    Without `with_operator`: etcd, the API server and the controller-manager only (no PyTorchJob CRD, operator
-    or pods)."""
+    Without `with_operator`: etcd, the API server and the controller-manager only (no job CRDs, operators or
+    pods)."""
     binaries = binaries or ensure_binaries()
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
     plane = ControlPlane(work_dir=work_dir, kubeconfig=work_dir / "kubeconfig")
@@ -483,11 +707,20 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
         certs = pki(plane.pki_dir)
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
         if with_operator:
-            install_crd(plane, binaries.pytorchjob_crd)
-        # After the CRD: the garbage collector knows PyTorchJobs from its first discovery (else after its resync).
+            install_crds(plane, [binaries.pytorchjob_crd, *job_set_and_trainer_crds(binaries)])
+        # After the CRDs: the garbage collector knows the jobs' kinds from its first discovery (else after its
+        # resync).
         start_controller_manager(plane, binaries.kube_controller_manager, certs)
         if with_operator:
+            # Both managers start while the v1 operator does; their webhooks are registered once they serve them.
+            ready = [
+                start_jobset(plane, binaries.jobset_controller, certs),
+                start_trainer(plane, binaries.trainer_controller_manager, certs),
+            ]
             start_operator(plane, binaries.training_operator, certs)
+            for wait in ready:
+                wait()
+            install_webhooks(plane, binaries, certs)
             start_pod_executor(plane, certs)
     except BaseException:
         plane.stop()

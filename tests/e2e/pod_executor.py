@@ -6,7 +6,8 @@ and reports the pod's status through the pods/status subresource (Running, then 
 code), so the training operator reconciles PyTorchJobs for real. What a node would provide is stood in for like
 this:
 
-- volumes: a ConfigMap or Secret is written to a per-pod directory; a PersistentVolumeClaim is a directory per
+- volumes: a ConfigMap or Secret is written to a per-pod directory, as are a projected volume's service account
+  tokens (TokenRequests) and ConfigMap keys; a PersistentVolumeClaim is a directory per
   claim shared by all pods (like ReadWriteMany); an emptyDir is a per-pod directory. Each mount path is replaced
   by its local directory wherever it appears as a path in the command, the env values and the ConfigMap files
   (training.yaml names the checkpoint directory under the claim's mount path): ctl/pod.py, the code `ctl run`
@@ -16,10 +17,15 @@ this:
   pods/proxy reaches it. The trainer's metrics endpoint listens there (DDPJOB_METRICS_HOST), on the port its pod
   spec declares. Where addresses cannot be added (no CAP_NET_ADMIN), pods share loopback instead, as they did
   before: podIP 127.0.0.1 (which pods/proxy refuses) and a free metrics port per pod; the log says so once.
-  Either way the host part of MASTER_ADDR, PET_MASTER_ADDR and PET_RDZV_ENDPOINT, when it names a Service of the
-  pod's namespace (as the operator sets it), becomes 127.0.0.1 (no Service proxy runs here); nothing else is
-  rewritten. The pod starts once that Service exists (as the operator's init container waits for the master's
-  DNS name). PROMETHEUS_MULTIPROC_DIR is a per-pod directory.
+  Either way the host part of MASTER_ADDR, PET_MASTER_ADDR and PET_RDZV_ENDPOINT, and of the URL in
+  KUBEFLOW_TRAINER_SERVER_URL, when it names a Service as cluster DNS resolves names (`svc[.namespace[.svc...]]`,
+  as the v1 operator sets it, or a pod's `hostname.subdomain` under its headless Service, as Trainer v2 and JobSet
+  do: `<job>-node-0-0.<job>`), becomes 127.0.0.1 (no Service proxy or DNS runs here); nothing else is rewritten.
+  The pod starts once that Service exists (as the operator's init container waits for the master's DNS name).
+  Pods of one headless Service share a free port in place of PET_MASTER_PORT (Trainer v2 fixes it at 29500, which
+  two jobs running at once on this one machine would both bind). PROMETHEUS_MULTIPROC_DIR is a per-pod directory.
+- env: values, ConfigMap and Secret keys, and the downward API's fields, labels and annotations (Trainer v2's
+  PET_NODE_RANK is the Job's completion-index annotation).
 - images: the command runs from this Python environment (its bin directory, with torchrun, first on PATH).
   Security contexts are not applied (processes run as the executor's user).
 - init containers (the operator's wait-for-master-DNS) are reported completed without running: the address they
@@ -75,11 +81,13 @@ from local_processes import LOOPBACK, die_with_parent, free_port, terminate_grou
 from pod_network import POD_CIDR, AddressesUnavailable, PodAddresses
 
 from ctl.pod import PodSetupError, Volume, image_path, local_container, the_container
-from trainer.names import METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV
+from trainer.names import METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, PROGRESS_URL_ENV
 
 NODE_NAME = "ddpjob-e2e-node"
 MAX_PODS = 110  # the kubelet's default
 HOST_VARIABLES = ("MASTER_ADDR", "PET_MASTER_ADDR", "PET_RDZV_ENDPOINT")
+URL_VARIABLES = (PROGRESS_URL_ENV,)  # Trainer v2's status server (TrainJobStatus)
+MASTER_PORT_VARIABLE = "PET_MASTER_PORT"
 START_ERROR_EXIT_CODE = 128  # what a kubelet reports for a container that could not start
 # How long a pod's start waits for the Service its master address names (the operator creates it after the pods).
 SERVICE_WAIT_S = 60.0
@@ -158,6 +166,7 @@ class PodExecutor:
         self.stopping = threading.Event()
         self.kubelet = KubeletServer(self, tls)
         self.addresses: PodAddresses | None = None  # None: pods share loopback
+        self.master_ports: dict[tuple[str, str], int] = {}  # (namespace, headless Service): the port its pods share
         self.network_note = ""
 
     # -- the node -------------------------------------------------------------------------------------------------
@@ -431,12 +440,19 @@ class PodExecutor:
             return self.env_reference(pod.metadata.namespace, name, source)
 
         container = local_container(
-            spec, lambda volume: self.volume_dir(local, volume), self.fields(local, pod), reference
+            spec, lambda volume: self.volume_dir(local, pod, volume), self.fields(local, pod), reference
         )
         env = container.env
         for name in HOST_VARIABLES:
             if name in env:
-                env[name] = self.loopback_if_service(env[name], local)
+                env[name], service = self.loopback_if_service(env[name], local)
+                if service and name == "PET_MASTER_ADDR" and MASTER_PORT_VARIABLE in env:
+                    env[MASTER_PORT_VARIABLE] = str(self.master_port(local.namespace, service))
+        for name in URL_VARIABLES:
+            if name in env:
+                url = urllib.parse.urlsplit(env[name])
+                netloc, _ = self.loopback_if_service(url.netloc, local)
+                env[name] = urllib.parse.urlunsplit(url._replace(netloc=netloc))
         if METRICS_PORT_ENV in env:
             env |= self.metrics_endpoint(local, env[METRICS_PORT_ENV])
         if METRICS_DIR_ENV in env:
@@ -455,7 +471,7 @@ class PodExecutor:
             return {METRICS_HOST_ENV: local.address, METRICS_PORT_ENV: port}
         return {METRICS_HOST_ENV: LOOPBACK, METRICS_PORT_ENV: str(free_port())}
 
-    def volume_dir(self, local: LocalPod, volume: Volume) -> Path:
+    def volume_dir(self, local: LocalPod, pod: kubernetes.client.V1Pod, volume: Volume) -> Path:
         directory = local.directory / "volumes" / volume["name"]
         if "persistentVolumeClaim" in volume:
             directory = self.work_dir / "volumes" / local.namespace / volume["persistentVolumeClaim"]["claimName"]
@@ -468,13 +484,60 @@ class PodExecutor:
             data = self.core.read_namespaced_secret(volume["secret"]["secretName"], local.namespace).data or {}
             for key, value in data.items():
                 (directory / key).write_bytes(base64.b64decode(value))
-        elif not {"persistentVolumeClaim", "emptyDir", "projected"} & set(volume):
+        elif "projected" in volume:
+            self.project(local, pod, volume["projected"].get("sources") or [], directory)
+        elif not {"persistentVolumeClaim", "emptyDir"} & set(volume):
             raise PodSetupError(f"volume {volume['name']!r}: only configMap, secret, PVC, emptyDir and projected")
         return directory
 
+    def project(self, local: LocalPod, pod: kubernetes.client.V1Pod, sources: list[Any], directory: Path) -> None:
+        """A projected volume as a kubelet fills it: service account tokens (a TokenRequest for the pod's service
+        account with the source's audience, bound to the pod), ConfigMap keys (waited for a while, as a kubelet
+        retries the mount) and downward API fields; e.g. Trainer v2's status server token and CA, or the API
+        access volume of a pod that mounts its service account token."""
+        for source in sources:
+            if projection := source.get("serviceAccountToken"):
+                spec = {
+                    "audiences": [projection["audience"]] if projection.get("audience") else None,
+                    "expirationSeconds": projection.get("expirationSeconds", 3600),
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": local.name, "uid": local.uid},
+                }
+                account = pod.spec.service_account_name or "default"
+                request = self.core.create_namespaced_service_account_token(account, local.namespace, {"spec": spec})
+                (directory / projection["path"]).write_text(request.status.token)
+            elif projection := source.get("configMap"):
+                data = self.wait_for_config_map(local, projection["name"], projection.get("optional", False))
+                items = {i["key"]: i["path"] for i in projection.get("items") or []} or {key: key for key in data}
+                for key, path in items.items():
+                    if key in data:
+                        (directory / path).write_text(data[key])
+            elif projection := source.get("downwardAPI"):
+                fields = self.fields(local, pod)
+                for item in projection.get("items") or []:
+                    (directory / item["path"]).write_text(fields.get(item.get("fieldRef", {}).get("fieldPath"), ""))
+
+    def wait_for_config_map(self, local: LocalPod, name: str, optional: bool) -> dict[str, str]:
+        deadline = time.monotonic() + SERVICE_WAIT_S
+        while True:
+            try:
+                return self.core.read_namespaced_config_map(name, local.namespace).data or {}
+            except kubernetes.client.ApiException as error:
+                if error.status != 404:
+                    raise
+            if optional:
+                return {}
+            if time.monotonic() > deadline or local.wakeup.wait(0.5):
+                raise PodSetupError(f"configmap {name!r} not found (a projected volume of the pod)")
+
     def fields(self, local: LocalPod, pod: kubernetes.client.V1Pod) -> dict[str, str]:
-        """The fieldRefs a container's env may name, as this node answers them."""
-        return {
+        """The fieldRefs a container's env may name, as this node answers them: the pod's labels and
+        annotations too (Trainer v2's PET_NODE_RANK is the Job's completion-index annotation)."""
+        metadata = {
+            f"metadata.{kind}['{key}']": value
+            for kind, values in (("labels", pod.metadata.labels), ("annotations", pod.metadata.annotations))
+            for key, value in (values or {}).items()
+        }
+        return metadata | {
             "metadata.name": pod.metadata.name,
             "metadata.namespace": pod.metadata.namespace,
             "metadata.uid": pod.metadata.uid,
@@ -493,25 +556,36 @@ class PodExecutor:
             return base64.b64decode(self.core.read_namespaced_secret(ref["name"], namespace).data[ref["key"]]).decode()
         raise PodSetupError(f"env {name}: this valueFrom is not supported by the local executor")
 
-    def loopback_if_service(self, value: str, local: LocalPod) -> str:
-        """`host[:port]` with host 127.0.0.1 when host is a Service of the namespace (`name[.namespace[.svc...]]`).
-        The operator creates a job's Services just after its pods, so this waits for the Service a while, as the
-        worker's init container waits for the master's DNS name."""
-        namespace = local.namespace
+    def loopback_if_service(self, value: str, local: LocalPod) -> tuple[str, str]:
+        """`host[:port]` with host 127.0.0.1 when host names a Service as cluster DNS resolves it, with the name of
+        the headless Service when host is one of its pods (`hostname.subdomain`; else ""). Controllers create the
+        Services just after the pods, so this waits for the Service a while, as the v1 worker's init container
+        waits for the master's DNS name."""
         host, colon, port = value.partition(":")
-        name, _, rest = host.partition(".")
-        if (rest and not rest.startswith(namespace)) or is_ip_address(host):
-            return value
+        labels = host.split(".")
+        if is_ip_address(host):
+            return value, ""
+        # svc, svc.ns, svc.ns.svc[.cluster.local]; or hostname.subdomain[.ns[.svc[.cluster.local]]].
+        cluster_suffix = len(labels) >= 3 and labels[2] == "svc"
+        pod_of_service = len(labels) >= 2 and not cluster_suffix and (len(labels) > 2 or labels[1] != local.namespace)
+        service = labels[1] if pod_of_service else labels[0]
+        rest = labels[2:] if pod_of_service else labels[1:]
+        namespace = rest[0] if rest else local.namespace
         deadline = time.monotonic() + SERVICE_WAIT_S
         while True:
             try:
-                self.core.read_namespaced_service(name, namespace)
-                return f"{LOOPBACK}{colon}{port}"
+                self.core.read_namespaced_service(service, namespace)
+                return f"{LOOPBACK}{colon}{port}", service if pod_of_service else ""
             except kubernetes.client.ApiException as error:
                 if error.status != 404:
                     raise
             if time.monotonic() > deadline or local.wakeup.wait(0.5):  # waited enough, or deleted, or stopping
-                return value
+                return value, ""
+
+    def master_port(self, namespace: str, service: str) -> int:
+        """The port the pods of a headless Service use for their master's, the same for each of its pods."""
+        with self.lock:
+            return self.master_ports.setdefault((namespace, service), free_port())
 
     # -- container logs -------------------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The control-plane tier: the chart's objects against a real kube-apiserver with the real PyTorchJob CRD, and jobs
-reconciled by the real Kubeflow training operator (v1.9), their pods run by the local pod executor.
+"""The control-plane tier: the chart's objects against a real kube-apiserver with the real PyTorchJob, TrainJob and
+JobSet CRDs, and jobs reconciled by the real Kubeflow training operator (v1.9) or Kubeflow Trainer v2 (v2.3, on
+JobSet v0.12 and the Job controller), their pods run by the local pod executor.
 
 With DDPJOB_E2E_KUBECONFIG set, the same tests run against that cluster (kind or any cluster with the operator
-v1.9 installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull (default: the chart's,
-ddpjob:<appVersion>).
+v1.9, Trainer v2.3 and JobSet installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull
+(default: the chart's, ddpjob:<appVersion>).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import controlplane
 import kubernetes
 import pytest
 import yaml
-from cluster_binaries import BuildError
+from cluster_binaries import BuildError, ensure_binaries
 from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 from container_logs import parse_timestamp, plain_text
 from pod_executor import NODE_NAME
@@ -46,11 +47,7 @@ from trainer.names import EXIT_BAD_INPUT
 
 pytestmark = pytest.mark.e2e
 
-# The PyTorchJob examples. Trainer v2.3's CRDs (apiKind TrainJob) do not install on this tier's kube-apiserver
-# v1.31.3, which rejects their CEL rules (`undefined field 'namespace'` in `t.metadata.namespace`): TrainJob examples
-# are validated against those CRDs' schemas in tests/test_trainjob.py; a newer API server and Trainer v2's and
-# JobSet's controllers are not part of this tier yet.
-EXAMPLES = [e for e in sorted((REPO / "examples").glob("*.yaml")) if load_spec(e).api_kind == "PyTorchJob"]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
 CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml').read_text())['appVersion']}"
 IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
@@ -63,23 +60,58 @@ STDLIB_TEXT = ["{stdlib}/json/*.py"]
 class Cluster:
     kubeconfig: Path
     plane: controlplane.ControlPlane | None  # None: an external cluster (its own kubelets run the pods)
+    kubectl: str | None  # the tier's own build; on an external cluster, the one on PATH (if any)
 
     def client(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a user sees differ between the two job APIs: the resource, the pods' names within the job (node 0
+    first), the replicas' names, and what `ctl delete` removes with the job."""
+
+    api_kind: str
+    group: str
+    version: str
+    plural: str
+    nodes: tuple[str, str]
+    replicas: frozenset[str]
+    rendered: tuple[str, ...]  # of `{name}`
+
+    @property
+    def resource(self) -> str:
+        return f"{self.api_kind.lower()}.{self.group}"
+
+    def get(self, cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+        api = kubernetes.client.CustomObjectsApi(cluster.client())
+        return api.get_namespaced_custom_object(self.group, self.version, namespace, self.plural, name)
+
+
+PYTORCHJOB = Kind(
+    "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("master-0", "worker-0"), frozenset({"Master", "Worker"}),
+    ("configmap/{name}-training",),
+)  # fmt: skip
+TRAINJOB = Kind(
+    "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", ("node-0", "node-1"), frozenset({"node"}),
+    ("configmap/{name}-training", "trainingruntime/{name}"),
+)  # fmt: skip
+KINDS = [pytest.param(PYTORCHJOB, id="PyTorchJob"), pytest.param(TRAINJOB, id="TrainJob")]
 
 
 # Module scope: the control plane stops when this tier is done, not at the end of the whole suite.
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if EXTERNAL_KUBECONFIG:
-        yield Cluster(Path(EXTERNAL_KUBECONFIG), None)
+        yield Cluster(Path(EXTERNAL_KUBECONFIG), None, shutil.which("kubectl"))
         return
     try:
-        plane = controlplane.start(tmp_path_factory.mktemp("control-plane"))
+        binaries = ensure_binaries()
+        plane = controlplane.start(tmp_path_factory.mktemp("control-plane"), binaries)
     except BuildError as error:
         pytest.fail(f"the control plane's binaries could not be built: {error}", pytrace=False)
     try:
-        yield Cluster(plane.kubeconfig, plane)
+        yield Cluster(plane.kubeconfig, plane, str(binaries.kubectl))
     finally:
         plane.stop()
 
@@ -222,28 +254,59 @@ def terminated(pod: kubernetes.client.V1Pod) -> kubernetes.client.V1ContainerSta
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_rendered_examples_are_accepted_by_the_api_server(cluster: Cluster, namespace: str, example: Path) -> None:
-    """Every object the chart renders passes the API server's own validation (server-side dry run), the
-    PyTorchJob against the installed CRD's structural schema."""
-    applied = apply_rendered(cluster, load_spec(example), namespace, dry_run=True)
+    """Every object the chart renders passes the API server's own validation (server-side dry run), the job
+    against the installed CRD's structural schema and, for a TrainJob, Trainer v2's webhooks (the TrainingRuntime
+    is created first: the TrainJob's webhook checks the job against it)."""
+    spec = load_spec(example)
+    kind = PYTORCHJOB if spec.api_kind == "PyTorchJob" else TRAINJOB
+    client = cluster.client()
+    manifests = [m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}} for m in render(spec, namespace)]
+    runtimes = [obj for obj in manifests if obj["kind"] == "TrainingRuntime"]
+    for runtime in runtimes:
+        controlplane.server_side_apply(client, runtime)
+    applied = [controlplane.server_side_apply(client, obj, dry_run=True) for obj in manifests if obj not in runtimes]
     kinds = {obj["kind"] for obj in applied}
-    assert "PyTorchJob" in kinds and "ConfigMap" in kinds
-    jobs = kubernetes.client.CustomObjectsApi(cluster.client())
-    assert jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"] == []
+    assert kind.api_kind in kinds and "ConfigMap" in kinds
+    jobs = kubernetes.client.CustomObjectsApi(client)
+    assert jobs.list_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural)["items"] == []
 
 
-def test_kubectl_server_side_apply_accepts_the_rendered_examples(cluster: Cluster, namespace: str) -> None:
-    """What k8s/README.md tells users to run: `kubectl apply --server-side -f k8s/examples/...`."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
+def test_kubectl_server_side_apply_accepts_the_rendered_examples(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """What k8s/README.md tells users to run: `kubectl apply --server-side -f k8s/examples/...` (a server dry run);
+    for the TrainJob example for real, as it must be (a dry run creates no runtime for the TrainJob's webhook to
+    check it against), suspended: Trainer v2 reconciles it (its Suspended condition) and nothing runs."""
+    if cluster.kubectl is None:
         pytest.skip("no kubectl binary on PATH (the same objects are applied through the API in the test above)")
-    for manifest in [REPO / "k8s" / "examples" / example.name for example in EXAMPLES]:
-        result = subprocess.run(
-            [kubectl, "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side", "--dry-run=server",
-             "-n", namespace, "-f", str(manifest)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+
+    def kubectl(*args: str) -> subprocess.CompletedProcess:
+        command = [cluster.kubectl, "--kubeconfig", str(cluster.kubeconfig), *args, "-n", namespace]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    for example in EXAMPLES:
+        kind = PYTORCHJOB if load_spec(example).api_kind == "PyTorchJob" else TRAINJOB
+        manifest = REPO / "k8s" / "examples" / example.name
+        dry_run = ["--dry-run=server"] if kind is PYTORCHJOB else []
+        if kind is TRAINJOB:  # `ctl render` output, suspended
+            rendered = run_ctl("render", str(example), "--set", "runPolicy.suspend=true", cwd=REPO)
+            assert rendered.returncode == 0, rendered.stderr
+            manifest = tmp_path / example.name
+            manifest.write_text(rendered.stdout)
+        result = kubectl("apply", "--server-side", *dry_run, "-f", str(manifest))
         assert result.returncode == 0, f"{manifest.name}: {result.stderr}"
-        assert "pytorchjob.kubeflow.org/" in result.stdout and "(server dry run)" in result.stdout
+        assert f"{kind.resource}/" in result.stdout and ("(server dry run)" in result.stdout) == bool(dry_run)
+        if kind is TRAINJOB:
+            name = load_spec(example).name
+            deadline = time.monotonic() + 60
+            while "Suspended" not in conditions(kind.get(cluster, namespace, name)):
+                assert time.monotonic() < deadline, kind.get(cluster, namespace, name)
+                time.sleep(0.5)
+
+
+def conditions(job: dict[str, Any]) -> set[str]:
+    """The job's true conditions."""
+    return {c["type"] for c in (job.get("status") or {}).get("conditions") or [] if c["status"] == "True"}
 
 
 def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_namespace: str) -> None:
@@ -692,12 +755,18 @@ def spec_file(tmp_path: Path, spec: JobSpec) -> Path:
     return path
 
 
-def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_ctl_submit_wait_status_logs_list_delete_round_trip(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """The same user-level round trip for both job APIs: a 2-node job submitted by ctl, followed, read while it
+    runs, ending Succeeded with its checkpoint and report on the claim, listed and deleted."""
     marker = uuid.uuid4().hex
     name = f"rt-{marker[:6]}"
     # Long enough (a few seconds of steps) for its progress to be read while it runs.
     training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
-    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training))
+    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api_kind))
+    master, worker = kind.nodes
 
     # As a user with only k8s/rbac.yaml's Role: it is all ctl needs (pods/log, pods/proxy included).
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
@@ -709,17 +778,19 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
         elsewhere = run_ctl_on(kubeconfig, "list", "-n", "default", cwd=tmp_path)
         assert elsewhere.returncode == 1 and "403 Forbidden" in elsewhere.stderr, elsewhere.stderr
     checked = ctl("submit", str(spec), "--dry-run", "server")
-    assert (checked.returncode, checked.stdout) == (0, f"pytorchjob.kubeflow.org/{name} (server dry run)\n")
+    assert (checked.returncode, checked.stdout) == (0, f"{kind.resource}/{name} (server dry run)\n"), checked.stderr
     assert ctl("status", name).returncode == EXIT_NOT_FOUND, "a server dry run created the job"
 
     submitted = ctl("submit", str(spec))
-    assert (submitted.returncode, submitted.stdout) == (0, f"pytorchjob.kubeflow.org/{name}\n"), submitted.stderr
+    assert (submitted.returncode, submitted.stdout) == (0, f"{kind.resource}/{name}\n"), submitted.stderr
     assert f"ctl logs {name} -n {namespace} -f" in submitted.stderr
     # Started before the pods run: it waits for them, then follows both until the job ends.
     follower = start_ctl_on(kubeconfig, "logs", name, "--all", "-f", "-n", namespace, cwd=tmp_path)
     watcher = start_ctl_on(kubeconfig, "status", name, "-w", "-n", namespace, cwd=tmp_path)
     again = ctl("submit", str(spec))
-    assert again.returncode == 1 and f"pytorchjob {name} already exists in namespace {namespace}" in again.stderr
+    assert again.returncode == 1 and f"{kind.api_kind.lower()} {name} already exists in namespace {namespace}" in (
+        again.stderr
+    )
     assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
 
     if cluster.plane is not None and not cluster.plane.pod_addresses:
@@ -732,52 +803,70 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     done = ctl("wait", name, "--for", "succeeded", "--timeout", str(JOB_TIMEOUT_S))
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
     status = json.loads(ctl("status", name, "-o", "json").stdout)
-    assert set(status) == {"name", "namespace", "state", "progress", "conditions", "replicas", "pods", "events"}
-    assert (status["name"], status["namespace"], status["state"], status["progress"]) == (
+    assert set(status) == {
+        "name", "namespace", "kind", "state", "progress", "trainerStatus", "conditions", "replicas", "pods", "events"
+    }  # fmt: skip
+    assert (status["name"], status["namespace"], status["kind"], status["state"], status["progress"]) == (
         name,
         namespace,
+        kind.api_kind,
         "Succeeded",
         None,
     )
-    assert {(p["name"], p["phase"], p["exitCode"]) for p in status["pods"]} == {
-        (f"{name}-master-0", "Succeeded", 0),
-        (f"{name}-worker-0", "Succeeded", 0),
+    assert {(p["node"], p["phase"], p["exitCode"]) for p in status["pods"]} == {
+        (master, "Succeeded", 0),
+        (worker, "Succeeded", 0),
     }
-    assert set(status["replicas"]) == {"Master", "Worker"}
-    assert ctl("status", name).stdout.startswith(f"{name} ({namespace}): Succeeded\n")
+    assert all(p["name"].startswith(f"{name}-") for p in status["pods"])
+    assert set(status["replicas"]) == kind.replicas
+    table = ctl("status", name).stdout
+    assert table.startswith(f"{name} ({namespace}): Succeeded\n")
+    if kind is PYTORCHJOB:
+        assert status["trainerStatus"] is None
+    elif cluster.plane is not None and not cluster.plane.trainjob_status:
+        print(f"trainerStatus not checked: {cluster.plane.trainjob_status_note}")
+    else:  # rank 0 reported its progress to Trainer v2's status server, the last report at the end
+        reported = status["trainerStatus"]
+        assert reported["progressPercentage"] == 100 and reported["estimatedRemainingSeconds"] == 0, reported
+        metrics = {m["name"]: m["value"] for m in reported["metrics"]}
+        assert metrics["step"] == str(PROGRESS_STEPS) and float(metrics["loss"]) > 0, metrics
+        assert "\n  trainer status: 100%, about 0 s left, " in table, table
+        assert "cannot report progress" not in pod_logs(cluster, namespace)
+    if cluster.plane is not None:  # the run directory on the claim: a committed checkpoint and the report
+        run_dir = cluster.plane.claim_dir(namespace, f"{name}-checkpoints") / name
+        assert (run_dir / (run_dir / "latest").read_text().strip() / "COMMITTED").exists()
+        assert json.loads((run_dir / "report.json").read_text())["steps"] == PROGRESS_STEPS
 
     # The follower and the watcher end by themselves with the job.
     followed, _ = follower.communicate(timeout=60)
     assert follower.returncode == 0, followed
-    by_node: dict[str, list[str]] = {"master-0": [], "worker-0": []}
+    by_node: dict[str, list[str]] = {master: [], worker: []}
     for line in followed.splitlines():
         label, _, text = line.partition("] ")
         if label.startswith("["):  # the rest is ctl's notes (stderr is merged here)
             by_node[label[1:]].append(text)
-    assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node["master-0"])
-    assert by_node["worker-0"][0].startswith("rank 1 of 2 on "), by_node  # each process says where it runs
+    assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node[master])
+    assert by_node[worker][0].startswith("rank 1 of 2 on "), by_node  # each process says where it runs
     assert "\x1b[" not in followed  # no colour without a terminal
     watched, _ = watcher.communicate(timeout=60)
     assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
     last = watched.rstrip().splitlines()[-1].split("  ", 1)[1]
-    assert last == "Succeeded | master-0 Succeeded, worker-0 Succeeded", watched
+    assert last == f"Succeeded | {master} Succeeded, {worker} Succeeded", watched
 
     # On a terminal the --all prefixes are coloured, unless NO_COLOR is set.
     coloured = ctl_on_terminal(kubeconfig, "logs", name, "--all", "--tail", "1", "-n", namespace, cwd=tmp_path)
-    assert "\x1b[36m[master-0]\x1b[0m " in coloured and "\x1b[35m[worker-0]\x1b[0m " in coloured, coloured
+    assert f"\x1b[36m[{master}]\x1b[0m " in coloured and f"\x1b[35m[{worker}]\x1b[0m " in coloured, coloured
     plain = ctl_on_terminal(
         kubeconfig, "logs", name, "--all", "--tail", "1", "-n", namespace, cwd=tmp_path, NO_COLOR="1"
     )
-    assert "[master-0] " in plain and "\x1b[" not in plain, plain
+    assert f"[{master}] " in plain and "\x1b[" not in plain, plain
 
     rank0 = ctl("logs", name)
-    assert rank0.returncode == 0 and rank0.stdout.splitlines() == by_node["master-0"]
-    assert ctl("logs", name, "--rank", "1").stdout.splitlines() == by_node["worker-0"]
-    assert ctl("logs", name, "--tail", "2").stdout.splitlines() == by_node["master-0"][-2:]
+    assert rank0.returncode == 0 and rank0.stdout.splitlines() == by_node[master]
+    assert ctl("logs", name, "--rank", "1").stdout.splitlines() == by_node[worker]
+    assert ctl("logs", name, "--tail", "2").stdout.splitlines() == by_node[master][-2:]
     stamped = ctl("logs", name, "--timestamps", "--tail", "1").stdout
-    assert re.fullmatch(
-        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z " + re.escape(by_node["master-0"][-1]) + "\n", stamped
-    )
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z " + re.escape(by_node[master][-1]) + "\n", stamped)
     no_rank = ctl("logs", name, "--rank", "2")
     assert no_rank.returncode == 2 and "--rank 2: the job has 2 ranks (0-1)" in no_rank.stderr
     no_previous = ctl("logs", name, "--previous")
@@ -787,12 +876,16 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     assert row | {"ageSeconds": 0} == {
         "name": name,
         "namespace": namespace,
+        "kind": kind.api_kind,
         "state": "Succeeded",
         "nodes": 2,
         "procsPerNode": "1",
         "ageSeconds": 0,
         "progress": None,
     }
+    table = ctl("list").stdout.splitlines()
+    assert table[0].split()[:4] == ["NAMESPACE", "NAME", "KIND", "STATE"]
+    assert [namespace, name, kind.api_kind, "Succeeded"] in [line.split()[:4] for line in table[1:]]
     every_namespace = run_ctl_on(cluster.kubeconfig, "list", "-A", "-o", "json", cwd=tmp_path)  # cluster-wide: admin
     assert name in {r["name"] for r in json.loads(every_namespace.stdout)}
 
@@ -800,7 +893,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(cluster: Cluster, na
     assert refused.returncode == 2 and "--yes" in refused.stderr  # no terminal to ask on
     deleted = ctl("delete", name, "-y")
     assert deleted.returncode == 0, deleted.stderr
-    assert deleted.stdout.splitlines() == [f"pytorchjob/{name} deleted", f"configmap/{name}-training deleted"]
+    removed = [f"{kind.api_kind.lower()}/{name}", *(item.format(name=name) for item in kind.rendered)]
+    assert deleted.stdout.splitlines() == [f"{item} deleted" for item in removed]
     assert ctl("status", name).returncode == EXIT_NOT_FOUND
     assert ctl("delete", name, "-y").returncode == EXIT_NOT_FOUND
     # The run directory's claim (the checkpoints) outlives the job unless --purge.
@@ -827,11 +921,20 @@ def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name
     raise AssertionError(f"no progress in {JOB_TIMEOUT_S} s")
 
 
-def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """A trainer that exits on bad input fails the job, with no retry: restartPolicy Never for a PyTorchJob;
+    ExitCode for a TrainJob, whose Job fails at once on exit codes 1-127 (its podFailurePolicy; Never would
+    retry the pod up to the Job's backoffLimit). `ctl status` shows the root cause: the trainer's exit code 2."""
     marker = uuid.uuid4().hex
     name = f"fail-{marker[:6]}"
     missing_data = ["/nonexistent/ddpjob-e2e/train.txt"]
-    spec = spec_file(tmp_path, job_spec(marker, missing_data, name=name, restartPolicy="Never"))
+    restart_policy = "Never" if kind is PYTORCHJOB else "ExitCode"
+    spec = spec_file(
+        tmp_path, job_spec(marker, missing_data, name=name, restartPolicy=restart_policy, apiKind=kind.api_kind)
+    )
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
@@ -844,16 +947,16 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(cluster: Cluster, na
     assert ctl("wait", name, "--for", "succeeded").returncode == EXIT_JOB_FAILED
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     # The job fails with its first failed pod (the other may still be ending).
-    assert status["state"] == "Failed" and any(p["exitCode"] not in (None, 0) for p in status["pods"])
+    assert status["state"] == "Failed" and EXIT_BAD_INPUT in {p["exitCode"] for p in status["pods"]}
+    table = ctl("status", name).stdout
+    assert table.startswith(f"{name} ({namespace}): Failed\n") and re.search(r" Failed +0 +2  Error\n", table), table
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
 
     # --replace: the job is deleted and created anew (and fails again, on its own).
-    jobs = kubernetes.client.CustomObjectsApi(cluster.client())
-    first = jobs.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)["metadata"]["uid"]
+    first = kind.get(cluster, namespace, name)["metadata"]["uid"]
     replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
     assert replaced.returncode == EXIT_JOB_FAILED, replaced.stderr
-    second = jobs.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)["metadata"]["uid"]
-    assert second != first
+    assert kind.get(cluster, namespace, name)["metadata"]["uid"] != first
     assert_no_process_left(cluster, marker)
 
 
@@ -956,9 +1059,62 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
     assert_no_process_left(cluster, marker)
 
 
+def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """Interop with the Kubeflow SDK's TrainerClient (Trainer v2): it lists, reads the logs of and waits for a
+    TrainJob `ctl submit` created, and ctl status/logs/delete work on a TrainJob the SDK created from a function
+    (on the runtime ctl's job brought)."""
+    from kubeflow.common.types import KubernetesBackendConfig
+    from kubeflow.trainer import CustomTrainer, TrainerClient
+
+    marker = uuid.uuid4().hex
+    ours = f"ctl-{marker[:6]}"
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    sdk = TrainerClient(KubernetesBackendConfig(namespace=namespace, config_file=str(cluster.kubeconfig)))
+    # kubeflow 0.5 describes a runtime (and so a TrainJob) only when its trainer has a cpu, GPU, TPU or NPU limit
+    # (kubernetes/utils.py get_container_devices); the chart sets none for the CPU (a throttled rank would hold
+    # up the others), so the job asks for a GPU, which this executor ignores and the trainer does not need.
+    resources = {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi", "gpu": 1}
+    spec = spec_file(tmp_path, job_spec(marker, name=ours, apiKind="TrainJob", resources=resources))
+    assert ctl("submit", str(spec)).returncode == 0
+
+    # The SDK on ctl's job.
+    sdk.wait_for_job_status(ours, status={"Complete"}, timeout=JOB_TIMEOUT_S, polling_interval=1)
+    assert ours in {job.name for job in sdk.list_jobs()}
+    job = sdk.get_job(ours)
+    assert (job.status, job.num_nodes, job.runtime.name) == ("Complete", 2, ours)
+    assert "step 5/5" in "\n".join(sdk.get_job_logs(ours))  # node 0's, as the SDK reads it by default
+
+    # ctl on the SDK's job: no chart labels, a command of its own, the runtime's processes per node.
+    trainer = CustomTrainer(func=sdk_train, num_nodes=2, env={"DDPJOB_TEST_MARKER": marker})
+    theirs = sdk.train(runtime=sdk.get_runtime(ours), trainer=trainer)
+    assert ctl("wait", theirs, "--timeout", str(JOB_TIMEOUT_S)).returncode == 0, pod_logs(cluster, namespace)
+    status = json.loads(ctl("status", theirs, "-o", "json").stdout)
+    assert (status["kind"], status["state"], status["progress"]) == ("TrainJob", "Succeeded", None)
+    assert {(p["node"], p["exitCode"]) for p in status["pods"]} == {("node-0", 0), ("node-1", 0)}
+    both = ctl("logs", theirs, "--all")
+    assert both.returncode == 0, both.stderr
+    # The runtime's torch policy leaves the processes per node to torchrun (`auto`), whose ranks share the pod's
+    # output: their lines may interleave.
+    text = {node: "".join(line.partition("] ")[2] for line in both.stdout.splitlines() if line.startswith(f"[{node}] "))
+            for node in ("node-0", "node-1")}  # fmt: skip
+    assert "hello from rank 0 of " in text["node-0"] and "hello from rank " in text["node-1"], both.stdout
+    assert ctl("delete", theirs, "-y").stdout.splitlines() == [f"trainjob/{theirs} deleted"]
+    assert theirs not in {job.name for job in sdk.list_jobs()}
+
+    sdk.delete_job(ours)
+    assert ctl("wait", ours).returncode == EXIT_NOT_FOUND
+    assert_no_process_left(cluster, marker)
+
+
 def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Path) -> None:
     """A cluster without the PyTorchJob CRD (a second, bare control plane): one line saying how to install the
-    operator, exit 1, and nothing created."""
+    operator, exit 1, and nothing created. With Trainer v2's CRDs only, a spec without apiKind becomes a
+    TrainJob."""
     if EXTERNAL_KUBECONFIG:
         pytest.skip("needs a cluster without the operator: runs on a local control plane only")
     plane = controlplane.start(tmp_path / "bare", with_operator=False)
@@ -978,7 +1134,19 @@ def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Pa
                 and result.stderr.count("\n") == 1
             ), result.stderr
         core = kubernetes.client.CoreV1Api(client)
-        assert core.list_namespaced_config_map("bare").items == []
+        # (the namespace's kube-root-ca.crt, from the controller-manager, is all there is)
+        assert [c.metadata.name for c in core.list_namespaced_config_map("bare").items] == ["kube-root-ca.crt"]
         assert core.list_namespaced_persistent_volume_claim("bare").items == []
+
+        # Once the cluster serves TrainJobs (and still not PyTorchJobs), a spec that leaves apiKind out is
+        # submitted as a TrainJob, which ctl says; one that names PyTorchJob is refused as before.
+        controlplane.install_crds(plane, controlplane.job_set_and_trainer_crds(ensure_binaries()))
+        unset = tmp_path / "unset.yaml"
+        unset.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(spec.read_text()).items() if k != "apiKind"}))
+        chosen = run_ctl("submit", str(unset), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
+        assert (chosen.returncode, chosen.stdout) == (0, "trainjob.trainer.kubeflow.org/bare (server dry run)\n")
+        assert "apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob" in chosen.stderr
+        named = run_ctl("submit", str(spec), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
+        assert named.returncode == 1 and "the cluster has no PyTorchJob resource" in named.stderr
     finally:
         plane.stop()
