@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,29 @@ def prometheus_tool(name: str) -> str:
     if path is None:
         pytest.fail(f"{name} is not installed: run .ci/install-prometheus (a prerequisite of `make test`)")
     return path
+
+
+@contextlib.contextmanager
+def prometheus_server(config: Path, work_dir: Path) -> Iterator[str]:
+    """A real Prometheus server on a free loopback port reading `config`, its data and log under `work_dir`;
+    yields its URL and stops it afterwards."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    command = [
+        prometheus_tool("prometheus"),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={work_dir / 'tsdb'}",
+        f"--web.listen-address={address}",
+        "--log.level=warn",
+    ]
+    with (work_dir / "prometheus.log").open("w") as log:
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            yield f"http://{address}"
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def run_ctl(

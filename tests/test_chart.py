@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,7 +22,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from conftest import REPO, prometheus_tool, run_ctl
+from conftest import REPO, prometheus_server, prometheus_tool, run_ctl
 from pod_security import violations
 
 from ctl.operator_env import replicas
@@ -1065,34 +1064,17 @@ def test_prepare_job_series_get_the_job_label_of_the_training_pods(api_kind: str
     config.write_text(
         yaml.safe_dump({"scrape_configs": [scrape | {"static_configs": [pod(1, training), pod(2, prepare)]}]})
     )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    server = subprocess.Popen(
-        [
-            prometheus_tool("prometheus"),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address={address}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     targets: list[dict[str, Any]] = []
-    try:
+    with prometheus_server(config, tmp_path) as url:
         for _ in range(300):
             try:
-                with urllib.request.urlopen(f"http://{address}/api/v1/targets", timeout=5) as response:
+                with urllib.request.urlopen(f"{url}/api/v1/targets", timeout=5) as response:
                     targets = json.load(response)["data"]["activeTargets"]
                 if len(targets) == 2:
                     break
             except OSError:
                 pass
             time.sleep(0.1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     assert sorted(t["labels"]["job"] for t in targets) == ["job", "job"], targets
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheus_tool, tiny_spec
+from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheus_server, tiny_spec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -179,25 +179,9 @@ def prometheus(tmp_path: Path, live_job: LiveJob) -> Iterator[str]:
             }
         )
     )
-    address = f"127.0.0.1:{free_port()}"
-    server = subprocess.Popen(
-        [
-            prometheus_tool("prometheus"),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address={address}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    try:
-        url = f"http://{address}"
+    with prometheus_server(config, tmp_path) as url:
         wait_for("Prometheus to be ready", lambda: get(f"{url}/-/ready"), time.monotonic() + 30)
         yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def alerting_spec() -> dict[str, Any]:
