@@ -52,6 +52,7 @@ EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
 CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml').read_text())['appVersion']}"
 IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
 JOB_TIMEOUT_S = 400
+POD_EXIT_S = 60  # a pod's processes end within its grace period
 # Real text that is in the image as much as on this machine: the standard library's json package.
 STDLIB_TEXT = ["{stdlib}/json/*.py"]
 
@@ -224,6 +225,17 @@ def pods_of(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.
     return {p.metadata.name: p for p in pods.items}
 
 
+def ended_pods(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernetes.client.V1Pod]:
+    """The job's pods once none runs: the operator calls a PyTorchJob Succeeded as soon as its master is, while a
+    worker may still be exiting."""
+    deadline = time.monotonic() + POD_EXIT_S
+    while True:
+        pods = pods_of(cluster, namespace, job)
+        if all(p.status.phase in ("Succeeded", "Failed") for p in pods.values()) or time.monotonic() > deadline:
+            return pods
+        time.sleep(0.5)
+
+
 def pod_logs(cluster: Cluster, namespace: str) -> str:
     """The trainer's output of every pod: from the executor's log files (every start's, deleted pods' too), or the
     cluster's pods/log."""
@@ -328,7 +340,7 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_names
     job = wait_for_job(cluster, namespace, spec.name)
     assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
 
-    pods = pods_of(cluster, namespace, spec.name)
+    pods = ended_pods(cluster, namespace, spec.name)
     assert sorted(pods) == sorted(r.pod_name(spec.name) for r in replicas(spec))
     for replica in replicas(spec):
         pod = pods[replica.pod_name(spec.name)]
