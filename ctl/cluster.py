@@ -23,6 +23,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ctl import storage
+from trainer.names import TRAINER_CONTAINER
 
 FIELD_MANAGER = "ctl"
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
@@ -70,7 +71,7 @@ PYTORCHJOB = JobApi(
     "v1",
     "pytorchjobs",
     f"the Kubeflow training operator v1.9 first, e.g. {OPERATOR_INSTALL}",
-    container="pytorch",
+    container=TRAINER_CONTAINER["PyTorchJob"],
     pod_label=JOB_NAME_LABEL,
 )
 TRAINJOB = JobApi(
@@ -79,7 +80,7 @@ TRAINJOB = JobApi(
     "v1alpha1",
     "trainjobs",
     "Kubeflow Trainer v2.3 and JobSet first (docs/trainer-v2.md)",
-    container="node",
+    container=TRAINER_CONTAINER["TrainJob"],
     pod_label=JOBSET_NAME_LABEL,
 )
 # In the order a name is looked up in (PyTorchJob, the default kind, first).

@@ -54,6 +54,7 @@ from trainer.names import (
     LATEST_CHECKPOINT,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
+    TRAINER_CONTAINER,
 )
 
 LOCAL_ADDRESS = "127.0.0.1"
@@ -170,7 +171,7 @@ def trainjob_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]
     ]
     overrides = job["spec"].get("trainer", {})
     for container in trainer["containers"]:
-        if container["name"] == "node":
+        if container["name"] == TRAINER_CONTAINER["TrainJob"]:
             container |= {key: overrides[key] for key in ("image", "command", "args") if key in overrides}
             env = overrides.get("env", [])
             replaced = {var["name"] for var in env}

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, run_ctl, tiny_spec
 
 import trainer.names as names
-from ctl.local import local_job
-from ctl.render import CHART_ENV
+from ctl.local import local_job, rendered_pods
+from ctl.render import CHART_ENV, render
 from ctl.spec import JobSpec
 
 # Prints what the container got: a chart variable, one the spec's env overrides, the operator's node rank, a
@@ -106,3 +106,6 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
         assert len(job.nodes) == 2
         for node in job.nodes:
             assert set(names.POD_TEMPLATE_ENV) <= set(node.container.env), node.replica
+    # The trainer container has the name its controller requires, the name ctl reads logs and overrides from.
+    for pod in rendered_pods(render(spec), spec).values():
+        assert names.TRAINER_CONTAINER[api_kind] in [c["name"] for c in pod["containers"]]
