@@ -429,10 +429,12 @@ class JobSpec(SpecModel):
 
     def longest_pod_name(self) -> str:
         """The longest pod hostname the operator derives (the chart's `ddpjob.fullname` checks the same)."""
+        from ctl.operator_env import Replica  # that module builds on this one
+
         if self.api_kind == "TrainJob":  # Indexed Job pods of the JobSet's replicated job `node`
-            return f"{self.name}-node-0-{self.nodes - 1}"
+            return Replica("node", self.nodes - 1).pod_name(self.name)
         workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
-        return f"{self.name}-worker-{workers - 1}" if workers else f"{self.name}-master-0"
+        return (Replica("worker", workers - 1) if workers else Replica("master", 0)).pod_name(self.name)
 
     def _trainjob_compatible(self) -> None:
         """Refuse what Trainer v2.3 cannot express, one key at a time."""
