@@ -29,6 +29,7 @@ from trainer.failures import Failure, write_record
 from trainer.loop import train
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from trainer.quick_exit import quick_exit
 from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.tasks import load
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     # Only after a success: on a failure the peers learn of it when this process exits, after its record is
     # written (here or by @record), so that their "connection closed by peer" never comes before the cause.
     shutdown()
-    if code:
-        sys.exit(code)
+    quick_exit(code)
 
 
 if __name__ == "__main__":

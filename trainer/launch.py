@@ -31,11 +31,13 @@ from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
 from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED
+from trainer.quick_exit import quick_exit
 
 
 def main() -> None:
     try:
         torchrun()
+        quick_exit(0)
     except SignalException as exc:
         exit_stopped(128 + int(exc.sigval), f"stopped by {signal.Signals(exc.sigval).name}")
     except ChildFailedError as exc:
