@@ -63,7 +63,8 @@ def main_rank_first(dist: Dist, work: Callable[[], T]) -> T:
 
 
 RUN_DATASET = "dataset.json"  # in the run directory: the fingerprint and sources its checkpoints were trained on
-WAIT_POLL_S = 1.0
+WAIT_POLL_S = 1.0  # the prepare Job's files on the shared volume
+STORE_POLL_S = 0.1  # rank 0's outcome in the rendezvous store: a local round trip, so the ranks start together
 WAIT_LOG_S = 60.0
 
 
@@ -166,22 +167,23 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
     started_at = time.time()
     done_at: float | None = None
     say(f"rank {dist.rank}: waiting for {who} to prepare {plan.entry}")
+    from_store = store is not None and not job  # rank 0 says when it is done: the volume is read only then
     while True:
-        manifest = read_manifest(plan)
-        if manifest is not None:
-            return manifest
+        outcome = store.get(key).decode() if from_store and store.check([key]) else None
+        if not from_store or outcome == "ok":
+            manifest = read_manifest(plan)
+            if manifest is not None:
+                return manifest
         failure = plan.error_path.read_text(encoding="utf-8") if job and plan.error_path.exists() else None
-        if store is not None and not job and store.check([key]):
-            outcome = store.get(key).decode()
-            if outcome != "ok":
-                failure = outcome
-            else:
-                done_at = done_at or time.monotonic()
-                if time.monotonic() - done_at > WAIT_LOG_S:  # long after rank 0 finished: not the same volume
-                    failure = (
-                        f"error data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
-                        f" rank 0 prepared {plan.entry.name} there and this node does not see it"
-                    )
+        if outcome is not None and outcome != "ok":
+            failure = outcome
+        elif outcome == "ok":
+            done_at = done_at or time.monotonic()
+            if time.monotonic() - done_at > WAIT_LOG_S:  # long after rank 0 finished: not the same volume
+                failure = (
+                    f"error data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
+                    f" rank 0 prepared {plan.entry.name} there and this node does not see it"
+                )
         if failure is not None:
             kind, _, message = failure.partition(" ")
             if kind == "error":
@@ -197,7 +199,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
         if time.monotonic() - logged >= WAIT_LOG_S:
             logged = time.monotonic()
             say(f"rank {dist.rank}: still waiting for {who} ({logged - started:.0f} s){progress}")
-        time.sleep(WAIT_POLL_S)
+        time.sleep(STORE_POLL_S if from_store else WAIT_POLL_S)
 
 
 def job_progress(plan: Plan, since: float) -> tuple[str, float]:
