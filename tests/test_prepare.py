@@ -92,14 +92,20 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
     monkeypatch.setattr(prepare, "ENCODE_BATCH_BYTES", 2000)
     assert sum(len(prepare.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
     backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
-    assert prepare.cuts_at_newlines(backend.to_str())
-    # A whitespace run across a newline is one token (" \n\n"): a cut there would split it, so none is made there.
-    tricky = "x = 1 \n\n y = 2\n" * 300
-    whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges " \n\n"
-    cut = replace(whole, cut=50)
-    assert len(prepare.pieces_of(tricky, 50)) > 1 and np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
+    assert prepare.cuts_within_documents(backend.to_str())
+    # A whitespace run is one token (" \n\n", "   "): a cut inside one would split it, so none is made there. A
+    # document of one line (minified text) is cut before spaces.
+    for tricky in ("x = 1 \n\n y = 2\n" * 300, "x = f(1)    'y'\t z9 = [2,   3]; " * 300):
+        whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges runs
+        cut = replace(whole, cut=50)
+        assert len(prepare.pieces_of(tricky, 50)) > 1
+        assert np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
+    assert prepare.pieces_of("a" * 500 + "   b", 50) == ["a" * 500, "   b"], "cut before a run, not inside"
+    spaced = AutoTokenizer.from_pretrained(tokenizer_dir)
+    spaced.add_tokens(["end of text"])  # an added token with a space: a cut could fall inside it
+    assert not prepare.cuts_within_documents(spaced.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "\n..." would become " \n..."
-    assert not prepare.cuts_at_newlines(backend.to_str())
+    assert not prepare.cuts_within_documents(backend.to_str())
     spec = training(
         "causal-lm",
         [str(f) for f in files],

@@ -33,6 +33,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -56,7 +57,9 @@ CACHE_DIR_NAME = "_datasets"  # next to run directories; `_` is never in a job n
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
 PROGRESS_INTERVAL_S = 10.0  # a progress line this often when stderr is not a terminal
-CHUNK_BYTES = 4 * 2**20  # text per chunk a pool process tokenizes at most (one round trip to the pool)
+# Text per chunk a pool process tokenizes at most (one round trip to the pool): small enough that the processes
+# finish the last chunks of a split close together, large next to a round trip's cost (~1 ms).
+CHUNK_BYTES = 2**20
 # Text per call of the Rust tokenizer within a chunk: it takes over 100 bytes per byte of text while it encodes
 # (alignments, offsets, token strings, masks), so a whole 4 MiB chunk at once held ~200 MB per process, and one
 # 4 MB document alone ~500 MB. A longer document is encoded in pieces of about this size where that leaves its
@@ -333,7 +336,7 @@ class Encoder:
     chars: str | None = None  # char-gpt: the sorted vocabulary; a chunk's documents are joined by "\n"
     eos_id: int | None = None  # appended after every document (causal-lm packing)
     max_length: int | None = None  # classification: truncation
-    cut: int | None = None  # pieces of about this many characters for long documents (see cuts_at_newlines)
+    cut: int | None = None  # pieces of about this many characters for long documents (see cuts_within_documents)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, per-document lengths) of a chunk."""
@@ -359,13 +362,19 @@ class Encoder:
         return flat, lengths
 
 
-def cuts_at_newlines(tokenizer_json: str) -> bool:
-    """Whether cutting a text before a newline that follows a printable ASCII character leaves its ids unchanged.
+# Where a long document may be cut (cuts_within_documents): before a newline or a space that follows a printable
+# ASCII character (a line of code or prose ends so; words of minified text are spaced so).
+CUT = re.compile(r"(?<=[!-~])[\n ]")
+
+
+def cuts_within_documents(tokenizer_json: str) -> bool:
+    r"""Whether cutting a text at a CUT leaves its ids unchanged.
 
     So for GPT-2's byte-level BPE (and the one preparation trains): no normalizer, and the ByteLevel
-    pre-tokenizer's regex without a prefix space. Every regex match that holds such a character ends right
-    before the newline, none looks behind, BPE merges stay within a match, and no added token holds a
-    newline or takes the whitespace after it. Other tokenizers are never cut.
+    pre-tokenizer's regex without a prefix space. No regex match runs from a printable ASCII character into
+    the whitespace after it, so a match starts there (` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+` or a
+    whitespace run); none looks behind, BPE merges stay within a match, and no added token holds a newline
+    or a space or takes the whitespace around it. Other tokenizers are never cut.
     """
     config = json.loads(tokenizer_json)
     pre = config.get("pre_tokenizer") or {}
@@ -376,24 +385,22 @@ def cuts_at_newlines(tokenizer_json: str) -> bool:
         and pre.get("type") == "ByteLevel"
         and pre.get("use_regex", True)
         and not pre.get("add_prefix_space")
-        and not any("\n" in token["content"] or token.get("rstrip") for token in added)
+        and not any(
+            "\n" in token["content"] or " " in token["content"] or token.get("lstrip") or token.get("rstrip")
+            for token in added
+        )
     )
 
 
 def pieces_of(text: str, size: int | None) -> list[str]:
-    """`text` in pieces of at least `size` characters, each cut before a newline that follows a printable
-    ASCII character (a line of code or prose ends so); the whole text when `size` is None or no such cut exists."""
+    """`text` in pieces of at least `size` characters, each cut at a CUT; the whole text when `size` is None or
+    no cut exists (a document without a newline or a space after a printable ASCII character)."""
     if size is None:
         return [text]
     pieces, start = [], 0
-    cut = text.find("\n", start + size)
-    while cut != -1:
-        if "!" <= text[cut - 1] <= "~":
-            pieces.append(text[start:cut])
-            start = cut
-            cut = text.find("\n", start + size)
-        else:
-            cut = text.find("\n", cut + 1)
+    while (cut := CUT.search(text, start + size)) is not None:
+        pieces.append(text[start : cut.start()])
+        start = cut.start()
     pieces.append(text[start:])
     return pieces
 
@@ -471,28 +478,37 @@ def without_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def encoded(
-    encoder: Encoder, docs: Iterable[Document], workers: int, buffer_bytes: int
-) -> Iterator[tuple[list[Document], np.ndarray, np.ndarray]]:
-    """(chunk, tokens, lengths) in document order; at most `buffer_bytes` of text in flight."""
+@contextlib.contextmanager
+def encoding_pool(encoder: Encoder, workers: int) -> Iterator[Any]:
+    """The processes that tokenize, started once for every split of a preparation; None: tokenize in this one."""
     if workers == 1:
-        for chunk in chunks(docs, min(CHUNK_BYTES, buffer_bytes)):
-            yield (chunk, *encoder.encode([d.text for d in chunk]))
+        yield None
         return
-    in_flight = 2 * workers
     # spawn: the parent may hold threads (a process group, the tokenizer's pool) that fork would copy half-alive.
     with without_main():
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,))
     with pool:
-        pending: deque = deque()
-        for chunk in chunks(docs, max(1, min(CHUNK_BYTES, buffer_bytes // in_flight))):
-            pending.append((chunk, pool.apply_async(_encode_in_pool, ([d.text for d in chunk],))))
-            if len(pending) >= in_flight:
-                done, result = pending.popleft()
-                yield (done, *result.get())
-        while pending:
+        yield pool
+
+
+def encoded(
+    encoder: Encoder, docs: Iterable[Document], pool: Any, workers: int, buffer_bytes: int
+) -> Iterator[tuple[list[Document], np.ndarray, np.ndarray]]:
+    """(chunk, tokens, lengths) in document order; at most `buffer_bytes` of text in flight."""
+    if pool is None:
+        for chunk in chunks(docs, min(CHUNK_BYTES, buffer_bytes)):
+            yield (chunk, *encoder.encode([d.text for d in chunk]))
+        return
+    in_flight = 4 * workers  # a few chunks queued per process: it never waits for the parent, busy as it may be
+    pending: deque = deque()
+    for chunk in chunks(docs, max(1, min(CHUNK_BYTES, buffer_bytes // in_flight))):
+        pending.append((chunk, pool.apply_async(_encode_in_pool, ([d.text for d in chunk],))))
+        if len(pending) >= in_flight:
             done, result = pending.popleft()
             yield (done, *result.get())
+    while pending:
+        done, result = pending.popleft()
+        yield (done, *result.get())
 
 
 # --- Progress -----------------------------------------------------------------------------------
@@ -744,36 +760,45 @@ class Builder:
                 eos_id=None if self.labelled else tokenizer.eos_token_id,
                 max_length=spec.model.block_size if self.labelled else None,
                 # Pieces would each get the special tokens that classification adds.
-                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_at_newlines(tokenizer_json) else None,
+                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_within_documents(tokenizer_json) else None,
             )
         manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
         label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
         seen: dict[str, set[str]] = {}
-        for split in splits:
-            writer = SplitWriter(staging, split, self.labelled)
-            seen[split] = set()
-            progress = Progress(
-                f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
-            )
-            for chunk, tokens, lengths in encoded(encoder, self.docs(split), self.workers, self.buffer_bytes):
-                progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
-                ids = None
-                if self.labelled:
-                    ids = [label_ids.setdefault(d.label, len(label_ids)) for d in chunk]
-                    seen[split].update(d.label for d in chunk)
-                if encoder.chars is not None and writer.tokens:
-                    writer.write(np.array([joined.index("\n")], dtype=encoder.dtype), np.zeros(0, np.int64), None)
-                writer.has_text = writer.has_text or any(d.text.strip() for d in chunk)
-                writer.write(tokens, lengths, ids)
-            manifest["splits"][split] = writer.close()
-            progress.finish()
-            if not writer.documents or not writer.has_text:
-                what = "examples" if self.labelled and not writer.documents else "text"
-                raise SpecError(f"data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
+        with encoding_pool(encoder, self.workers) as pool:
+            for split in splits:
+                seen[split] = set()
+                manifest["splits"][split] = self.write_split(staging, split, encoder, pool, label_ids, seen[split])
         if self.labelled:
             manifest["labels"] = self.finish_labels(staging, label_ids, seen)
         manifest["skipped"] = {"count": len(self.skipped.files), "files": self.skipped.files[:SKIPPED_SHOWN]}
         return manifest
+
+    def write_split(
+        self, staging: Path, split: str, encoder: Encoder, pool: Any, label_ids: dict[str, int], seen: set[str]
+    ) -> dict[str, int]:
+        """One split's files; `label_ids` gets each new label an id in order of appearance, `seen` the split's."""
+        writer = SplitWriter(staging, split, self.labelled)
+        progress = Progress(
+            f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
+        )
+        separator = None if encoder.chars is None else np.array([encoder.chars.index("\n")], dtype=encoder.dtype)
+        for chunk, tokens, lengths in encoded(encoder, self.docs(split), pool, self.workers, self.buffer_bytes):
+            progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
+            ids = None
+            if self.labelled:
+                ids = [label_ids.setdefault(d.label, len(label_ids)) for d in chunk]
+                seen.update(d.label for d in chunk)
+            if separator is not None and writer.tokens:
+                writer.write(separator, np.zeros(0, np.int64), None)
+            writer.has_text = writer.has_text or any(d.text.strip() for d in chunk)
+            writer.write(tokens, lengths, ids)
+        counts = writer.close()
+        progress.finish()
+        if not writer.documents or not writer.has_text:
+            what = "examples" if self.labelled and not writer.documents else "text"
+            raise SpecError(f"data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
+        return counts
 
     @property
     def buffer_bytes(self) -> int:
