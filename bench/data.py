@@ -1,9 +1,11 @@
 """Data at real size: ddpjob's first start, restart and per-rank memory, against a nanoGPT-style prepare.
 
-Builds its corpora offline from the Python standard library's UTF-8 `.py` files (one document
-each, JSONL rows): the small one as is (about 130 MB with the test suites), the large one as
-several passes over them with per-pass variation (every `self` renamed per pass), until the size
-asked for. An 8k byte-level BPE is trained on the first 5 MB and given as `tokenizer.path`.
+Builds its corpora offline from the UTF-8 `.py` files under the Python standard library's
+directory (one document each, JSONL rows; that directory also holds the interpreter's own
+site-packages, whatever is installed there: the text differs between machines, its kind does
+not): the small one as is, the large one as several passes over them with per-pass variation
+(every `self` renamed per pass), until the size asked for; a machine with less text gets passes
+in the small one too. An 8k byte-level BPE is trained on the first 5 MB and given as `tokenizer.path`.
 
 Measured in one invocation, on the small corpus and then the large one:
 
@@ -52,11 +54,16 @@ from trainer.text import train_tokenizer  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SAMPLE_S = 0.2
+# smaps_rollup walks a process's page tables: ~10 ms of CPU for a process that imported torch, so sampling a first
+# start's 6 processes every 0.2 s would take a fifth of a core from what is measured (a single-process reference
+# far less). PSS plateaus for seconds at its peak (tokenizing, training), so a sample a second finds it.
+PSS_SAMPLE_S = 1.0
 TOKENIZER_SAMPLE_BYTES = 5 * 2**20
 
 
 def stdlib_documents() -> list[Path]:
-    """The standard library's `.py` files that hold UTF-8 text (a few test files deliberately are not UTF-8)."""
+    """The `.py` files under the standard library's directory (site-packages included) that hold UTF-8 text
+    (a few test files deliberately are not UTF-8)."""
     files = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         try:
@@ -94,6 +101,7 @@ class Usage:
     rank_peak: dict[int, int] = field(default_factory=dict)
     first_step_s: float | None = None
     wall_s: float = 0.0
+    sampler_cpu_s: float = 0.0  # what the sampling itself took from the machine meanwhile
 
 
 def descendants(root: int) -> list[int]:
@@ -147,19 +155,23 @@ def measure(command: list[str], cwd: Path, env: dict[str, str]) -> Usage:
     ranks: dict[int, int | None] = {}
 
     def sample() -> None:
+        next_pss = 0.0
         while not done.is_set():
-            total = total_pss = 0
-            for pid in descendants(process.pid):
+            pids = descendants(process.pid)
+            total = 0
+            for pid in pids:
                 size = rss(pid)
                 total += size
-                total_pss += pss(pid)
                 if pid not in ranks:
                     ranks[pid] = rank_of(pid)
                 if ranks[pid] is not None:
                     usage.rank_peak[ranks[pid]] = max(usage.rank_peak.get(ranks[pid], 0), size)
             usage.tree_peak = max(usage.tree_peak, total)
-            usage.tree_pss_peak = max(usage.tree_pss_peak, total_pss)
+            if time.monotonic() >= next_pss:
+                next_pss = time.monotonic() + PSS_SAMPLE_S
+                usage.tree_pss_peak = max(usage.tree_pss_peak, sum(map(pss, pids)))
             time.sleep(SAMPLE_S)
+        usage.sampler_cpu_s = time.thread_time()
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -232,6 +244,7 @@ def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: 
             "wall_s": round(usage.wall_s, 1),
             "peak_rss_gib": round(usage.tree_peak / 2**30, 2),
             "peak_pss_gib": round(usage.tree_pss_peak / 2**30, 2),
+            "sampler_cpu_s": round(usage.sampler_cpu_s, 1),
         }
     for run in ("first_start", "restart"):
         spec = workdir / f"{label}-{run}.yaml"
@@ -243,6 +256,7 @@ def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: 
             "peak_rss_gib": round(usage.tree_peak / 2**30, 2),
             "peak_pss_gib": round(usage.tree_pss_peak / 2**30, 2),
             "rank_peak_rss_mib": {rank: round(size / 2**20) for rank, size in sorted(usage.rank_peak.items())},
+            "sampler_cpu_s": round(usage.sampler_cpu_s, 1),
         }
     return result
 
