@@ -171,18 +171,18 @@ class EpochOrder:
 
     A materialized permutation (randperm) costs 4-8 bytes per sample on every rank, growing
     with the corpus; this computes only the positions asked for. A keyed Feistel network
-    permutes [0, 4^half) (the smallest such domain >= length, so fewer than 4 steps per
-    position on average) and cycle-walking, applying it again until the value is below
-    `length`, makes that a permutation of range(length). Keys come from (seed, epoch) alone:
-    the order is the same on every rank and world size.
+    permutes [0, 4^half_bits), the smallest such domain that holds `length` values, and
+    cycle-walking (applying it again until the value is below `length`, fewer than 4 times per
+    position on average) makes that a permutation of range(length). Keys come from (seed,
+    epoch) alone: the order is the same on every rank and world size.
     """
 
     ROUNDS = 6
 
     def __init__(self, length: int, seed: int, epoch: int) -> None:
         self.length = length
-        self.half = max(1, (max(length - 1, 1).bit_length() + 1) // 2)
-        self.mask = np.uint64((1 << self.half) - 1)
+        self.half_bits = max(1, (max(length - 1, 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half_bits) - 1)
         words = np.array([seed % 2**64, epoch % 2**64], dtype=np.uint64)
         key = _mix(_mix(words[:1]) ^ words[1:])
         self.keys = _mix(key + np.arange(1, self.ROUNDS + 1, dtype=np.uint64))
@@ -206,11 +206,11 @@ class EpochOrder:
         return values.astype(np.int64)
 
     def _feistel(self, values: np.ndarray) -> np.ndarray:
-        half = np.uint64(self.half)
-        left, right = values >> half, values & self.mask
+        shift = np.uint64(self.half_bits)
+        left, right = values >> shift, values & self.mask
         for key in self.keys:
             left, right = right, left ^ (_mix(right ^ key) & self.mask)
-        return (left << half) | right
+        return (left << shift) | right
 
 
 class TrainBatches:
