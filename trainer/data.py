@@ -3,11 +3,11 @@
 Every dataset reads its split through `numpy.memmap` (trainer/prepare.py writes the files): a
 rank's memory does not grow with the corpus, and the ranks of a node share the pages.
 
-Training walks one global shuffled order per epoch, `world size x batchSize` samples
-at a time, rank r taking every W-th of them (what `DistributedSampler` does). Its
-position is a count of global samples, so a resumed run continues at the exact batch,
-on any world size. Evaluation shards with `ShardSampler`, which never pads, so no
-sample is counted twice.
+Training walks one global shuffled order per epoch (`EpochOrder`, computed per position,
+so it costs no memory per sample), `world size x batchSize` samples at a time, rank r
+taking every W-th of them (what `DistributedSampler` does). Its position is a count of
+global samples, so a resumed run continues at the exact batch, on any world size.
+Evaluation shards with `ShardSampler`, which never pads, so no sample is counted twice.
 """
 
 from __future__ import annotations
@@ -157,6 +157,62 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a bijection of uint64 whose every output bit depends on every input bit."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class EpochOrder:
+    """One epoch's shuffled order of range(length): `order[i]` is the sample at position i.
+
+    A materialized permutation (randperm) costs 4-8 bytes per sample on every rank, growing
+    with the corpus; this computes only the positions asked for. A keyed Feistel network
+    permutes [0, 4^half_bits), the smallest such domain that holds `length` values, and
+    cycle-walking (applying it again until the value is below `length`, fewer than 4 times per
+    position on average) makes that a permutation of range(length). Keys come from (seed,
+    epoch) alone: the order is the same on every rank and world size.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, length: int, seed: int, epoch: int) -> None:
+        self.length = length
+        self.half_bits = max(1, (max(length - 1, 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half_bits) - 1)
+        words = np.array([seed % 2**64, epoch % 2**64], dtype=np.uint64)
+        key = _mix(_mix(words[:1]) ^ words[1:])
+        self.keys = _mix(key + np.arange(1, self.ROUNDS + 1, dtype=np.uint64))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: int | slice) -> Any:
+        """An int for an int, an int64 array for a slice; a slice costs memory for its own length only."""
+        positions = range(self.length)[key]
+        if isinstance(positions, int):
+            return int(self._permute(np.array([positions], dtype=np.uint64))[0])
+        return self._permute(np.arange(positions.start, positions.stop, positions.step, dtype=np.uint64))
+
+    def _permute(self, values: np.ndarray) -> np.ndarray:
+        values = self._feistel(values)
+        outside = values >= self.length
+        while outside.any():
+            values[outside] = self._feistel(values[outside])
+            outside = values >= self.length
+        return values.astype(np.int64)
+
+    def _feistel(self, values: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half_bits)
+        left, right = values >> shift, values & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << shift) | right
+
+
 class TrainBatches:
     """Endless stream of this rank's training batches; `epoch` and `position` say where it stands.
 
@@ -188,14 +244,8 @@ class TrainBatches:
     def epochs_done(self) -> float:
         return self.epoch + self.position / max(1, self.batches_per_epoch * self.global_batch)
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The epoch's shuffled sample order, as a tensor: 4 bytes a sample, where a list of ints takes 36.
-
-        randperm draws the same permutation whatever its dtype, so int32 changes no order, only the memory.
-        """
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        dtype = torch.int32 if len(self.dataset) <= torch.iinfo(torch.int32).max else torch.int64
-        return torch.randperm(len(self.dataset), generator=generator, dtype=dtype)
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(len(self.dataset), self.seed, epoch)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
