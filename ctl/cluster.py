@@ -532,7 +532,8 @@ def status(target: Target, name: str) -> dict[str, Any]:
     pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
     job = find_job(target, name)
     pods = job_pods(target, job)
-    involved = {name} | {pod["metadata"]["name"] for pod in pods}
+    prepare = prepare_job(target, name)
+    involved = {name} | {pod["metadata"]["name"] for pod in pods} | ({prepare["name"]} if prepare else set())
     involved |= {(pod["metadata"].get("labels") or {}).get(BATCH_JOB_NAME_LABEL) for pod in pods}
     events = [
         e
@@ -546,6 +547,7 @@ def status(target: Target, name: str) -> dict[str, Any]:
         "state": condition(job),
         "progress": rank0_progress(target, job, pods),
         "trainerStatus": (job.get("status") or {}).get("trainerStatus"),
+        "prepare": prepare,
         "conditions": [
             {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
             for c in job.get("status", {}).get("conditions") or []
@@ -557,6 +559,33 @@ def status(target: Target, name: str) -> dict[str, Any]:
             | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
             for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-10:]
         ],
+    }
+
+
+def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
+    """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
+    Failed, why it failed (its Failed condition) and its newest pod's exit code (137: killed, as by the OOM killer;
+    2: bad data). None without one."""
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+    jobs = target.call(f"/apis/batch/v1/namespaces/{target.namespace}/jobs", query_params=[("labelSelector", selector)])
+    if not jobs["items"]:
+        return None
+    job = jobs["items"][0]
+    status = job.get("status") or {}
+    true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
+    failed = true.get("Failed") or {}
+    state = "Running" if status.get("active") else "Pending"
+    state = "Succeeded" if "Complete" in true else "Failed" if failed else state
+    selector = f"{BATCH_JOB_NAME_LABEL}={job['metadata']['name']}"
+    pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
+    newest = max(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", ""), default=None)
+    (container,) = job["spec"]["template"]["spec"]["containers"]  # the chart's one container
+    return {
+        "name": job["metadata"]["name"],
+        "state": state,
+        "reason": failed.get("reason"),
+        "message": failed.get("message"),
+        "exitCode": None if newest is None else pod_summary(newest, container["name"])["exitCode"],
     }
 
 

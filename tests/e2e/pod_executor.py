@@ -418,9 +418,11 @@ class PodExecutor:
         return run
 
     def wait_for_end(self, run: ContainerRun) -> int:
-        """The run's exit code, once its output is all in its log file. The container ends with its main
+        """The run's exit code, once its output is all in its log file: 128 + N for a main process ended by signal
+        N (137 for SIGKILL: the OOM killer's), as container runtimes report it. The container ends with its main
         process: what is left of its process group is killed (a straggler would keep the pipes open)."""
-        exit_code = run.process.wait()
+        returncode = run.process.wait()
+        exit_code = 128 - returncode if returncode < 0 else returncode
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.process.pid, signal.SIGKILL)
         if not run.log.wait(LOG_DRAIN_S):
