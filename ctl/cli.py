@@ -410,6 +410,7 @@ def status_table(data: dict[str, Any]) -> str:
         f"  {p['reason'] or ''}"
         for p in data["pods"]
     ]
+    lines += [f"  {p['name']}: {p['message']}" for p in data["pods"] if p["exitCode"] and p["message"]]
     lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
     return "\n".join(lines)
 
@@ -439,7 +440,8 @@ def progress_text(progress: dict[str, Any]) -> str:
 
 def prepare_text(prepare: dict[str, Any]) -> str:
     """The prepare Job in one line: `job/NAME Failed (exit code 137; BackoffLimitExceeded: ...)`."""
-    why = [f"exit code {prepare['exitCode']}"] if prepare["exitCode"] else []
+    pod = prepare["pod"] or {}
+    why = [f"exit code {pod['exitCode']}"] if pod.get("exitCode") else []
     why += [f"{prepare['reason']}: {prepare['message']}"] if prepare["reason"] else []
     return f"job/{prepare['name']} {prepare['state']}" + (f" ({'; '.join(why)})" if why else "")
 

@@ -513,7 +513,15 @@ def pod_summary(pod: dict[str, Any], container: str) -> dict[str, Any]:
         "restarts": trainer.get("restartCount", 0),
         "exitCode": terminated.get("exitCode") if terminated else None,
         "reason": (terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
+        "message": last_line((terminated or {}).get("message")),
     }
+
+
+def last_line(message: str | None) -> str | None:
+    """A failed container's root cause: the last line of its termination message (the chart's containers fall back
+    to their log's tail, whose last line trainer.launch and trainer.prepare make the one-line root cause)."""
+    lines = (message or "").strip().splitlines()
+    return lines[-1] if lines else None
 
 
 def replica_counts(job: dict[str, Any]) -> dict[str, Any]:
@@ -564,8 +572,8 @@ def status(target: Target, name: str) -> dict[str, Any]:
 
 def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
     """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
-    Failed, why it failed (its Failed condition) and its newest pod's exit code (137: killed, as by the OOM killer;
-    2: bad data). None without one."""
+    Failed, why it failed (its Failed condition) and its newest pod (exit code 137: killed, as by the OOM killer; 2:
+    bad data, its message the line naming the file). None without one."""
     selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
     jobs = target.call(f"/apis/batch/v1/namespaces/{target.namespace}/jobs", query_params=[("labelSelector", selector)])
     if not jobs["items"]:
@@ -585,7 +593,7 @@ def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
         "state": state,
         "reason": failed.get("reason"),
         "message": failed.get("message"),
-        "exitCode": None if newest is None else pod_summary(newest, container["name"])["exitCode"],
+        "pod": None if newest is None else pod_summary(newest, container["name"]),
     }
 
 

@@ -179,28 +179,31 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     (pod,) = prepare_pods(cluster, namespace, f"{name}-prepare")
     assert (pod.status.phase, pod.status.container_statuses[0].state.terminated.exit_code) == ("Failed", SIGKILLED)
 
-    status = json.loads(ctl("status", name, "-o", "json").stdout)
-    assert status["state"] == "Failed" and status["prepare"] | {"message": None} == {
-        "name": f"{name}-prepare",
-        "state": "Failed",
-        "reason": "BackoffLimitExceeded",
-        "message": None,
-        "exitCode": SIGKILLED,
-    }, status
-    master = next(p for p in status["pods"] if p["node"] == "master-0")
-    assert (master["exitCode"], master["restarts"]) == (EXIT_ERROR, 0), status  # exit 1 under ExitCode: no retry
-    table = ctl("status", name).stdout
-    assert f"\n  prepare: job/{name}-prepare Failed (exit code {SIGKILLED}; BackoffLimitExceeded: " in table, table
-
     line = (
         f"error: the prepare Job {name}-prepare has not prepared dataset {fingerprint} ({entry}): no progress from"
         f" it for {LONG_WORK_S} s (training.timeouts.longWorkSeconds), after "
     )
-    (said,) = [text for text in ctl("logs", name).stdout.splitlines() if text.startswith(line)]
-    assert said.endswith(
+    said = ctl("logs", name).stdout.splitlines()[-1]  # rank 0's pod's last line (after torchrun's report)
+    assert said.startswith(line) and said.endswith(
         f" s of waiting; see `kubectl logs job/{name}-prepare`, or prepare it with `ctl prepare SPEC`, then start the"
         " job again"
     ), said
+
+    # ctl status: the prepare Job killed and failed, and the training pod's root cause (its termination message).
+    status = json.loads(ctl("status", name, "-o", "json").stdout)
+    prepare = status["prepare"]
+    assert (status["state"], prepare["name"], prepare["state"], prepare["reason"]) == (
+        "Failed",
+        f"{name}-prepare",
+        "Failed",
+        "BackoffLimitExceeded",
+    ), status
+    assert (prepare["pod"]["phase"], prepare["pod"]["exitCode"]) == ("Failed", SIGKILLED), status
+    master = next(p for p in status["pods"] if p["node"] == "master-0")
+    assert (master["exitCode"], master["restarts"], master["message"]) == (EXIT_ERROR, 0, said), status
+    table = ctl("status", name).stdout
+    assert f"\n  prepare: job/{name}-prepare Failed (exit code {SIGKILLED}; BackoffLimitExceeded: " in table, table
+    assert f"\n  {name}-master-0: {said}\n" in table, table
     assert_no_process_left(cluster, marker)
 
 
@@ -245,7 +248,10 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     master = next(p for p in status["pods"] if p["node"] == "master-0")
     assert (status["state"], master["exitCode"], master["restarts"]) == ("Failed", EXIT_BAD_INPUT, 0), status
-    assert (status["prepare"]["state"], status["prepare"]["exitCode"]) == ("Failed", EXIT_BAD_INPUT), status
+    assert master["message"] == line, status
+    prepare = status["prepare"]
+    assert (prepare["state"], prepare["pod"]["exitCode"], prepare["pod"]["message"]) == ("Failed", EXIT_BAD_INPUT, line)
+    assert f"\n  {name}-master-0: {line}\n" in ctl("status", name).stdout
     assert not list((claim / "_datasets").glob("causal-lm-*"))  # nothing a later run would trust
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
