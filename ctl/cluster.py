@@ -291,6 +291,8 @@ def submit(
         )
     if exists and not dry_run:
         delete_job(target, name, foreground=True, api=api)
+    if not dry_run:
+        clear_prepare_job(target, name, replace)
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
@@ -302,6 +304,35 @@ def submit(
             )
         return job
     return apply(target, job, dry_run=dry_run)
+
+
+def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
+    """The prepare Job an earlier submit of this name left: a finished Job never runs again (nor can its pod template
+    change), so the new one would never prepare; it goes first, and so does a running one that --replace replaces."""
+    collection = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
+    for job in target.call(collection, query_params=[("labelSelector", prepare_selector(name))])["items"]:
+        if not (replace or prepare_state(job) in ("Succeeded", "Failed")):
+            continue
+        path = f"{collection}/{job['metadata']['name']}"
+        target.call(path, "DELETE", body={"propagationPolicy": "Background"})
+        deadline = time.monotonic() + DELETE_WAIT_S
+        with contextlib.suppress(NotFound):
+            while time.monotonic() < deadline:
+                target.call(path)
+                time.sleep(0.5)
+            raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
+
+
+def prepare_selector(name: str) -> str:
+    """The labels of a job's prepare Job (helm/ddpjob/templates/prepare-job.yaml)."""
+    return f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+
+
+def prepare_state(job: dict[str, Any]) -> str:
+    status = job.get("status") or {}
+    true = {c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"}
+    state = "Running" if status.get("active") else "Pending"
+    return "Succeeded" if "Complete" in true else "Failed" if "Failed" in true else state
 
 
 def runtime_exists(target: Target, job: dict[str, Any]) -> bool:
@@ -574,23 +605,20 @@ def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
     """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
     Failed, why it failed (its Failed condition) and its newest pod (exit code 137: killed, as by the OOM killer; 2:
     bad data, its message the line naming the file). None without one."""
-    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
-    jobs = target.call(f"/apis/batch/v1/namespaces/{target.namespace}/jobs", query_params=[("labelSelector", selector)])
+    query = [("labelSelector", prepare_selector(name))]
+    jobs = target.call(f"/apis/batch/v1/namespaces/{target.namespace}/jobs", query_params=query)
     if not jobs["items"]:
         return None
     job = jobs["items"][0]
-    status = job.get("status") or {}
-    true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
-    failed = true.get("Failed") or {}
-    state = "Running" if status.get("active") else "Pending"
-    state = "Succeeded" if "Complete" in true else "Failed" if failed else state
+    conditions = (job.get("status") or {}).get("conditions") or []
+    failed = next((c for c in conditions if c["type"] == "Failed" and c.get("status") == "True"), {})
     selector = f"{BATCH_JOB_NAME_LABEL}={job['metadata']['name']}"
     pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
     newest = max(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", ""), default=None)
     (container,) = job["spec"]["template"]["spec"]["containers"]  # the chart's one container
     return {
         "name": job["metadata"]["name"],
-        "state": state,
+        "state": prepare_state(job),
         "reason": failed.get("reason"),
         "message": failed.get("message"),
         "pod": None if newest is None else pod_summary(newest, container["name"]),

@@ -227,7 +227,8 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
 ) -> None:
     """An undecodable file in the corpus: the prepare Job fails on it with exit code 2 and leaves its one line for the
     training pods, whose ranks exit 2 with it (bad input: the job fails, no retry). `ctl wait` exits 100; `ctl
-    status` shows the exit codes; rank 0's log ends with the line naming the key and the file."""
+    status` shows the exit codes and the line; rank 0's log ends with the line naming the key and the file. Fixed,
+    `ctl submit --replace` prepares again and trains."""
     skip_on_external_cluster(cluster)
     marker = uuid.uuid4().hex
     name = f"bad-{marker[:6]}"
@@ -253,5 +254,13 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     assert (prepare["state"], prepare["pod"]["exitCode"], prepare["pod"]["message"]) == ("Failed", EXIT_BAD_INPUT, line)
     assert f"\n  {name}-master-0: {line}\n" in ctl("status", name).stdout
     assert not list((claim / "_datasets").glob("causal-lm-*"))  # nothing a later run would trust
+
+    # The file fixed, the same spec submitted again: a new prepare Job prepares it (the failed one would never run
+    # again), and the job succeeds.
+    (claim / "corpus" / "latin1.py").write_text("café = 1\n", encoding="utf-8")
+    replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
+    assert replaced.returncode == 0, replaced.stderr + pod_logs(cluster, namespace)
+    assert json.loads(ctl("status", name, "-o", "json").stdout)["prepare"]["state"] == "Succeeded"
+    assert len(list((claim / "_datasets").glob(f"causal-lm-*/{MANIFEST}"))) == 1
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
