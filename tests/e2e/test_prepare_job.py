@@ -50,16 +50,16 @@ LONG_WORK_S = 10  # training.timeouts.longWorkSeconds: how long the ranks wait f
 SIGKILLED = 128 + signal.SIGKILL  # what a node reports for a container killed by SIGKILL (OOM killer, lost node)
 
 
-def prepare_job_spec(marker: str, name: str, corpus: list[Path], **values: Any) -> Any:
+def prepare_job_spec(marker: str, name: str, corpus: list[Path], backoff_limit: int = 0, **values: Any) -> Any:
     """A tiny causal-lm job (its BPE trained while the data is prepared) on 2 pods, restartPolicy ExitCode, its
-    prepare Job without retries, reading `corpus` from its claim (copied there first: the tier's claim is a local
-    directory)."""
+    prepare Job without retries unless `backoff_limit`, reading `corpus` from its claim (copied there first: the
+    tier's claim is a local directory)."""
     training = {
         "task": "causal-lm",
         "tokenizer": {"vocabSize": 300},
         "timeouts": {"longWorkSeconds": LONG_WORK_S},
     }
-    prepare = {"enabled": True, "cpu": "1", "memory": "1Gi", "backoffLimit": 0}
+    prepare = {"enabled": True, "cpu": "1", "memory": "1Gi", "backoffLimit": backoff_limit}
     train = [f"/checkpoints/corpus/{path.name}" for path in corpus]
     return job_spec(marker, train, training, name=name, restartPolicy="ExitCode", prepare=prepare, **values)
 
@@ -133,6 +133,9 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     # Nothing of the Job's bookkeeping is left next to the entry (its progress line, an error).
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
     assert json.loads((claim / name / "report.json").read_text())["steps"] == 5
+    status = json.loads(ctl("status", name, "-o", "json").stdout)
+    assert (status["prepare"]["name"], status["prepare"]["state"]) == (f"{name}-prepare", "Succeeded"), status
+    assert f"\n  prepare: job/{name}-prepare Succeeded\n" in ctl("status", name).stdout
 
     logs = pod_logs(cluster, namespace)
     assert f"prepared {entry} in " in logs, logs
@@ -235,7 +238,8 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     corpus = sorted((STDLIB / "json").glob("*.py"))
     files = {path.name: path.read_bytes() for path in corpus} | {"latin1.py": "café = 1\n".encode("latin-1")}
     claim = put_on_claim(cluster, namespace, name, files)
-    spec = spec_file(tmp_path, prepare_job_spec(marker, name, [*corpus, Path("latin1.py")]))
+    # A retry left: bad data is not retried all the same (the Job's podFailurePolicy).
+    spec = spec_file(tmp_path, prepare_job_spec(marker, name, [*corpus, Path("latin1.py")], backoff_limit=1))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
@@ -251,7 +255,9 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     assert (status["state"], master["exitCode"], master["restarts"]) == ("Failed", EXIT_BAD_INPUT, 0), status
     assert master["message"] == line, status
     prepare = status["prepare"]
-    assert (prepare["state"], prepare["pod"]["exitCode"], prepare["pod"]["message"]) == ("Failed", EXIT_BAD_INPUT, line)
+    assert (prepare["state"], prepare["reason"]) == ("Failed", "PodFailurePolicy"), status
+    assert (prepare["pod"]["exitCode"], prepare["pod"]["message"]) == (EXIT_BAD_INPUT, line), status
+    assert len(prepare_pods(cluster, namespace, f"{name}-prepare")) == 1
     assert f"\n  {name}-master-0: {line}\n" in ctl("status", name).stdout
     assert not list((claim / "_datasets").glob("causal-lm-*"))  # nothing a later run would trust
 
