@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
 DELETE_WAIT_S = 300
 METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
@@ -291,7 +293,7 @@ def submit(
         )
     if exists and not dry_run:
         delete_job(target, name, foreground=True, api=api)
-    if not dry_run:
+    if not dry_run and any(obj["kind"] == "Job" for obj in objects):  # prepare.enabled
         clear_prepare_job(target, name, replace)
     for obj in objects:
         if obj is not job:
@@ -309,11 +311,10 @@ def submit(
 def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
     """The prepare Job an earlier submit of this name left: a finished Job never runs again (nor can its pod template
     change), so the new one would never prepare; it goes first, and so does a running one that --replace replaces."""
-    collection = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
-    for job in target.call(collection, query_params=[("labelSelector", prepare_selector(name))])["items"]:
+    for job in prepare_jobs(target, name):
         if not (replace or prepare_state(job) in ("Succeeded", "Failed")):
             continue
-        path = f"{collection}/{job['metadata']['name']}"
+        path = f"/apis/batch/v1/namespaces/{target.namespace}/jobs/{job['metadata']['name']}"
         target.call(path, "DELETE", body={"propagationPolicy": "Background"})
         deadline = time.monotonic() + DELETE_WAIT_S
         with contextlib.suppress(NotFound):
@@ -323,12 +324,15 @@ def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
             raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
 
 
-def prepare_selector(name: str) -> str:
-    """The labels of a job's prepare Job (helm/ddpjob/templates/prepare-job.yaml)."""
-    return f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+def prepare_jobs(target: Target, name: str) -> list[dict[str, Any]]:
+    """The job's prepare Job, by the labels helm/ddpjob/templates/prepare-job.yaml gives it (none, or one)."""
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+    jobs = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
+    return target.call(jobs, query_params=[("labelSelector", selector)])["items"]
 
 
 def prepare_state(job: dict[str, Any]) -> str:
+    """A batch Job's state in ctl's words: Pending, Running, Succeeded (Complete) or Failed."""
     status = job.get("status") or {}
     true = {c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"}
     state = "Running" if status.get("active") else "Pending"
@@ -544,14 +548,17 @@ def pod_summary(pod: dict[str, Any], container: str) -> dict[str, Any]:
         "restarts": trainer.get("restartCount", 0),
         "exitCode": terminated.get("exitCode") if terminated else None,
         "reason": (terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
-        "message": last_line((terminated or {}).get("message")),
+        "message": termination_cause(terminated),
     }
 
 
-def last_line(message: str | None) -> str | None:
+def termination_cause(terminated: dict[str, Any] | None) -> str | None:
     """A failed container's root cause: the last line of its termination message (the chart's containers fall back
-    to their log's tail, whose last line trainer.launch and trainer.prepare make the one-line root cause)."""
-    lines = (message or "").strip().splitlines()
+    to their log's tail, whose last line trainer.launch and trainer.prepare make the one-line root cause). None for
+    a container killed by SIGKILL (the OOM killer's): its last line was not its last word."""
+    if not terminated or terminated.get("exitCode") == SIGKILL_EXIT_CODE:
+        return None
+    lines = (terminated.get("message") or "").strip().splitlines()
     return lines[-1] if lines else None
 
 
@@ -605,11 +612,10 @@ def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
     """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
     Failed, why it failed (its Failed condition) and its newest pod (exit code 137: killed, as by the OOM killer; 2:
     bad data, its message the line naming the file). None without one."""
-    query = [("labelSelector", prepare_selector(name))]
-    jobs = target.call(f"/apis/batch/v1/namespaces/{target.namespace}/jobs", query_params=query)
-    if not jobs["items"]:
+    jobs = prepare_jobs(target, name)
+    if not jobs:
         return None
-    job = jobs["items"][0]
+    job = jobs[0]
     conditions = (job.get("status") or {}).get("conditions") or []
     failed = next((c for c in conditions if c["type"] == "Failed" and c.get("status") == "True"), {})
     selector = f"{BATCH_JOB_NAME_LABEL}={job['metadata']['name']}"
