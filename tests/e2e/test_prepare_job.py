@@ -38,6 +38,7 @@ from test_control_plane import (
 from ctl.local import parent_pid
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
+from trainer.workloads import RUN_DATASET
 
 # The tier's fixtures: a control plane of this module's own, and a namespace per test.
 cluster = test_control_plane.cluster
@@ -125,7 +126,7 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
 
     (entry,) = (claim / "_datasets").glob("causal-lm-*")
     manifest = json.loads((entry / MANIFEST).read_text())
-    recorded = json.loads((claim / name / "dataset.json").read_text())
+    recorded = json.loads((claim / name / RUN_DATASET).read_text())
     assert (recorded["fingerprint"], recorded["entry"]) == (manifest["fingerprint"], str(entry))
     assert entry.name == f"causal-lm-{manifest['fingerprint']}"
     assert [Path(s["path"]).name for s in manifest["sources"]["train"]] == [p.name for p in corpus]
