@@ -399,6 +399,8 @@ def status_table(data: dict[str, Any]) -> str:
         lines.append(f"  progress: {progress_text(data['progress'])}")
     if data["trainerStatus"]:
         lines.append(f"  trainer status: {trainer_status_text(data['trainerStatus'])}")
+    if data["prepare"]:
+        lines.append(f"  prepare: {prepare_text(data['prepare'])}")
     lines += [
         f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
     ]
@@ -408,6 +410,7 @@ def status_table(data: dict[str, Any]) -> str:
         f"  {p['reason'] or ''}"
         for p in data["pods"]
     ]
+    lines += [f"  {p['name']}: {p['message']}" for p in data["pods"] if p["exitCode"] and p["message"]]
     lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
     return "\n".join(lines)
 
@@ -433,6 +436,14 @@ def progress_text(progress: dict[str, Any]) -> str:
     slowest = progress.get("slowestRank")
     parts += [f"slowest rank {slowest['rank']} ({slowest['stepTimeRatioToMedian']:.2f}x the median)"] if slowest else []
     return ", ".join(parts)
+
+
+def prepare_text(prepare: dict[str, Any]) -> str:
+    """The prepare Job in one line: `job/NAME Failed (exit code 137; BackoffLimitExceeded: ...)`."""
+    pod = prepare["pod"] or {}
+    why = [f"exit code {pod['exitCode']}"] if pod.get("exitCode") else []
+    why += [f"{prepare['reason']}: {prepare['message']}"] if prepare["reason"] else []
+    return f"job/{prepare['name']} {prepare['state']}" + (f" ({'; '.join(why)})" if why else "")
 
 
 def trainer_status_text(status: dict[str, Any]) -> str:

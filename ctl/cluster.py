@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
 DELETE_WAIT_S = 300
 METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
@@ -291,6 +293,8 @@ def submit(
         )
     if exists and not dry_run:
         delete_job(target, name, foreground=True, api=api)
+    if not dry_run and any(obj["kind"] == "Job" for obj in objects):  # prepare.enabled
+        clear_prepare_job(target, name, replace)
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
@@ -302,6 +306,37 @@ def submit(
             )
         return job
     return apply(target, job, dry_run=dry_run)
+
+
+def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
+    """The prepare Job an earlier submit of this name left: a finished Job never runs again (nor can its pod template
+    change), so the new one would never prepare; it goes first, and so does a running one that --replace replaces."""
+    for job in prepare_jobs(target, name):
+        if not (replace or prepare_state(job) in ("Succeeded", "Failed")):
+            continue
+        path = f"/apis/batch/v1/namespaces/{target.namespace}/jobs/{job['metadata']['name']}"
+        target.call(path, "DELETE", body={"propagationPolicy": "Background"})
+        deadline = time.monotonic() + DELETE_WAIT_S
+        with contextlib.suppress(NotFound):
+            while time.monotonic() < deadline:
+                target.call(path)
+                time.sleep(0.5)
+            raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
+
+
+def prepare_jobs(target: Target, name: str) -> list[dict[str, Any]]:
+    """The job's prepare Job, by the labels helm/ddpjob/templates/prepare-job.yaml gives it (none, or one)."""
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+    jobs = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
+    return target.call(jobs, query_params=[("labelSelector", selector)])["items"]
+
+
+def prepare_state(job: dict[str, Any]) -> str:
+    """A batch Job's state in ctl's words: Pending, Running, Succeeded (Complete) or Failed."""
+    status = job.get("status") or {}
+    true = {c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"}
+    state = "Running" if status.get("active") else "Pending"
+    return "Succeeded" if "Complete" in true else "Failed" if "Failed" in true else state
 
 
 def runtime_exists(target: Target, job: dict[str, Any]) -> bool:
@@ -513,7 +548,18 @@ def pod_summary(pod: dict[str, Any], container: str) -> dict[str, Any]:
         "restarts": trainer.get("restartCount", 0),
         "exitCode": terminated.get("exitCode") if terminated else None,
         "reason": (terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
+        "message": termination_cause(terminated),
     }
+
+
+def termination_cause(terminated: dict[str, Any] | None) -> str | None:
+    """A failed container's root cause: the last line of its termination message (the chart's containers fall back
+    to their log's tail, whose last line trainer.launch and trainer.prepare make the one-line root cause). None for
+    a container killed by SIGKILL (the OOM killer's): its last line was not its last word."""
+    if not terminated or terminated.get("exitCode") == SIGKILL_EXIT_CODE:
+        return None
+    lines = (terminated.get("message") or "").strip().splitlines()
+    return lines[-1] if lines else None
 
 
 def replica_counts(job: dict[str, Any]) -> dict[str, Any]:
@@ -532,7 +578,8 @@ def status(target: Target, name: str) -> dict[str, Any]:
     pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
     job = find_job(target, name)
     pods = job_pods(target, job)
-    involved = {name} | {pod["metadata"]["name"] for pod in pods}
+    prepare = prepare_job(target, name)
+    involved = {name} | {pod["metadata"]["name"] for pod in pods} | ({prepare["name"]} if prepare else set())
     involved |= {(pod["metadata"].get("labels") or {}).get(BATCH_JOB_NAME_LABEL) for pod in pods}
     events = [
         e
@@ -546,6 +593,7 @@ def status(target: Target, name: str) -> dict[str, Any]:
         "state": condition(job),
         "progress": rank0_progress(target, job, pods),
         "trainerStatus": (job.get("status") or {}).get("trainerStatus"),
+        "prepare": prepare,
         "conditions": [
             {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
             for c in job.get("status", {}).get("conditions") or []
@@ -557,6 +605,29 @@ def status(target: Target, name: str) -> dict[str, Any]:
             | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
             for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-10:]
         ],
+    }
+
+
+def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
+    """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
+    Failed, why it failed (its Failed condition) and its newest pod (exit code 137: killed, as by the OOM killer; 2:
+    bad data, its message the line naming the file). None without one."""
+    jobs = prepare_jobs(target, name)
+    if not jobs:
+        return None
+    job = jobs[0]
+    conditions = (job.get("status") or {}).get("conditions") or []
+    failed = next((c for c in conditions if c["type"] == "Failed" and c.get("status") == "True"), {})
+    selector = f"{BATCH_JOB_NAME_LABEL}={job['metadata']['name']}"
+    pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
+    newest = max(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", ""), default=None)
+    (container,) = job["spec"]["template"]["spec"]["containers"]  # the chart's one container
+    return {
+        "name": job["metadata"]["name"],
+        "state": prepare_state(job),
+        "reason": failed.get("reason"),
+        "message": failed.get("message"),
+        "pod": None if newest is None else pod_summary(newest, container["name"]),
     }
 
 

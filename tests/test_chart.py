@@ -38,7 +38,7 @@ from ctl.render import (
 )
 from ctl.schema import generated_files
 from ctl.spec import JobSpec, load_spec
-from trainer.names import PREPARED_BY_JOB_ENV
+from trainer.names import EXIT_BAD_INPUT, PREPARED_BY_JOB_ENV
 from trainer.spec import load_training_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -282,6 +282,12 @@ def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() 
     }
     assert [p["name"] for p in container["ports"]] == ["metrics"]
     assert pod["nodeSelector"] == {"pool": "cpu"} and "schedulerName" not in pod and pod["restartPolicy"] == "Never"
+    # Bad data is not retried: the Job fails on the preparation's bad-input exit code.
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+    assert rule == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": container["name"], "operator": "In", "values": [EXIT_BAD_INPUT]},
+    }
     # The same volumes, mounts, image and security as training: it writes the dataset cache on the same claim.
     assert pod["volumes"] == training["volumes"] and pod["securityContext"] == training["securityContext"]
     assert container["volumeMounts"] == trainer_container({"spec": training})["volumeMounts"]

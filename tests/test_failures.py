@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,6 +210,20 @@ def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers
     hung = Failure(EXIT_HUNG, "hang: rank 0 completed no step for 130 s", time=5.0, rank=0)
     assert root_cause([peer, killed, stop, hung]) == hung and root_cause([hung, own]) == own
     assert hung.exit_code == EXIT_HUNG and killed.exit_code == 1
+
+
+def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Path) -> None:
+    """A rank's own error (exit 1): torchrun's report, then the root cause in one line, last. A pod's log tail is its
+    termination message (the chart's FallbackToLogsOnError), whose last line `ctl status` shows."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n\n\n"
+        "@record\ndef main() -> None:\n    raise RuntimeError('the data was not prepared')\n\n\nmain()\n"
+    )
+    command = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1", str(script)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Root Cause (first observed failure)" in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
 
 
 def test_a_position_table_larger_than_the_machine_names_model_block_size() -> None:

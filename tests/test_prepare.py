@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import socket
+import subprocess
+import sys
 import sysconfig
 import threading
 import time
@@ -225,6 +227,20 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     (failure,) = resumed.stderr.splitlines()
     assert failure.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), failure
+
+
+def test_the_prepare_jobs_command_prepares_with_several_processes(tmp_path) -> None:
+    """The chart's prepare Job runs `python -m trainer.prepare`: its pool's processes get the module's functions even
+    though the module is `__main__` there (they failed to unpickle them, so no prepare Job ever finished)."""
+    config = tmp_path / "training.yaml"
+    data = {"train": [str(p) for p in SOURCES[:3]], "prepareWorkers": 2, "cacheDir": str(tmp_path / "cache")}
+    config.write_text(yaml.safe_dump({"task": "char-gpt", "data": data, "checkpoint": {"dir": str(tmp_path / "run")}}))
+    command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "with 2 process(es)" in done.stderr
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert json.loads((entry / MANIFEST).read_text())["splits"]["train"]["documents"] == 3
 
 
 def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:

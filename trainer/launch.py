@@ -13,7 +13,7 @@ a peer's "Connection closed by peer". Here the node's root cause is picked by
   rank 0 saves and the trainers exit 143, on the pod that got the signal and on every other pod;
 - found hung by a rank's watchdog (trainer.watchdog): exit EXIT_HUNG (200), retried by ExitCode
   too, and the restarted pods resume from the last checkpoint;
-- any other failure: torchrun's own report, exit 1.
+- any other failure: torchrun's own report, then the root cause's line, exit 1.
 
 The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has one (`ctl run` sets it).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -30,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
-from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
 
 
@@ -51,7 +52,9 @@ def main() -> None:
         if cause.kind == Kind.BAD_INPUT:
             print(f"error: {cause.message}", file=sys.stderr, flush=True)
             sys.exit(EXIT_BAD_INPUT)
-        raise
+        traceback.print_exc()  # torchrun's report, then the root cause as the last line (a pod's termination message)
+        print(f"error: {cause.message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ERROR)
 
 
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:

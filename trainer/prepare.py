@@ -908,4 +908,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # As `python -m trainer.prepare` this file is `__main__`, which the pool's processes do not import (without_main):
+    # its functions would not reach them. The importable module's do.
+    from trainer.prepare import main as importable_main
+
+    importable_main()

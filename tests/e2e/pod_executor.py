@@ -30,6 +30,8 @@ this:
   Security contexts are not applied (processes run as the executor's user).
 - init containers (the operator's wait-for-master-DNS) are reported completed without running: the address they
   wait for is the loopback rewrite above.
+- termination messages: with terminationMessagePolicy FallbackToLogsOnError, a failed container's last log lines
+  (80 lines, 2,048 bytes at most), as a kubelet does when the container wrote no termination message file.
 - restarts: restartPolicy OnFailure/Always restarts the container in place after a kubelet's crash-loop back-off
   (restartCount + 1); the pod stays Running meanwhile. A container ends with its main process: what is left of
   its process group is killed then, as a container runtime ends a container's processes.
@@ -76,7 +78,7 @@ from typing import Any
 
 import kubernetes
 import urllib3
-from container_logs import LogOptions, LogOptionsError, LogWriter, flag, stream_log
+from container_logs import LogOptions, LogOptionsError, LogWriter, flag, plain_text, stream_log
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
 from pod_network import POD_CIDR, AddressesUnavailable, PodAddresses
 
@@ -94,6 +96,9 @@ SERVICE_WAIT_S = 60.0
 # A kubelet's crash-loop back-off: 10 s, doubled per restart, at most 5 min.
 RESTART_BACKOFF_S = 10.0
 RESTART_BACKOFF_MAX_S = 300.0
+# A kubelet's termination message from a failed container's log (FallbackToLogsOnError): its tail, this long at most.
+TERMINATION_MESSAGE_LINES = 80
+TERMINATION_MESSAGE_BYTES = 2048
 # How long an ended container's output may take to reach its log file.
 LOG_DRAIN_S = 10.0
 
@@ -139,6 +144,7 @@ class LocalPod:
     grace_s: float
     container: str  # the one container run here
     containers: tuple[str, ...]  # every container name of the spec (init containers too)
+    fallback_to_logs: bool = False  # terminationMessagePolicy FallbackToLogsOnError
     image: str = ""
     address: str = LOOPBACK
     runs: list[ContainerRun] = field(default_factory=list)
@@ -285,6 +291,7 @@ class PodExecutor:
                 grace_s=float(pod.spec.termination_grace_period_seconds or 30),
                 container=pod.spec.containers[0].name,
                 containers=tuple(c.name for c in [*pod.spec.containers, *(pod.spec.init_containers or [])]),
+                fallback_to_logs=pod.spec.containers[0].termination_message_policy == "FallbackToLogsOnError",
             )
             self.pods[uid] = local
         threading.Thread(target=self.run_pod, args=(local, pod), name=pod.metadata.name, daemon=True).start()
@@ -372,7 +379,8 @@ class PodExecutor:
                 return
             restart = local.restart_policy == "Always" or (local.restart_policy == "OnFailure" and exit_code != 0)
             if not restart:
-                self.report_terminated(local, exit_code, "Completed" if exit_code == 0 else "Error", "")
+                message = termination_message(run, local.fallback_to_logs) if exit_code else ""
+                self.report_terminated(local, exit_code, "Completed" if exit_code == 0 else "Error", message)
                 return
             local.previous_run = run
             local.last_state = {
@@ -418,9 +426,11 @@ class PodExecutor:
         return run
 
     def wait_for_end(self, run: ContainerRun) -> int:
-        """The run's exit code, once its output is all in its log file. The container ends with its main
+        """The run's exit code, once its output is all in its log file: 128 + N for a main process ended by signal
+        N (137 for SIGKILL: the OOM killer's), as container runtimes report it. The container ends with its main
         process: what is left of its process group is killed (a straggler would keep the pipes open)."""
-        exit_code = run.process.wait()
+        returncode = run.process.wait()
+        exit_code = 128 - returncode if returncode < 0 else returncode
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.process.pid, signal.SIGKILL)
         if not run.log.wait(LOG_DRAIN_S):
@@ -670,6 +680,15 @@ class PodExecutor:
         except kubernetes.client.ApiException as error:
             if error.status != 404:  # a pod deleted meanwhile has no status to report
                 raise
+
+
+def termination_message(run: ContainerRun, fallback_to_logs: bool) -> str:
+    """A failed container's termination message, as a kubelet makes it with FallbackToLogsOnError (no container
+    here writes a termination message file): its last 80 lines of output, at most their last 2,048 bytes."""
+    if not fallback_to_logs:
+        return ""
+    tail = "".join(plain_text([run.log.path]).splitlines(keepends=True)[-TERMINATION_MESSAGE_LINES:])
+    return tail.encode()[-TERMINATION_MESSAGE_BYTES:].decode(errors="replace")
 
 
 def is_ip_address(host: str) -> bool:

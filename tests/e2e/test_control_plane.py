@@ -816,7 +816,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     assert set(status) == {
-        "name", "namespace", "kind", "state", "progress", "trainerStatus", "conditions", "replicas", "pods", "events"
+        "name", "namespace", "kind", "state", "progress", "trainerStatus", "prepare", "conditions", "replicas", "pods",
+        "events",
     }  # fmt: skip
     assert (status["name"], status["namespace"], status["kind"], status["state"], status["progress"]) == (
         name,
@@ -825,6 +826,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
         "Succeeded",
         None,
     )
+    assert status["prepare"] is None  # no prepare Job without prepare.enabled
     assert {(p["node"], p["phase"], p["exitCode"]) for p in status["pods"]} == {
         (master, "Succeeded", 0),
         (worker, "Succeeded", 0),

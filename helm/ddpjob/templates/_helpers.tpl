@@ -275,6 +275,9 @@ spec:
       # The operator injects PET_* (torchrun's flags; v1 also MASTER_*, RANK and WORLD_SIZE). trainer.launch
       # is torchrun that exits 128 + signal when stopped by one, so restartPolicy ExitCode retries it.
       command: [python, -m, trainer.launch, -m, trainer, --config, {{ printf "%s/training.yaml" (include "ddpjob.configDir" .) | quote }}]
+      # A failed container's last log lines become its termination message: trainer.launch's (and
+      # trainer.prepare's) last line is the one-line root cause, which `ctl status` and `kubectl describe` show.
+      terminationMessagePolicy: FallbackToLogsOnError
       ports:
         {{- if not (include "ddpjob.isTrainJob" .) }}
         - name: pytorchjob-port
