@@ -35,7 +35,9 @@ import multiprocessing
 import os
 import re
 import shutil
+import socket
 import sys
+import threading
 import time
 import types
 from collections import deque
@@ -625,8 +627,7 @@ class PrepareMetrics:
         try:
             yield metrics
         finally:
-            server.shutdown()
-            server.server_close()
+            stop_server(server)
 
     def start(self, stage: str, total: int) -> None:
         self.stage = stage
@@ -642,6 +643,20 @@ class PrepareMetrics:
     def finish(self) -> None:
         self.eta.labels(self.job).set(0)
         self.finished.labels(self.job).set(time.time())
+
+
+def stop_server(server: Any) -> None:
+    """Shut a socketserver down and free its port, at once: serve_forever looks for a shutdown only between
+    polls of 0.5 s, so connections wake it until it has seen it (a trainer rank serves its own metrics next)."""
+    stopping = threading.Thread(target=server.shutdown, daemon=True)
+    stopping.start()
+    host, port = server.server_address[:2]
+    wake = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    while stopping.is_alive():
+        with contextlib.suppress(OSError):
+            socket.create_connection((wake, port), timeout=0.1).close()
+        stopping.join(0.01)
+    server.server_close()
 
 
 # --- Building a prepared dataset ----------------------------------------------------------------
