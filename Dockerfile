@@ -21,6 +21,14 @@ ENV PYTHONUNBUFFERED=1 \
     TORCHINDUCTOR_CACHE_DIR=/home/ddpjob/.cache/torchinductor \
     TRITON_CACHE_DIR=/home/ddpjob/.cache/triton
 
+# jemalloc: data preparation preloads it into its tokenizing processes where it is installed (trainer/prepare.py
+# fast_malloc); the Rust tokenizer spends ~40% of its time in glibc's malloc and free, and encodes 15-20% faster.
+# Any version will do (the soname libjemalloc.so.2 is what is looked up), so the base image's distribution pins it.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libjemalloc2 \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/ddpjob
 COPY pyproject.toml README.md ./
 COPY trainer ./trainer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -128,6 +129,19 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
     assert manifest["splits"]["train"] == {"tokens": len(expected), "documents": len(documents)}
     assert [s["path"] for s in manifest["sources"]["train"]] == [str(f) for f in files]
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")], "no staging left behind"
+
+
+def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
+    """jemalloc where installed (prepare.fast_malloc); the mechanism with a library no worker loads by itself."""
+    monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison
+    encoder = prepare.Encoder("uint16", chars="\nab")
+    libraries = {}
+    for allocator in (None, "libresolv.so.2"):
+        with prepare.encoding_pool(encoder, 2, allocator) as pool:
+            libraries[allocator] = pool.apply(Path.read_text, (Path("/proc/self/maps"),))
+            assert pool.apply(prepare._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
+    assert "libresolv" not in libraries[None] and "libresolv" in libraries["libresolv.so.2"]
+    assert "LD_PRELOAD" not in os.environ, "this process's environment is left as it was"
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import ctypes.util
 import hashlib
 import json
 import math
@@ -480,14 +481,39 @@ def without_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+def fast_malloc() -> str | None:
+    """jemalloc's shared library where the system has it (the image installs it), for the tokenizing processes.
+
+    The Rust tokenizer allocates a few small strings and vectors per token and spends about 40% of its time in
+    glibc's malloc and free; with jemalloc it encodes 15-20% faster (docs/data.md).
+    """
+    return ctypes.util.find_library("jemalloc")
+
+
 @contextlib.contextmanager
-def encoding_pool(encoder: Encoder, workers: int) -> Iterator[Any]:
-    """The processes that tokenize, started once for every split of a preparation; None: tokenize in this one."""
+def preloading(library: str | None) -> Iterator[None]:
+    """Processes started meanwhile load `library` before any other (LD_PRELOAD); this one is unchanged."""
+    before = os.environ.get("LD_PRELOAD")
+    if library is not None:
+        os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
+@contextlib.contextmanager
+def encoding_pool(encoder: Encoder, workers: int, allocator: str | None = None) -> Iterator[Any]:
+    """The processes that tokenize, started once for every split of a preparation, with `allocator` preloaded;
+    None: tokenize in this one."""
     if workers == 1:
         yield None
         return
     # spawn: the parent may hold threads (a process group, the tokenizer's pool) that fork would copy half-alive.
-    with without_main():
+    with without_main(), preloading(allocator):
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,))
     with pool:
         yield pool
@@ -780,7 +806,7 @@ class Builder:
         manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
         label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
         seen: dict[str, set[str]] = {}
-        with encoding_pool(encoder, self.workers) as pool:
+        with encoding_pool(encoder, self.workers, fast_malloc()) as pool:
             for split in splits:
                 seen[split] = set()
                 manifest["splits"][split] = self.write_split(staging, split, encoder, pool, label_ids, seen[split])
