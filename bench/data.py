@@ -26,6 +26,9 @@ share (torch's libraries, mapped token files) once per process, and the sum of P
 (`/proc/PID/smaps_rollup`), which splits each shared page among its sharers: the memory the
 tree takes from the machine.
 
+The tokenizing processes use jemalloc where it is installed (trainer/prepare.py `fast_malloc`;
+`apt install libjemalloc2`), which the output names.
+
 Prints a table and one JSON line (ratios: first start / reference wall, restart large / small,
 rank RSS large / small).
 """
@@ -50,6 +53,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from trainer.prepare import fast_malloc  # noqa: E402
 from trainer.text import train_tokenizer  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -292,6 +296,8 @@ def main() -> None:
             for label, corpus in corpora.items()
         }
 
+    allocator = fast_malloc() or "glibc's malloc (no jemalloc installed)"
+    print(f"tokenizing processes' allocator: {allocator}")
     print(f"{'':28}{'small':>14}{'large':>14}")
     small, large = results["small"], results["large"]
     rows = [
@@ -326,7 +332,7 @@ def main() -> None:
             2,
         ),
     }
-    print(json.dumps(results | {"ratios": ratios}))
+    print(json.dumps(results | {"allocator": allocator, "ratios": ratios}))
 
 
 if __name__ == "__main__":
