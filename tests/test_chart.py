@@ -287,6 +287,7 @@ def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() 
     assert rule == {
         "action": "FailJob",
         "onExitCodes": {"containerName": container["name"], "operator": "In", "values": [EXIT_BAD_INPUT]},
+        "onPodConditions": [],
     }
     # The same volumes, mounts, image and security as training: it writes the dataset cache on the same claim.
     assert pod["volumes"] == training["volumes"] and pod["securityContext"] == training["securityContext"]
