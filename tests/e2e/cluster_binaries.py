@@ -36,6 +36,14 @@ TRAINER_MODULE = "github.com/kubeflow/trainer/v2"
 # The JobSet release Trainer v2.3.0 requires (its go.mod): the controller TrainJobs are built on.
 JOBSET_VERSION = "v0.12.0"
 JOBSET_MODULE = "sigs.k8s.io/jobset"
+# The node's container runtime: containerd 2.x implements the CRI's RuntimeConfig, which kubelet 1.36 still only
+# warns about and 1.37 is expected to require (Debian's 1.6 lacks it). Its shim and ctr (image import) come along.
+CONTAINERD_VERSION = "v2.4.2"
+CONTAINERD_MODULE = "github.com/containerd/containerd/v2"
+# btrfs snapshots need cgo; the node uses overlayfs.
+CONTAINERD_TAGS = "no_btrfs"
+COREDNS_VERSION = "v1.15.0"
+COREDNS_MODULE = "github.com/coredns/coredns"
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
@@ -43,20 +51,34 @@ BUILD_TIMEOUT_S = 3 * 3600
 
 STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/src/k8s\.io/[\w.-]+\s*$", re.MULTILINE)
 
-# main.go of a Kubernetes command: cmd/<command>/app's constructor run by component-base's cli.
+# main.go of a Kubernetes command: cmd/<command>/app's constructor run by component-base's cli. Package-level
+# `ctx` is there for the constructors that take a context (the kubelet's); an unused package variable compiles.
 KUBERNETES_MAIN = """package main
 
 import (
+\t"context"
 \t"os"
 
 \t"k8s.io/component-base/cli"
 \t"k8s.io/kubernetes/cmd/{command}/app"
 )
 
+var ctx = context.Background()
+
 func main() {{
-\tos.Exit(cli.Run(app.{constructor}()))
+\tos.Exit(cli.Run(app.{constructor}))
 }}
 """
+
+# The Kubernetes commands built from the wrapper module: the control plane's and the node's (kubelet, kube-proxy),
+# each with the call of its app package's constructor.
+KUBERNETES_COMMANDS = {
+    "kube-apiserver": "NewAPIServerCommand()",
+    "kube-controller-manager": "NewControllerManagerCommand()",
+    "kube-scheduler": "NewSchedulerCommand()",
+    "kubelet": "NewKubeletCommand(ctx)",
+    "kube-proxy": "NewProxyCommand()",
+}
 
 # kubectl's own main: its root command, errors printed the way kubectl prints them.
 KUBECTL_MAIN = """package main
@@ -88,6 +110,49 @@ func main() {
 """
 
 
+# Cluster DNS with only the plugins the node's Corefile uses: CoreDNS's own main registers all ~60 of them
+# (cloud providers' SDKs included), which would take several times as long to build.
+COREDNS_PLUGINS = ("bind", "errors", "log", "health", "ready", "cache", "kubernetes")
+COREDNS_MAIN = """package main
+
+import (
+\t"github.com/coredns/coredns/coremain"
+{imports}
+)
+
+func main() {{
+\tcoremain.Run()
+}}
+"""
+
+# The pod sandbox's process: it holds the pod's namespaces, reaps orphans and exits on SIGTERM/SIGINT, as
+# Kubernetes' pause does (no registry here to pull registry.k8s.io/pause from).
+PAUSE_MAIN = """package main
+
+import (
+\t"os"
+\t"os/signal"
+\t"syscall"
+)
+
+func main() {
+\tsignals := make(chan os.Signal, 1)
+\tsignal.Notify(signals, syscall.SIGTERM, syscall.SIGINT, syscall.SIGCHLD)
+\tfor sig := range signals {
+\t\tif sig != syscall.SIGCHLD {
+\t\t\tos.Exit(0)
+\t\t}
+\t\tfor {
+\t\t\tif pid, _ := syscall.Wait4(-1, nil, syscall.WNOHANG, nil); pid <= 0 {
+\t\t\t\tbreak
+\t\t\t}
+\t\t}
+\t}
+}
+"""
+PAUSE_VERSION = "1"
+
+
 class BuildError(RuntimeError):
     """A binary could not be built; the message says which step failed and why."""
 
@@ -102,6 +167,14 @@ class Binaries:
     pytorchjob_crd: Path
     trainer_controller_manager: Path
     jobset_controller: Path
+    kube_scheduler: Path
+    kubelet: Path
+    kube_proxy: Path
+    containerd: Path
+    containerd_shim: Path
+    ctr: Path
+    coredns: Path
+    pause: Path
     # The two modules' source directories: their CRDs and webhook manifests, as their releases install them.
     trainer_source: Path
     jobset_source: Path
@@ -158,10 +231,7 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
         raise BuildError(f"k8s.io/kubernetes@{version}/go.mod: no go directive")
     module = CACHE / "build" / f"control-plane-{version}"
     mains = {
-        "kube-apiserver": KUBERNETES_MAIN.format(command="kube-apiserver", constructor="NewAPIServerCommand"),
-        "kube-controller-manager": KUBERNETES_MAIN.format(
-            command="kube-controller-manager", constructor="NewControllerManagerCommand"
-        ),
+        **{name: KUBERNETES_MAIN.format(command=name, constructor=call) for name, call in KUBERNETES_COMMANDS.items()},
         "kubectl": KUBECTL_MAIN,
         "etcd": ETCD_MAIN,
     }
@@ -178,12 +248,11 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
 
 
 def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> dict[str, Path]:
-    """etcd, kube-apiserver, kube-controller-manager and kubectl by name, each built on the first call that lacks it."""
+    """etcd, kubectl and the Kubernetes commands by name, each built on the first call that lacks it."""
     targets = {
         "etcd": cached("etcd", etcd_version),
-        "kube-apiserver": cached("kube-apiserver", version),
-        "kube-controller-manager": cached("kube-controller-manager", version),
         "kubectl": cached("kubectl", version),
+        **{name: cached(name, version) for name in KUBERNETES_COMMANDS},
     }
     missing = [name for name, target in targets.items() if not target.exists()]
     if missing:
@@ -197,10 +266,11 @@ def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD
     return targets
 
 
-def build_main(name: str, module: str, package: str, version: str) -> Path:
+def build_main(name: str, module: str, package: str, version: str, tags: str = "", main: str | None = None) -> Path:
     """The main package `package` of `module` at `version` (a module without replace directives), built in a
     generated wrapper module that requires it (`go install package@version` would also look up the module's
-    deprecation through the proxy's version list, which the proxy may refuse); cached as `name-version`."""
+    deprecation through the proxy's version list, which the proxy may refuse); cached as `name-version`. With
+    `main`, the wrapper's own main.go (importing from the module) is built instead of `package`."""
     target = cached(name, version)
     if target.exists():
         return target
@@ -212,9 +282,39 @@ def build_main(name: str, module: str, package: str, version: str) -> Path:
         f"module ddpjob.local/{name}\n\ngo {go_directive[1] if go_directive else '1.22.0'}\n\n"
         f"require {module} {version}\n"
     )
+    if main is not None:
+        (wrapper / "main.go").write_text(main)
+        package = "."
     built = wrapper / "out" / name
-    run_go("build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o", str(built), package, cwd=wrapper)
+    flags = ["-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", *(["-tags", tags] if tags else [])]
+    run_go("build", *flags, "-o", str(built), package, cwd=wrapper)
     return install(built, target)
+
+
+def build_pause() -> Path:
+    """The sandbox image's one binary: a module of its own, the standard library only."""
+    target = cached("pause", PAUSE_VERSION)
+    if target.exists():
+        return target
+    wrapper = CACHE / "build" / f"pause-{PAUSE_VERSION}"
+    wrapper.mkdir(parents=True, exist_ok=True)
+    (wrapper / "go.mod").write_text("module ddpjob.local/pause\n\ngo 1.22.0\n")
+    (wrapper / "main.go").write_text(PAUSE_MAIN)
+    run_go("build", "-trimpath", "-ldflags=-s -w", "-o", str(wrapper / "out" / "pause"), ".", cwd=wrapper)
+    return install(wrapper / "out" / "pause", target)
+
+
+def containerd_command(name: str) -> Path:
+    return build_main(
+        name, CONTAINERD_MODULE, f"{CONTAINERD_MODULE}/cmd/{name}", CONTAINERD_VERSION, tags=CONTAINERD_TAGS
+    )
+
+
+def build_coredns() -> Path:
+    imports = "\n".join(f'\t_ "{COREDNS_MODULE}/plugin/{plugin}"' for plugin in COREDNS_PLUGINS)
+    return build_main(
+        "coredns", COREDNS_MODULE, COREDNS_MODULE, COREDNS_VERSION, main=COREDNS_MAIN.format(imports=imports)
+    )
 
 
 def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
@@ -243,6 +343,14 @@ def ensure_binaries() -> Binaries:
             TRAINER_VERSION,
         ),
         jobset_controller=build_main("jobset", JOBSET_MODULE, JOBSET_MODULE, JOBSET_VERSION),
+        kube_scheduler=kubernetes["kube-scheduler"],
+        kubelet=kubernetes["kubelet"],
+        kube_proxy=kubernetes["kube-proxy"],
+        containerd=containerd_command("containerd"),
+        containerd_shim=containerd_command("containerd-shim-runc-v2"),
+        ctr=containerd_command("ctr"),
+        coredns=build_coredns(),
+        pause=build_pause(),
         trainer_source=download_module(TRAINER_MODULE, TRAINER_VERSION),
         jobset_source=download_module(JOBSET_MODULE, JOBSET_VERSION),
     )

@@ -1,32 +1,28 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, the PyTorchJob, JobSet and Trainer v2 CRDs,
-kube-controller-manager (its garbage collector, namespace, PVC-protection, Job and root CA publisher controllers
-only), the Kubeflow training operator (v1.9), the JobSet controller (v0.12) and the Kubeflow Trainer v2 controller
-manager (v2.3, its TrainJobStatus feature on), and the local pod executor (tests/e2e/pod_executor.py) standing
-in for a kubelet. No scheduler runs (the executor binds pods to its node), nor the controller-manager's other
-controllers (no Deployments, service account tokens, endpoints; a namespace's `default` ServiceAccount is created
-by `ensure_namespace`).
+"""A real Kubernetes control plane and node on this machine: etcd, kube-apiserver, the PyTorchJob, JobSet and
+Trainer v2 CRDs, kube-controller-manager (the controllers in CONTROLLERS), kube-scheduler, the Kubeflow training
+operator (v1.9), the JobSet controller (v0.12), the Kubeflow Trainer v2 controller manager (v2.3, its
+TrainJobStatus feature on), and one real node (tests/e2e/node.py: kubelet, containerd and runc, the CNI bridge,
+kube-proxy, CoreDNS) whose pods run in containers of the project's image (`make image`).
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
 So a PyTorchJob becomes pods and Services (the operator), a TrainJob a JobSet (Trainer v2), a JobSet Indexed batch
-Jobs and a headless Service (JobSet), a Job pods (the Job controller); deleting a job removes what it made (owner
-references; a foreground deletion ends once they are gone), and a deleted namespace is emptied and removed, its
-pods' processes ended by the executor.
+Jobs and a headless Service (JobSet), a Job pods (the Job controller); the scheduler binds pods to the node, whose
+kubelet runs them; deleting a job removes what it made (owner references; a foreground deletion ends once they are
+gone), and a deleted namespace is emptied and removed.
 
 The webhooks of Trainer v2 and JobSet are registered as their releases ship them (their modules' kustomize
 manifests and patches), each pointing at its server's 127.0.0.1 URL with this plane's CA as the bundle; the
 servers present a certificate of that CA (their own certificate management is off).
 
-The executor is the one node's kubelet (Node `ddpjob-e2e-node`): pods are bound to it, and the API server reaches
-its HTTPS API for pods/log (the Node's InternalIP 127.0.0.1 and kubelet port; `--kubelet-certificate-authority`
-is this plane's CA, which issued the executor's serving certificate; the API server authenticates with a client
-certificate of the same CA). Each pod gets an address of its own from 10.244.0.0/16 on `lo` where the machine
-allows it (root, CAP_NET_ADMIN), so the API server's pods/proxy reaches pods; `ControlPlane.pod_addresses` says
-whether it does here, `pod_network` how pods are reached either way.
+The API server listens on this machine's end of the node's link (node.HOST_ADDRESS), where the node's kubelet,
+kube-proxy and CoreDNS reach it with client certificates of the plane's CA (the kubelet as
+system:node:<node>, under the Node authorizer and NodeRestriction); it reaches the kubelet's HTTPS API (pods/log,
+exec) at the Node's InternalIP with its own client certificate. Needs root (namespaces, mounts, cgroups).
 
 Every process runs in its own process group with a parent-death signal, and `ControlPlane.stop` (also run at
-exit and on SIGTERM) ends each group, so nothing outlives the harness; it then removes any pod address the
-executor recorded and could not remove itself (when it had to be killed).
+exit and on SIGTERM) stops the node (which restores what it changed on this machine), then ends each group, so
+nothing outlives the harness.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ import atexit
 import base64
 import datetime
 import ipaddress
-import json
 import os
 import secrets
 import signal
@@ -52,14 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+import node
 import yaml
-from cluster_binaries import Binaries, ensure_binaries
+from cluster_binaries import CACHE, Binaries, ensure_binaries
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
-from pod_network import AddressesUnavailable, release_recorded
+from oci import busybox_image
 
 from ctl.cluster import Target, apply
 
@@ -72,13 +68,24 @@ CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 # kubernetes.io/pvc-protection finalizer removed once no pod uses it (else its namespace stays Terminating).
 # The Job controller runs the batch Jobs a JobSet creates (Indexed: each pod gets its completion index); the root
 # CA publisher gives every namespace the kube-root-ca.crt ConfigMap that a pod's API access volume projects.
+# For the node: its not-ready taint (which the kubelet registers it with) lifted once it is Ready, EndpointSlices
+# of Services (kube-proxy and CoreDNS read them), every namespace's `default` ServiceAccount, claims bound to
+# volumes (and a volume's protection finalizer removed once released), finished pods collected.
 CONTROLLERS = (
     "garbage-collector-controller",
     "namespace-controller",
     "persistentvolumeclaim-protection-controller",
     "job-controller",
     "root-ca-certificate-publisher-controller",
+    "node-lifecycle-controller",
+    "endpointslice-controller",
+    "serviceaccount-controller",
+    "persistentvolume-binder-controller",
+    "persistentvolume-protection-controller",
+    "pod-garbage-collector-controller",
 )
+# The components that authenticate with a client certificate of the plane's CA (pki), each with its kubeconfig.
+CERTIFICATE_USERS = ("kubelet-client", "kube-proxy", "kube-scheduler", "coredns")
 # A user with no rights but those k8s/rbac.yaml gives its group, for checking that the Role is enough for ctl.
 RESTRICTED_USER, RESTRICTED_GROUP = "ddpjob-e2e-user", "ddpjob-users"
 OPERATOR_NAMESPACE = "kubeflow"
@@ -111,6 +118,9 @@ JOBSET_NAME_PREFIX = "jobset-"
 OPERATOR_OVERLAY = Path(__file__).resolve().parents[2] / "k8s" / "operator"
 STARTUP_TIMEOUT_S = 120
 STOP_GRACE_S = 10
+# containerd's content and snapshots, kept between runs (by containerd's version): the training image is imported
+# once per content.
+CONTAINERD_ROOT = CACHE / "containerd"
 
 
 def start_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -167,10 +177,17 @@ def issue_certificate(
     common_name: str,
     sans: list[x509.GeneralName],
     ca: tuple[x509.Certificate, rsa.RSAPrivateKey] | None,
+    groups: tuple[str, ...] = (),
 ) -> tuple[x509.Certificate, rsa.RSAPrivateKey, KeyPair]:
-    """A certificate valid for a day: self-signed CA when `ca` is None, else a server certificate signed by it."""
+    """A certificate valid for a day: self-signed CA when `ca` is None, else one signed by it, for a server (its
+    `sans`) or a client (the API server takes the common name as the user, each organization as a group)."""
     key = new_key()
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    subject = x509.Name(
+        [
+            *(x509.NameAttribute(NameOID.ORGANIZATION_NAME, group) for group in groups),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
         x509.CertificateBuilder()
@@ -194,32 +211,28 @@ def issue_certificate(
 @dataclass
 class ControlPlane:
     """A running control plane; `kubeconfig` is an admin (system:masters) kubeconfig for it, `user_kubeconfig`
-    one of a user in group ddpjob-users (rights only where a RoleBinding grants them). `pod_addresses`:
-    whether pods have addresses of their own (else they share loopback, and pods/proxy cannot reach them);
-    `pod_network` says which, or why not."""
+    one of a user in group ddpjob-users (rights only where a RoleBinding grants them). `node`: the real node its
+    pods run on (none for a plane without the operators)."""
 
     work_dir: Path
     kubeconfig: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
-    pod_addresses: bool = False
-    pod_network: str = ""
+    node: node.Node | None = None
+    address: str = LOOPBACK  # the API server's
     webhook_ports: dict[str, int] = field(default_factory=dict)  # by controller manager
-    trainjob_status: bool = False  # Trainer v2's TrainJobStatus feature on (progress in .status.trainerStatus)
-    trainjob_status_note: str = ""  # why it is off here
-
-    @property
-    def pods_dir(self) -> Path:
-        """The executor's per-pod directories: logs (`<container>/<restart>.log`, in the CRI log format that
-        container_logs.plain_text reads), materialised volumes."""
-        return self.work_dir / "pods"
 
     def claim_dir(self, namespace: str, claim: str) -> Path:
-        """The local directory that stands in for a PersistentVolumeClaim (shared by all pods, like RWX)."""
-        return self.work_dir / "volumes" / namespace / claim
+        """The directory of the local volume bound to a PersistentVolumeClaim (node.provision)."""
+        assert self.node is not None, "a plane without the operators runs no pods"
+        return self.node.volume_dir(namespace, claim)
 
     @property
     def user_kubeconfig(self) -> Path:
         return self.work_dir / "kubeconfig-user"
+
+    def kubeconfig_of(self, component: str) -> Path:
+        """The kubeconfig of a component that authenticates with its client certificate (pki's `component`)."""
+        return self.work_dir / f"kubeconfig-{component}"
 
     @property
     def controller_manager_kubeconfig(self) -> Path:
@@ -233,66 +246,72 @@ class ControlPlane:
         """The CA and the certificates it issued (`pki`): `<name>.crt` and `<name>.key`."""
         return self.work_dir / "pki"
 
-    @property
-    def pod_address_records(self) -> Path:
-        """The executor's record of the pod addresses it has on `lo` (pod_network.PodAddresses)."""
-        return self.work_dir / "pod-addresses"
-
     def stop(self) -> None:
-        # The executor first (it ends the pods' processes), then the operator, the controller-manager, the API
+        # The node first (it ends the pods' containers), then the managers, the controller-manager, the API
         # server, etcd: the reverse of the start.
+        if self.node is not None:
+            self.node.stop()
         for name in reversed(list(self.processes)):
             terminate_group(self.processes.pop(name), STOP_GRACE_S)
-        try:
-            left = release_recorded(self.pod_address_records)
-        except AddressesUnavailable as error:
-            print(f"controlplane: pod addresses left on lo: {error}", file=sys.stderr)
-        else:
-            if left:
-                print(f"controlplane: removed pod addresses the executor left: {', '.join(left)}", file=sys.stderr)
 
 
 def pki(directory: Path) -> dict[str, KeyPair]:
-    """The plane's CA and what it issues: the API server's serving certificate and its client certificate for
-    kubelets, the kubelet's (the executor's) and the controller-manager's serving certificates, the webhook
-    servers' certificate; and the service-account signing key."""
+    """The plane's CA and what it issues: the API server's serving certificate (by loopback, by the host end of the
+    node's link, and as the `kubernetes` Service) and its client certificate for the kubelet, the kubelet's and
+    the controller-manager's serving certificates, the node components' client certificates (the kubelet as
+    system:node:<node>, kube-proxy, the scheduler and CoreDNS, each a user the API server's bootstrap RBAC or
+    node.cluster_objects gives its rights), the webhook servers' certificate; and the service-account signing
+    key."""
     directory.mkdir(parents=True)
     ca_cert, ca_key, ca = issue_certificate(directory, "ca", "ddpjob-e2e-ca", [], None)
+    authority = (ca_cert, ca_key)
     loopback = [x509.IPAddress(ipaddress.ip_address(LOOPBACK)), x509.DNSName("localhost")]
-    _, _, serving = issue_certificate(directory, "apiserver", "kube-apiserver", loopback, (ca_cert, ca_key))
-    _, _, kubelet_client = issue_certificate(
-        directory, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", [], (ca_cert, ca_key)
-    )
-    _, _, kubelet = issue_certificate(directory, "kubelet", "ddpjob-e2e-node", loopback, (ca_cert, ca_key))
-    _, _, controller_manager = issue_certificate(
-        directory, "kube-controller-manager", "kube-controller-manager", loopback, (ca_cert, ca_key)
-    )
-    # One pair for every webhook server (and Trainer v2's status server): by Service name or by 127.0.0.1.
-    webhook_names = [x509.DNSName(OPERATOR_WEBHOOK_DNS), x509.DNSName(TRAINER_SERVICE_DNS), *loopback]
-    _, _, webhook = issue_certificate(directory, "webhook", OPERATOR_WEBHOOK_DNS, webhook_names, (ca_cert, ca_key))
+    kubernetes_service = ipaddress.ip_network(node.SERVICE_CIDR)[1]
+    apiserver_names = [
+        *loopback,
+        x509.IPAddress(ipaddress.ip_address(node.HOST_ADDRESS)),
+        x509.IPAddress(kubernetes_service),
+        *(x509.DNSName(name) for name in ("kubernetes", "kubernetes.default", "kubernetes.default.svc")),
+    ]
+    issued = {
+        "apiserver": ("kube-apiserver", apiserver_names, ()),
+        "apiserver-kubelet-client": ("kube-apiserver-kubelet-client", [], ()),
+        "kubelet": (node.NODE_NAME, [x509.IPAddress(ipaddress.ip_address(node.NODE_IP))], ()),
+        "kubelet-client": (f"system:node:{node.NODE_NAME}", [], ("system:nodes",)),
+        "kube-proxy": ("system:kube-proxy", [], ()),
+        "kube-scheduler": ("system:kube-scheduler", loopback, ()),
+        "coredns": (node.COREDNS_USER, [], ()),
+        "kube-controller-manager": ("kube-controller-manager", loopback, ()),
+        # One pair for every webhook server (and Trainer v2's status server): by Service name or by 127.0.0.1.
+        "webhook": (
+            OPERATOR_WEBHOOK_DNS,
+            [x509.DNSName(OPERATOR_WEBHOOK_DNS), x509.DNSName(TRAINER_SERVICE_DNS), *loopback],
+            (),
+        ),
+    }
+    pairs = {"ca": ca}
+    for name, (common_name, sans, groups) in issued.items():
+        pairs[name] = issue_certificate(directory, name, common_name, sans, authority, groups)[2]
     service_accounts = KeyPair(directory / "sa.pub", directory / "sa.key")
     sa_key = new_key()
     write_key(sa_key, service_accounts.key)
     service_accounts.cert.write_bytes(
         sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    return {
-        "ca": ca,
-        "apiserver": serving,
-        "apiserver-kubelet-client": kubelet_client,
-        "kubelet": kubelet,
-        "kube-controller-manager": controller_manager,
-        "webhook": webhook,
-        "service-accounts": service_accounts,
-    }
+    return pairs | {"service-accounts": service_accounts}
 
 
-def write_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> None:
+def write_kubeconfig(path: Path, server: str, ca: Path, user: str, credentials: str | KeyPair) -> None:
+    """A kubeconfig for `user` with a bearer token, or a client certificate (KeyPair)."""
+    if isinstance(credentials, KeyPair):
+        authentication = {"client-certificate": str(credentials.cert), "client-key": str(credentials.key)}
+    else:
+        authentication = {"token": credentials}
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "ddpjob-e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [{"name": user, "user": {"token": token}}],
+        "users": [{"name": user, "user": authentication}],
         "contexts": [{"name": "ddpjob-e2e", "context": {"cluster": "ddpjob-e2e", "user": user}}],
         "current-context": "ddpjob-e2e",
     }
@@ -328,6 +347,8 @@ def start_etcd(plane: ControlPlane, binary: Path) -> str:
 
 
 def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dict[str, KeyPair]) -> None:
+    """The API server on `plane.address`: the host end of the node's link when there is a node (its kubelet,
+    kube-proxy and CoreDNS connect from there), else loopback."""
     port = free_port()
     token, user_token, manager_token = (secrets.token_hex(16) for _ in range(3))
     tokens = plane.work_dir / "tokens.csv"
@@ -341,35 +362,41 @@ def start_apiserver(plane: ControlPlane, binary: Path, etcd_url: str, certs: dic
     command = [
         str(binary),
         f"--etcd-servers={etcd_url}",
-        f"--bind-address={LOOPBACK}",
-        f"--advertise-address={LOOPBACK}",
+        f"--bind-address={plane.address}",
+        f"--advertise-address={plane.address}",
         f"--secure-port={port}",
         f"--tls-cert-file={certs['apiserver'].cert}",
         f"--tls-private-key-file={certs['apiserver'].key}",
         f"--token-auth-file={tokens}",
-        "--authorization-mode=RBAC",
+        # Client certificates: the node's components.
+        f"--client-ca-file={certs['ca'].cert}",
+        # The Node authorizer and NodeRestriction: the kubelet may touch its own Node and its pods only.
+        "--authorization-mode=Node,RBAC",
+        "--enable-admission-plugins=NodeRestriction",
         f"--service-account-key-file={certs['service-accounts'].cert}",
         f"--service-account-signing-key-file={certs['service-accounts'].key}",
         # The API server itself: Trainer v2's status server discovers the issuer's keys there (OIDC discovery).
-        f"--service-account-issuer=https://{LOOPBACK}:{port}",
-        "--service-cluster-ip-range=10.96.0.0/16",
-        # pods/log: to the executor's kubelet API, at the Node's InternalIP (127.0.0.1), its certificate checked.
+        f"--service-account-issuer=https://{plane.address}:{port}",
+        f"--service-cluster-ip-range={node.SERVICE_CIDR}",
+        # pods/log, exec: to the kubelet at the Node's InternalIP (its bridge address), its certificate checked.
         "--kubelet-preferred-address-types=InternalIP",
         f"--kubelet-certificate-authority={certs['ca'].cert}",
         f"--kubelet-client-certificate={certs['apiserver-kubelet-client'].cert}",
         f"--kubelet-client-key={certs['apiserver-kubelet-client'].key}",
-        # No kubelets answer for a loopback address; nothing here needs the `kubernetes` Service's endpoints.
+        # Nothing here needs the `kubernetes` Service's endpoints (pods do not call the API server).
         "--endpoint-reconciler-type=none",
         "--profiling=false",
         "--v=1",
     ]
     plane.processes["kube-apiserver"] = process = start_process(command, log)
-    server = f"https://{LOOPBACK}:{port}"
+    server = f"https://{plane.address}:{port}"
     write_kubeconfig(plane.kubeconfig, server, certs["ca"].cert, ADMIN_USER, token)
     write_kubeconfig(plane.user_kubeconfig, server, certs["ca"].cert, RESTRICTED_USER, user_token)
     write_kubeconfig(
         plane.controller_manager_kubeconfig, server, certs["ca"].cert, CONTROLLER_MANAGER_USER, manager_token
     )
+    for component in CERTIFICATE_USERS:
+        write_kubeconfig(plane.kubeconfig_of(component), server, certs["ca"].cert, component, certs[component])
     client = plane.api_client()
 
     def ready() -> bool:
@@ -465,7 +492,9 @@ def operator_flags(overlay: Path = OPERATOR_OVERLAY) -> list[str]:
     return [arg.replace(mount["mountPath"], str(overlay)) for arg in container["args"]]
 
 
-def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> None:
+def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair], init_image: str) -> None:
+    """The operator as k8s/operator installs it, but for the image of the init container it adds to Worker pods
+    (its default, alpine from a registry, cannot be pulled here)."""
     client = plane.api_client()
     ensure_namespace(client, OPERATOR_NAMESPACE)
     # The rotator fills the Secret itself, but only an existing one.
@@ -485,6 +514,7 @@ def start_operator(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair])
         f"--health-probe-bind-address={probe}",
         f"--webhook-server-port={free_port()}",
         "--leader-elect=false",
+        f"--pytorch-init-container-image={init_image}",
         *operator_flags(),
     ]
     env = os.environ | {"KUBECONFIG": str(plane.kubeconfig), "MY_POD_NAMESPACE": OPERATOR_NAMESPACE}
@@ -593,12 +623,11 @@ def start_jobset(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -
 
 
 def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> Callable[[], None]:
-    """Trainer v2's controller manager. With its TrainJobStatus feature on, it gives each TrainJob's pods the
-    status server's URL (a Service name, created here as a release does), its CA (the Secret's ca.crt) and a
-    token; the status server reads its pair and, to find the token issuer, the pod's own service account token
-    at fixed paths, which it gets in a private mount namespace (SERVICE_ACCOUNT_DIR, SHARED_CERT_DIR). Where the
-    machine allows no mount namespace (not root), the feature stays off and `plane.trainjob_status_note` says
-    why."""
+    """Trainer v2's controller manager, its TrainJobStatus feature on: it gives each TrainJob's pods the status
+    server's URL (its Service's name, created here as a release does, whose endpoint is this machine's end of the
+    node's link, where the status server listens), its CA (the Secret's ca.crt) and a token. The status server
+    reads its pair and, to find the token issuer, the pod's own service account token at fixed paths, which it
+    gets in a private mount namespace (SERVICE_ACCOUNT_DIR, SHARED_CERT_DIR)."""
     client = plane.api_client()
     ensure_namespace(client, TRAINER_NAMESPACE)
     core = kubernetes.client.CoreV1Api(client)
@@ -615,14 +644,27 @@ def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) 
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": TRAINER_SERVICE, "namespace": TRAINER_NAMESPACE},
-        "spec": {"ports": [{"name": "status", "port": status_port}]},
+        "spec": {"ports": [{"name": "status", "port": status_port, "targetPort": status_port}]},
+    }
+    # A Service without a selector: its endpoint is given, as for a server outside the cluster.
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": TRAINER_SERVICE,
+            "namespace": TRAINER_NAMESPACE,
+            "labels": {"kubernetes.io/service-name": TRAINER_SERVICE},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [node.HOST_ADDRESS], "conditions": {"ready": True}}],
+        "ports": [{"name": "status", "port": status_port, "protocol": "TCP"}],
     }
     account = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "metadata": {"name": TRAINER_SERVICE, "namespace": TRAINER_NAMESPACE},
     }
-    for obj in (secret, service, account):
+    for obj in (secret, service, endpoints, account):
         server_side_apply(client, obj)
     config = {
         "apiVersion": "config.trainer.kubeflow.org/v1alpha1",
@@ -632,37 +674,22 @@ def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) 
         "statusServer": {"port": status_port},
         "featureGates": {"TrainJobStatus": True},
     }
-    command = [str(binary)]
-    if private_mounts():
-        token = core.create_namespaced_service_account_token(
-            TRAINER_SERVICE, TRAINER_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
-        ).status.token
-        account_dir = plane.work_dir / "trainer-service-account"
-        account_dir.mkdir()
-        (account_dir / "token").write_text(token)
-        (account_dir / "namespace").write_text(TRAINER_NAMESPACE)
-        serving = webhook_tmpdir(plane, "trainer-controller-manager", certs) / WEBHOOK_CERT_DIR
-        mounts = (
-            f"mount -t tmpfs tmpfs {SERVICE_ACCOUNT_DIR.parents[2]} && mkdir -p {SERVICE_ACCOUNT_DIR}"
-            f' && cp "$0"/* {SERVICE_ACCOUNT_DIR} && mkdir -p {SHARED_CERT_DIR}'
-            f' && mount --bind "$1" {SHARED_CERT_DIR} && shift && exec "$@"'
-        )
-        command = ["unshare", "--mount", "--propagation=private", "sh", "-c", mounts, str(account_dir), str(serving),
-                   *command]  # fmt: skip
-        plane.trainjob_status = True
-    else:
-        config["featureGates"] = {"TrainJobStatus": False}
-        plane.trainjob_status_note = "TrainJobStatus off: no private mount namespace here (unshare --mount refused)"
+    token = core.create_namespaced_service_account_token(
+        TRAINER_SERVICE, TRAINER_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
+    ).status.token
+    account_dir = plane.work_dir / "trainer-service-account"
+    account_dir.mkdir()
+    (account_dir / "token").write_text(token)
+    (account_dir / "namespace").write_text(TRAINER_NAMESPACE)
+    serving = webhook_tmpdir(plane, "trainer-controller-manager", certs) / WEBHOOK_CERT_DIR
+    mounts = (
+        f"mount -t tmpfs tmpfs {SERVICE_ACCOUNT_DIR.parents[2]} && mkdir -p {SERVICE_ACCOUNT_DIR}"
+        f' && cp "$0"/* {SERVICE_ACCOUNT_DIR} && mkdir -p {SHARED_CERT_DIR}'
+        f' && mount --bind "$1" {SHARED_CERT_DIR} && shift && exec "$@"'
+    )
+    command = ["unshare", "--mount", "--propagation=private", "sh", "-c", mounts, str(account_dir), str(serving),
+               str(binary)]  # fmt: skip
     return start_manager(plane, "trainer-controller-manager", command, config, certs)
-
-
-def private_mounts() -> bool:
-    """Whether processes can get a mount namespace of their own here (root, or CAP_SYS_ADMIN)."""
-    try:
-        probe = ["unshare", "--mount", "--propagation=private", "sh", "-c", "mount -t tmpfs tmpfs /mnt"]
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except FileNotFoundError:  # no unshare (util-linux)
-        return False
 
 
 def install_webhooks(plane: ControlPlane, binaries: Binaries, certs: dict[str, KeyPair]) -> None:
@@ -675,28 +702,71 @@ def install_webhooks(plane: ControlPlane, binaries: Binaries, certs: dict[str, K
             server_side_apply(client, obj)
 
 
-def start_pod_executor(plane: ControlPlane, certs: dict[str, KeyPair]) -> None:
-    log = plane.work_dir / "pod-executor.log"
-    executor = Path(__file__).with_name("pod_executor.py")
+def start_scheduler(plane: ControlPlane, binary: Path) -> None:
+    port = free_port()
+    kubeconfig = plane.kubeconfig_of("kube-scheduler")
     command = [
-        sys.executable,
-        str(executor),
-        f"--kubeconfig={plane.kubeconfig}",
-        f"--work-dir={plane.work_dir}",
-        f"--tls-cert-file={certs['kubelet'].cert}",
-        f"--tls-private-key-file={certs['kubelet'].key}",
-        f"--client-ca-file={certs['ca'].cert}",
+        str(binary),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--leader-elect=false",
+        f"--bind-address={LOOPBACK}",
+        f"--secure-port={port}",
+        "--v=1",
     ]
-    plane.processes["pod-executor"] = process = start_process(command, log)
-    ready = plane.work_dir / "pod-executor.ready"
-    wait_until(ready.exists, "pod executor", 60, process, log)
-    status = json.loads(ready.read_text())
-    plane.pod_addresses, plane.pod_network = status["podAddresses"], status["podNetwork"]
+    log = plane.work_dir / "kube-scheduler.log"
+    plane.processes["kube-scheduler"] = process = start_process(command, log)
+    context = ssl._create_unverified_context()  # its self-signed serving certificate; only /healthz is read
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"https://{LOOPBACK}:{port}/healthz", timeout=2, context=context) as response:
+            return response.status == 200
+
+    wait_until(healthy, "kube-scheduler", STARTUP_TIMEOUT_S, process, log)
+
+
+def start_node(
+    plane: ControlPlane, binaries: Binaries, certs: dict[str, KeyPair], images: list[node.NodeImage]
+) -> None:
+    assert plane.node is not None
+    node.start(
+        plane.node,
+        node.NodeBinaries(
+            kubelet=binaries.kubelet,
+            kube_proxy=binaries.kube_proxy,
+            containerd=binaries.containerd,
+            containerd_shim=binaries.containerd_shim,
+            ctr=binaries.ctr,
+            coredns=binaries.coredns,
+            pause=binaries.pause,
+            containerd_root=CONTAINERD_ROOT / binaries.containerd.name,
+        ),
+        plane.api_client(),
+        node.KubeletFiles(
+            kubeconfig=plane.kubeconfig_of("kubelet-client"),
+            serving_cert=certs["kubelet"].cert,
+            serving_key=certs["kubelet"].key,
+            client_ca=certs["ca"].cert,
+        ),
+        kube_proxy_kubeconfig=plane.kubeconfig_of("kube-proxy"),
+        coredns_kubeconfig=plane.kubeconfig_of("coredns"),
+        images=images,
+    )
+
+
+def node_images(directory: Path) -> list[node.NodeImage]:
+    """What the node's pods run: the training image (`make image`) and the operator's init container image."""
+    from image import ensure_image
+
+    training = ensure_image()
+    busybox = busybox_image(node.BUSYBOX, directory)
+    return [node.NodeImage(training.archive, training.reference), node.NodeImage(busybox.archive, busybox.reference)]
 
 
 def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_operator: bool = True) -> ControlPlane:
     """Build (first time) and start everything; stopped again at exit, on SIGTERM, or by `stop()`.
-    Without `with_operator`: etcd, the API server and the controller-manager only (no job CRDs, operators or
+    Without `with_operator`: etcd, the API server and the controller-manager only (no job CRDs, operators, node or
     pods)."""
     binaries = binaries or ensure_binaries()
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
@@ -704,6 +774,13 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
     atexit.register(plane.stop)
     stop_on_sigterm(plane)
     try:
+        if with_operator:
+            if os.geteuid() != 0:
+                raise RuntimeError("the control-plane tier runs a real node (kubelet, containerd, namespaces): root")
+            images = node_images(work_dir / "images")
+            # The node's namespaces and link first: the API server listens on this machine's end of the link.
+            plane.node = node.make_namespaces(work_dir / "node", binaries.pause)
+            plane.address = node.HOST_ADDRESS
         certs = pki(plane.pki_dir)
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
         if with_operator:
@@ -712,16 +789,17 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
         # resync).
         start_controller_manager(plane, binaries.kube_controller_manager, certs)
         if with_operator:
+            start_scheduler(plane, binaries.kube_scheduler)
             # Both managers start while the v1 operator does; their webhooks are registered once they serve them.
             ready = [
                 start_jobset(plane, binaries.jobset_controller, certs),
                 start_trainer(plane, binaries.trainer_controller_manager, certs),
             ]
-            start_operator(plane, binaries.training_operator, certs)
+            start_operator(plane, binaries.training_operator, certs, init_image=images[1].reference)
             for wait in ready:
                 wait()
             install_webhooks(plane, binaries, certs)
-            start_pod_executor(plane, certs)
+            start_node(plane, binaries, certs, images)
     except BaseException:
         plane.stop()
         raise
@@ -746,8 +824,7 @@ def main(argv: list[str]) -> int:
         return 2
     plane = start()
     print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
-    print(f"# logs and pod directories: {plane.work_dir}; Ctrl-C stops everything", file=sys.stderr, flush=True)
-    print(f"# pod network: {plane.pod_network}", file=sys.stderr, flush=True)
+    print(f"# logs and volumes: {plane.work_dir}; Ctrl-C stops everything", file=sys.stderr, flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:

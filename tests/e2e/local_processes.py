@@ -1,4 +1,4 @@
-"""Process helpers shared by the control plane and the pod executor: everything on loopback, nothing left behind."""
+"""Process helpers of the control plane: its processes on loopback, nothing left behind."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGTERM to the child when its parent dies, even by SIGKILL (Linux prctl)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """preexec_fn: `signum` to the child when its parent dies, even by SIGKILL (Linux prctl)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
 
 
 def terminate_group(process: subprocess.Popen, grace_s: float) -> None:

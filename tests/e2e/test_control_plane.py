@@ -1,6 +1,7 @@
 """The control-plane tier: the chart's objects against a real kube-apiserver with the real PyTorchJob, TrainJob and
 JobSet CRDs, and jobs reconciled by the real Kubeflow training operator (v1.9) or Kubeflow Trainer v2 (v2.3, on
-JobSet v0.12 and the Job controller), their pods run by the local pod executor.
+JobSet v0.12 and the Job controller), their pods scheduled by kube-scheduler and run by a real kubelet in containers
+of the project's image (tests/e2e/node.py).
 
 With DDPJOB_E2E_KUBECONFIG set, the same tests run against that cluster (kind or any cluster with the operator
 v1.9, Trainer v2.3 and JobSet installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull
@@ -10,7 +11,7 @@ v1.9, Trainer v2.3 and JobSet installed) instead; DDPJOB_E2E_IMAGE names the tra
 from __future__ import annotations
 
 import contextlib
-import http.client
+import datetime
 import ipaddress
 import json
 import os
@@ -18,7 +19,6 @@ import pty
 import re
 import shutil
 import signal
-import ssl
 import subprocess
 import threading
 import time
@@ -30,13 +30,12 @@ from typing import Any
 
 import controlplane
 import kubernetes
+import node
 import pytest
 import yaml
 from cluster_binaries import BuildError, ensure_binaries
 from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
-from container_logs import parse_timestamp, plain_text
-from pod_executor import NODE_NAME
-from pod_network import POD_CIDR, machine_addresses
+from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 
 from ctl.local import parent_pid
@@ -106,6 +105,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if EXTERNAL_KUBECONFIG:
         yield Cluster(Path(EXTERNAL_KUBECONFIG), None, shutil.which("kubectl"))
         return
+    before = node.machine_state()
     try:
         binaries = ensure_binaries()
         plane = controlplane.start(tmp_path_factory.mktemp("control-plane"), binaries)
@@ -115,6 +115,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(plane.kubeconfig, plane, str(binaries.kubectl))
     finally:
         plane.stop()
+    # The node restored this machine: no process, cgroup, link, route or mount of it is left, and what it changes
+    # in its own namespaces (iptables chains, IP forwarding) never reached this machine's.
+    assert node.leftovers(before) == []
 
 
 @pytest.fixture
@@ -166,13 +169,12 @@ def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: boo
 def job_spec(
     marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
 ) -> JobSpec:
-    """The tiny char-gpt job on 2 pods x 1 process, its rendezvous on a free port (locally every pod's master
-    address is 127.0.0.1); every process carries DDPJOB_TEST_MARKER=marker, to find what a job left running.
-    Its requests fit a small kind node (the defaults are sized for GPU training)."""
+    """The tiny char-gpt job on 2 pods x 1 process; every process carries DDPJOB_TEST_MARKER=marker, to find
+    what a job left running (containers' processes are this machine's too). Its requests fit the tier's 2-CPU
+    node, or a small kind node (the defaults are sized for GPU training)."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
-        "masterPort": controlplane.free_port(),
         "image": image_values(),
         "resources": {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
         "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
@@ -181,7 +183,7 @@ def job_spec(
 
 
 def assert_no_process_left(cluster: Cluster, marker: str) -> None:
-    """Finished or deleted pods leave no local process behind (the executor ends each pod's process group)."""
+    """Finished or deleted pods leave no process behind (the runtime ends each container's processes)."""
     if cluster.plane is None:
         return
     deadline = time.monotonic() + 60
@@ -237,16 +239,19 @@ def ended_pods(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernet
 
 
 def pod_logs(cluster: Cluster, namespace: str) -> str:
-    """The trainer's output of every pod: from the executor's log files (every start's, deleted pods' too), or the
-    cluster's pods/log."""
-    if cluster.plane is not None:
-        logs = sorted((cluster.plane.pods_dir / namespace).glob("*/*/*.log"))
-        return "\n".join(f"--- {log.relative_to(log.parents[2])}\n{plain_text([log])}" for log in logs)
+    """The trainer's output of every pod in the namespace (pods/log), a restarted container's previous run's
+    first."""
     core = kubernetes.client.CoreV1Api(cluster.client())
-    return "\n".join(
-        f"--- {pod.metadata.name}\n{core.read_namespaced_pod_log(pod.metadata.name, namespace, container='pytorch')}"
-        for pod in core.list_namespaced_pod(namespace).items
-    )
+    logs = []
+    for pod in core.list_namespaced_pod(namespace).items:
+        restarted = any(s.restart_count for s in pod.status.container_statuses or [] if s.name == "pytorch")
+        for previous in (True, False) if restarted else (False,):
+            try:
+                log = core.read_namespaced_pod_log(pod.metadata.name, namespace, container="pytorch", previous=previous)
+            except kubernetes.client.ApiException as error:  # not started, or gone meanwhile
+                log = f"({error.status}: {error.reason})"
+            logs.append(f"--- {pod.metadata.name}{' (previous)' if previous else ''}\n{log}")
+    return "\n".join(logs)
 
 
 def client_dict(obj: Any) -> dict[str, Any]:
@@ -399,8 +404,6 @@ def test_a_failing_trainer_fails_the_job(
     if restart_policy == "OnFailure":
         assert "backoff limit" in next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Failed")
         wait_for_deletion(cluster, namespace, spec.name)
-        if cluster.plane is not None:  # the log files, one per start of a container: some pod's was restarted
-            assert list((cluster.plane.pods_dir / namespace).glob("*/pytorch/1.log"))
     else:
         # The job fails with its first failed replica; the other pod may still be on its way out.
         for name in pods:
@@ -418,7 +421,7 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     up, so the operator recreates the pods, the run resumes from the checkpoint and the job succeeds (plain torchrun
     exits 1 on both pods, and the job failed)."""
     if cluster.plane is None:
-        pytest.skip("sends SIGTERM to a pod's local process, as its kubelet would: needs the local pod executor")
+        pytest.skip("sends SIGTERM to a container's first process, as its kubelet would: needs the tier's node")
     marker = uuid.uuid4().hex
     training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
     spec = job_spec(marker, training=training, restartPolicy="ExitCode")
@@ -453,12 +456,11 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
 
 
 def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: str) -> None:
-    """pods/log and pods/proxy as the CLI uses them, through the API server to the pods' kubelet (locally: the
-    executor's kubelet API) and to the pods' own addresses: the trainer's output, with tailLines, timestamps,
-    limitBytes and sinceSeconds; previous for a container that never restarted is refused; a follow started
-    while the job runs ends by itself with the container; the master's metrics through the pod proxy, while the
-    job runs. Without addresses of their own (no CAP_NET_ADMIN) pods cannot be proxied to: the test checks all
-    else, then reports itself skipped for that part."""
+    """pods/log and pods/proxy as the CLI uses them, through the API server to the pods' kubelet and to the pods'
+    own addresses: the trainer's output, with tailLines, timestamps, limitBytes and sinceSeconds; previous for a
+    container that never restarted is refused; a follow started while the job runs ends by itself with the
+    container; the master's metrics through the pod proxy, while the job runs. Each pod had an address of the
+    node's pod network, released once the pod has ended."""
     marker = uuid.uuid4().hex
     spec = job_spec(marker, training={"maxSteps": 300, "logEvery": 50})
     apply_rendered(cluster, spec, namespace)
@@ -466,10 +468,8 @@ def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: 
     master = Replica("master", 0).pod_name(spec.name)
     wait_for_log(cluster, namespace, master, "training 300 steps")  # the metrics endpoint opens next
     followed = follow_log(cluster, namespace, master)
-    proxied = cluster.plane is None or cluster.plane.pod_addresses
-    if proxied:
-        metrics = wait_for_metrics(cluster, namespace, master, spec.metrics.port)
-        assert "# TYPE ddpjob_step gauge" in metrics and re.search(r'^ddpjob_step\{rank="0"\} \d', metrics, re.M)
+    metrics = wait_for_metrics(cluster, namespace, master, spec.metrics.port)
+    assert "# TYPE ddpjob_step gauge" in metrics and re.search(r'^ddpjob_step\{rank="0"\} \d', metrics, re.M)
 
     job = wait_for_job(cluster, namespace, spec.name)
     assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
@@ -482,15 +482,15 @@ def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: 
 
     log = read_log()
     lines = log.removesuffix("\n").split("\n")  # not splitlines(): the sampled text may hold \r or \f
-    # The trainer's last line (locally the mount path is the claim's directory).
-    assert "step 300/300 | loss " in log and re.fullmatch(f"run directory: /.*/{spec.name}", lines[-1])
+    # The trainer's last line: the run directory under the claim's mount path.
+    assert "step 300/300 | loss " in log and lines[-1] == f"run directory: {spec.storage.mount_path}/{spec.name}"
     assert followed() == log  # from the first line to the container's end, the stream ending by itself
     assert read_log(tail_lines=2) == "\n".join(lines[-2:]) + "\n"
     assert read_log(limit_bytes=25) == log[:25]
     stamped = read_log(timestamps=True).removesuffix("\n").split("\n")
     assert all(RFC3339_PREFIX.match(line) for line in stamped), stamped[:3]
     assert [RFC3339_PREFIX.sub("", line, count=1) for line in stamped] == lines
-    last_line_at = parse_timestamp(stamped[-1].split(" ")[0]) / 1e9
+    last_line_at = datetime.datetime.fromisoformat(stamped[-1].split(" ")[0]).timestamp()
     time.sleep(max(0.0, last_line_at + 2 - time.time()))  # every line older than a second
     assert (read_log(since_seconds=1), read_log(since_seconds=3600)) == ("", log)
     with pytest.raises(kubernetes.client.ApiException) as refused:
@@ -498,54 +498,15 @@ def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: 
     refusal = (refused.value.status, json.loads(refused.value.body)["message"])
     assert refusal == (400, f'previous terminated container "pytorch" in pod "{master}" not found')
 
-    if cluster.plane is not None and cluster.plane.pod_addresses:  # each pod had an address, gone with the pod
-        addresses = {pod.status.pod_ip for pod in pods.values()}
-        assert len(addresses) == len(pods) and all(ipaddress.ip_address(a) in POD_CIDR for a in addresses)
-        deadline = time.monotonic() + 30
-        while addresses & machine_addresses() and time.monotonic() < deadline:
+    addresses = {pod.status.pod_ip for pod in pods.values()}
+    assert len(addresses) == len(pods)
+    if cluster.plane is not None and cluster.plane.node is not None:  # released by CNI once the sandbox is gone
+        assert all(ipaddress.ip_address(a) in ipaddress.ip_network(POD_CIDR) for a in addresses)
+        deadline = time.monotonic() + 60
+        while addresses & cluster.plane.node.allocated_addresses() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not addresses & machine_addresses()
+        assert not addresses & cluster.plane.node.allocated_addresses()
     assert_no_process_left(cluster, marker)
-    if not proxied:
-        pytest.skip(f"pods/proxy to the metrics endpoint not checked: {cluster.plane.pod_network}")
-
-
-def test_the_kubelet_api_serves_the_api_server_and_known_containers_only(cluster: Cluster, namespace: str) -> None:
-    """The executor's kubelet API, asked directly as the API server asks it (what the API server refuses itself
-    never gets there): 404 for a pod or container it does not run, 422 for options PodLogOptions' validation
-    refuses, 400 for no previous run; a client without a certificate of the plane's CA is refused."""
-    if cluster.plane is None:
-        pytest.skip("the local executor's kubelet API; a cluster's kubelets are not reachable from here")
-    script = "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"
-    container = {"name": "echo", "image": "-", "command": ["python", "-c", script]}
-    pod = {"metadata": {"name": "echo"}, "spec": {"restartPolicy": "Never", "containers": [container]}}
-    core = kubernetes.client.CoreV1Api(cluster.client())
-    core.create_namespaced_pod(namespace, pod)
-    wait_for_pod(cluster, namespace, "echo", lambda p: p.status.phase == "Succeeded")
-    node = core.read_node(NODE_NAME).status
-    (address,) = [a.address for a in node.addresses if a.type == "InternalIP"]
-    pki = cluster.plane.pki_dir
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    tls.load_verify_locations(pki / "ca.crt")
-
-    def get(path: str) -> tuple[int, str]:
-        connection = http.client.HTTPSConnection(address, node.daemon_endpoints.kubelet_endpoint.port, context=tls)
-        try:
-            connection.request("GET", path)
-            response = connection.getresponse()
-            return response.status, response.read().decode()
-        finally:
-            connection.close()
-
-    with pytest.raises((ssl.SSLError, ConnectionError)):
-        get(f"/containerLogs/{namespace}/echo/echo")
-    tls.load_cert_chain(pki / "apiserver-kubelet-client.crt", pki / "apiserver-kubelet-client.key")
-    status, text = get(f"/containerLogs/{namespace}/echo/echo?timestamps=true")
-    assert status == 200 and sorted(line.split(" ", 1)[1] for line in text.splitlines()) == ["to stderr", "to stdout"]
-    assert get(f"/containerLogs/{namespace}/nope/echo") == (404, 'pod "nope" does not exist')
-    assert get(f"/containerLogs/{namespace}/echo/nope") == (404, 'container "nope" not found in pod "echo"')
-    assert get(f"/containerLogs/{namespace}/echo/echo?tailLines=-1")[0] == 422
-    assert get(f"/containerLogs/{namespace}/echo/echo?previous=true")[0] == 400
 
 
 RFC3339_PREFIX = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d) ")
@@ -628,10 +589,10 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
         wait_for_pod(cluster, namespace, worker, lambda p: p.status.phase == "Running").metadata.uid
         == again.metadata.uid
     )
-    if cluster.plane is not None:
-        old_pod_dir = f"{worker}-{first.metadata.uid[:8]}".encode()
+    if cluster.plane is not None:  # a container's processes are in its pod's cgroups, named by the pod's UID
+        old_pod = first.metadata.uid.replace("-", "_").encode()  # as cgroupfs names it
         deadline = time.monotonic() + 60
-        while any(old_pod_dir in environ(pid) for pid in processes_with_marker(marker)):
+        while any(old_pod in cgroups(pid).replace(b"-", b"_") for pid in processes_with_marker(marker)):
             assert time.monotonic() < deadline, "the deleted pod's processes are still running"
             time.sleep(0.5)
     # The garbage collector removes the deleted job's pods, which ends their processes.
@@ -713,6 +674,13 @@ def wait_for_pod(
 def environ(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
+
+
+def cgroups(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_bytes()
     except OSError:  # ended meanwhile
         return b""
 
@@ -805,12 +773,9 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     )
     assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
 
-    if cluster.plane is not None and not cluster.plane.pod_addresses:
-        print("progress not checked: the local pods share loopback (no CAP_NET_ADMIN), the pod proxy refuses it")
-    else:
-        progress = progress_while_running(ctl, name)
-        assert progress["plannedSteps"] == PROGRESS_STEPS and 0 < progress["step"] <= PROGRESS_STEPS
-        assert progress["trainLoss"] > 0 and progress["tokensPerSecond"] > 0
+    progress = progress_while_running(ctl, name)
+    assert progress["plannedSteps"] == PROGRESS_STEPS and 0 < progress["step"] <= PROGRESS_STEPS
+    assert progress["trainLoss"] > 0 and progress["tokensPerSecond"] > 0
 
     done = ctl("wait", name, "--for", "succeeded", "--timeout", str(JOB_TIMEOUT_S))
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
@@ -837,8 +802,6 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert table.startswith(f"{name} ({namespace}): Succeeded\n")
     if kind is PYTORCHJOB:
         assert status["trainerStatus"] is None
-    elif cluster.plane is not None and not cluster.plane.trainjob_status:
-        print(f"trainerStatus not checked: {cluster.plane.trainjob_status_note}")
     else:  # rank 0 reported its progress to Trainer v2's status server, the last report at the end
         reported = status["trainerStatus"]
         assert reported["progressPercentage"] == 100 and reported["estimatedRemainingSeconds"] == 0, reported
@@ -1114,8 +1077,8 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
     assert both.returncode == 0, both.stderr
     # The runtime's torch policy leaves the processes per node to torchrun (`auto`), whose ranks share the pod's
     # output: their lines may interleave.
-    text = {node: "".join(line.partition("] ")[2] for line in both.stdout.splitlines() if line.startswith(f"[{node}] "))
-            for node in ("node-0", "node-1")}  # fmt: skip
+    text = {name: "".join(line.partition("] ")[2] for line in both.stdout.splitlines() if line.startswith(f"[{name}] "))
+            for name in ("node-0", "node-1")}  # fmt: skip
     assert "hello from rank 0 of " in text["node-0"] and "hello from rank " in text["node-1"], both.stdout
     assert ctl("delete", theirs, "-y").stdout.splitlines() == [f"trainjob/{theirs} deleted"]
     assert theirs not in {job.name for job in sdk.list_jobs()}

@@ -36,6 +36,7 @@ from test_control_plane import (
 )
 
 from ctl.local import parent_pid
+from ctl.spec import StorageSpec
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
 from trainer.workloads import RUN_DATASET
@@ -47,6 +48,7 @@ namespace = test_control_plane.namespace
 pytestmark = pytest.mark.e2e
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CLAIM_MOUNT_PATH = StorageSpec().mount_path  # where the pods see the claim
 LONG_WORK_S = 10  # training.timeouts.longWorkSeconds: how long the ranks wait for a prepare Job that shows no progress
 SIGKILLED = 128 + signal.SIGKILL  # what a node reports for a container killed by SIGKILL (OOM killer, lost node)
 
@@ -61,17 +63,23 @@ def prepare_job_spec(marker: str, name: str, corpus: list[Path], backoff_limit: 
         "timeouts": {"longWorkSeconds": LONG_WORK_S},
     }
     prepare = {"enabled": True, "cpu": "1", "memory": "1Gi", "backoffLimit": backoff_limit}
-    train = [f"/checkpoints/corpus/{path.name}" for path in corpus]
+    train = [f"{CLAIM_MOUNT_PATH}/corpus/{path.name}" for path in corpus]
     return job_spec(marker, train, training, name=name, restartPolicy="ExitCode", prepare=prepare, **values)
 
 
 def put_on_claim(cluster: Cluster, namespace: str, name: str, files: dict[str, bytes]) -> Path:
-    """The files in the job's claim, under corpus/ (the claim's directory is created as the executor would)."""
+    """The files in the job's claim, under corpus/: in the directory of the local volume the node's provisioner
+    binds to the claim once it is created (the pods' fsGroup makes them theirs)."""
     claim = cluster.plane.claim_dir(namespace, f"{name}-checkpoints")
     (claim / "corpus").mkdir(parents=True)
     for file_name, data in files.items():
         (claim / "corpus" / file_name).write_bytes(data)
     return claim
+
+
+def in_pod(claim: Path, path: Path) -> Path:
+    """Where a pod sees a path of the claim: under the chart's default mount path."""
+    return Path(CLAIM_MOUNT_PATH) / path.relative_to(claim)
 
 
 def batch_job(cluster: Cluster, namespace: str, name: str) -> kubernetes.client.V1Job:
@@ -127,7 +135,7 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     (entry,) = (claim / "_datasets").glob("causal-lm-*")
     manifest = json.loads((entry / MANIFEST).read_text())
     recorded = json.loads((claim / name / RUN_DATASET).read_text())
-    assert (recorded["fingerprint"], recorded["entry"]) == (manifest["fingerprint"], str(entry))
+    assert (recorded["fingerprint"], recorded["entry"]) == (manifest["fingerprint"], str(in_pod(claim, entry)))
     assert entry.name == f"causal-lm-{manifest['fingerprint']}"
     assert [Path(s["path"]).name for s in manifest["sources"]["train"]] == [p.name for p in corpus]
     assert manifest["splits"]["train"]["tokens"] > 0
@@ -139,13 +147,14 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     assert f"\n  prepare: job/{name}-prepare Succeeded\n" in ctl("status", name).stdout
 
     logs = pod_logs(cluster, namespace)
-    assert f"prepared {entry} in " in logs, logs
+    assert f"prepared {in_pod(claim, entry)} in " in logs, logs
     training_logs = logs.replace(prepare_log(cluster, namespace, pod), "")
     # Each rank found the Job's manifest, or waited for it (the Job may finish before torch is imported).
     assert "preparing " not in training_logs, training_logs
     for rank in (0, 1):
         waited = f"rank {rank}: waiting for the prepare Job {name}-prepare "
-        assert f"rank {rank}: prepared data {entry} " in training_logs or waited in training_logs, training_logs
+        prepared = f"rank {rank}: prepared data {in_pod(claim, entry)} "
+        assert prepared in training_logs or waited in training_logs, training_logs
     assert_no_process_left(cluster, marker)
 
 
@@ -184,7 +193,8 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     assert (pod.status.phase, pod.status.container_statuses[0].state.terminated.exit_code) == ("Failed", SIGKILLED)
 
     line = (
-        f"error: the prepare Job {name}-prepare has not prepared dataset {fingerprint} ({entry}): no progress from"
+        f"error: the prepare Job {name}-prepare has not prepared dataset {fingerprint} ({in_pod(claim, entry)}): no"
+        " progress from"
         f" it for {LONG_WORK_S} s (training.timeouts.longWorkSeconds), after "
     )
     said = ctl("logs", name).stdout.splitlines()[-1]  # rank 0's pod's last line (after torchrun's report)
