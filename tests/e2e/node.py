@@ -61,6 +61,7 @@ POD_CIDR = "10.88.0.0/16"
 SERVICE_CIDR = "10.96.0.0/16"
 CLUSTER_DOMAIN = "cluster.local"
 KUBELET_PORT = 10250
+KUBE_PROXY_HEALTH_PORT = 10256
 # The kubelet's cgroups (cgroupfs driver) under every v1 hierarchy: pre-made, as the kubelet expects.
 CGROUP_ROOT = "ddpjob-e2e-node"
 CGROUPS = Path("/sys/fs/cgroup")
@@ -511,14 +512,17 @@ def start_kube_proxy(node: Node, kube_proxy: Path, kubeconfig: Path) -> None:
         "hostnameOverride": NODE_NAME,
         "clusterCIDR": POD_CIDR,
         "bindAddress": NODE_IP,
-        "healthzBindAddress": "",
-        "metricsBindAddress": "0",
+        # In the node's network namespace: its own ports.
+        "healthzBindAddress": f"{NODE_IP}:{KUBE_PROXY_HEALTH_PORT}",
+        "metricsBindAddress": f"{NODE_IP}:10249",
         # Leave the kernel's conntrack table and timeouts as they are (no CAP_SYS_RESOURCE here, and not ours).
         "conntrack": {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
     }
     config_file = node.directory / "kube-proxy.yaml"
     config_file.write_text(yaml.safe_dump(config))
     start_in_node(node, "kube-proxy", [str(kube_proxy), f"--config={config_file}", "--v=1"])
+    # Healthy once it has synced its rules (a new Service may still take a second to reach them).
+    wait_for(node, "kube-proxy", lambda: http_ok(node, f"http://{NODE_IP}:{KUBE_PROXY_HEALTH_PORT}/healthz"))
 
 
 def start_coredns(node: Node, coredns: Path, kubeconfig: Path) -> None:
