@@ -757,6 +757,7 @@ def start_node(
 
 def node_images(directory: Path) -> list[node.NodeImage]:
     """What the node's pods run: the training image (`make image`) and the operator's init container image."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, as pytest has it, for `up`
     from image import ensure_image
 
     training = ensure_image()

@@ -403,8 +403,18 @@ def archive_manifest_digest(archive: Path) -> str:
     return manifest["digest"]
 
 
+def fully_qualified(reference: str) -> str:
+    """An image reference as containerd names it (and the kubelet asks for it): `ddpjob:0.1.0` is
+    `docker.io/library/ddpjob:0.1.0`, `org/x:1` is `docker.io/org/x:1`; one with a registry host stays."""
+    first, _, rest = reference.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return reference
+    return f"docker.io/{reference}" if rest else f"docker.io/library/{reference}"
+
+
 def import_image(node: Node, ctr: Path, archive: Path, reference: str) -> None:
     """The archive's image in containerd's k8s.io namespace as `reference`, unless it is there already."""
+    reference = fully_qualified(reference)
     digest = archive_manifest_digest(archive)
     listed = node.ctr(ctr, "images", "ls", f"name=={reference}")
     if digest in listed:

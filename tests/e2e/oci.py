@@ -119,7 +119,7 @@ def pause_image(pause: Path, directory: Path) -> Image:
 
 
 # The applets the operator's init container template runs (k8s/operator/initContainer.yaml).
-BUSYBOX_APPLETS = ("sh", "nslookup", "seq", "sleep", "echo")
+BUSYBOX_APPLETS = ("sh", "nslookup", "grep", "seq", "sleep", "echo")
 
 
 def busybox_image(busybox: Path, directory: Path) -> Image:
