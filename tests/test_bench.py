@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,14 @@ def assert_finite(result: dict[str, Any], *ratios: str) -> None:
     for name in ratios:
         assert isinstance(result[name], int | float), name
     assert numbers(result) and all(math.isfinite(n) for n in numbers(result)), result
+
+
+def test_make_bench_runs_every_bench_script() -> None:
+    """Each has its test below; the peers run under throughput.py."""
+    recipe = re.search(r"^bench:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert recipe, "the Makefile's bench target"
+    run = re.findall(r"\$\(BIN\)/python bench/(\w+\.py)", recipe.group(1))
+    assert sorted(run) == sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "peers.py")
 
 
 def test_throughput_runs_ddpjob_and_both_peers() -> None:
