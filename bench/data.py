@@ -5,7 +5,8 @@ directory (one document each, JSONL rows; that directory also holds the interpre
 site-packages, whatever is installed there: the text differs between machines, its kind does
 not): the small one as is, the large one as several passes over them with per-pass variation
 (every `self` renamed per pass), until the size asked for; a machine with less text gets passes
-in the small one too. An 8k byte-level BPE is trained on the first 5 MB and given as `tokenizer.path`.
+in the small one too. An 8k byte-level BPE is trained on the first 5 MB (at most the small corpus' size) and
+given as `tokenizer.path`.
 
 Measured in one invocation, on the small corpus and then the large one:
 
@@ -20,6 +21,7 @@ Measured in one invocation, on the small corpus and then the large one:
 
     python bench/data.py                            # 130 MB and 1 GB
     python bench/data.py --small-mb 30 --large-mb 120   # a busy or small machine
+    python bench/data.py --small-mb 1 --large-mb 2      # every code path, no figure worth reading (tests)
 
 The process tree's memory is sampled two ways: the sum of RSS, which counts pages that processes
 share (torch's libraries, mapped token files) once per process, and the sum of PSS
@@ -286,7 +288,7 @@ def main() -> None:
         for source in sources:
             sample.append(source.read_text(encoding="utf-8"))
             size += len(sample[-1])
-            if size >= TOKENIZER_SAMPLE_BYTES:
+            if size >= min(TOKENIZER_SAMPLE_BYTES, args.small_mb * 2**20):
                 break
         train_tokenizer(sample, 8192).save_pretrained(workdir / "tokenizer")
         results = {

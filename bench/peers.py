@@ -164,6 +164,10 @@ def hf_trainer(settings: dict, workdir: Path) -> None:
     trainer.train()
     if cuda and trainer.is_world_process_zero():
         print_peak_gpu_memory()
+    # Accelerate's end of a run destroys the process group, which joins gloo's threads while the interpreter
+    # is whole. Without it, one that still held the last all_gather's tensors aborted a rank now and then at
+    # exit (docs/performance.md).
+    trainer.accelerator.end_training()
 
 
 def main() -> None:

@@ -23,6 +23,11 @@ it. Each ratio is also given round by round, where the runners ran back to back.
                                                    # bf16 + fused AdamW + torch.compile, MFU reported
     python bench/throughput.py --fast              # CPU with bf16 autocast + torch.compile (the GPU
                                                    # settings' code paths, on a machine without one)
+    python bench/throughput.py --toy               # every code path in seconds, no figure worth reading:
+                                                   # a tiny model and corpus, 1 round of 6 steps (tests)
+
+A peer's run that fails is run again once, and the output says so (its exit and its last lines):
+a flaky peer should not cost the whole bench, nor go unseen. ddpjob's runs are never retried.
 
 Prints a table, the ratios, and one JSON line (keys include ratio_vs_reference, ratio_vs_hf_trainer).
 """
@@ -33,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,10 +74,23 @@ SHAPES = {
     "cpu": {"layers": 4, "heads": 4, "embd": 256, "block": 256, "batch": 4, "vocab_size": 2048},
     # GPT-2 124M: its 50257-token vocabulary (a BPE of that size trains on the corpus above in seconds).
     "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 50257},
+    # Its steps (~0.1 s) still span CPU clock ticks and torchrun's 0.1 s polling of the workers' logs,
+    # through which ddpjob's step lines come: a smaller model's CPU s/step can read 0.
+    "toy": {"layers": 2, "heads": 2, "embd": 128, "block": 128, "batch": 4, "vocab_size": 512},
+}
+# The toy's, about 250 KB: its 0.2% of validation text still holds a block.
+CORPORA = {"cpu": CORPUS, "cuda": GPU_CORPUS, "toy": ["{stdlib}/json/*.py", "{stdlib}/logging/*.py"]}
+# Steps per run, the first ones left out, and A/B/C rounds; on CPU a round varies by about 5%.
+LENGTHS = {
+    "cpu": {"steps": 40, "warmup": 5, "rounds": 5},
+    "cuda": {"steps": 120, "warmup": 30, "rounds": 3},
+    "toy": {"steps": 6, "warmup": 2, "rounds": 1},
 }
 STEP_LINE = re.compile(r"^(?:\[rank 0\] )?step (\d+)\b")
 # All three print it on a GPU: the trainer in its summary, the peers when they are done.
 PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
+# A failed worker in torchrun's closing report: its rank, then its exit code (negative: the signal that ended it).
+WORKER_EXIT = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,20 @@ class Run:
         (first, start), (last, end) = sorted(self.usage.items())
         steps = last - first
         return Usage((end.cpu_seconds - start.cpu_seconds) / steps, (end.page_faults - start.page_faults) / steps)
+
+
+class RunFailed(RuntimeError):
+    """A run ended with a non-zero exit: how (its own and each failed worker's exit), and what it printed last."""
+
+    def __init__(self, runner: str, returncode: int, output: list[str]) -> None:
+        self.tail = "".join(output[-40:])
+        exits = [f"rank {rank} {exit_name(int(code))}" for rank, code in WORKER_EXIT.findall(self.tail)]
+        self.how = ", ".join([exit_name(returncode), *exits])
+        super().__init__(f"{runner} failed ({self.how}):\n{self.tail}")
+
+
+def exit_name(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def marked_processes(marker: bytes) -> Iterator[Path]:
@@ -171,17 +204,40 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
     done.set()
     poller.join()
     if process.returncode != 0:
-        raise RuntimeError(f"{runner} failed with exit code {process.returncode}:\n" + "".join(run.output[-40:]))
+        raise RunFailed(runner, process.returncode, run.output)
     return run
 
 
-def prepare(workdir: Path, device: str, fast: bool, procs: int, steps: int, warmup: int) -> tuple[dict, dict]:
+def measure_with_retry(
+    runner: str, command: list[str], cwd: Path, warmup: int, last_step: int, round_number: int, retried: list[dict]
+) -> Run:
+    """measure(); a peer's run that fails is run once more, noted in `retried` and on stderr with its last lines.
+    A peer's failure is not what is measured; ddpjob's is a bug to see, never retried."""
+    try:
+        return measure(runner, command, cwd, warmup, last_step)
+    except RunFailed as failure:
+        if runner == "ddpjob":
+            raise
+        print(
+            f"round {round_number} {runner}: failed ({failure.how}), running it again once; its last lines:\n"
+            + failure.tail,
+            file=sys.stderr,
+            flush=True,
+        )
+        retried.append({"round": round_number, "runner": runner, "failure": failure.how})
+    return measure(runner, command, cwd, warmup, last_step)
+
+
+def prepare(
+    workdir: Path, device: str, size: str, fast: bool, procs: int, steps: int, warmup: int
+) -> tuple[dict, dict]:
     """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer.
 
-    `fast`: bf16 autocast and torch.compile for all three; AdamW is fused on a GPU (as the trainer does).
+    `size`: a key of SHAPES and CORPORA. `fast`: bf16 autocast and torch.compile for all three; AdamW is
+    fused on a GPU (as the trainer does).
     """
-    shape = SHAPES[device]
-    corpus = GPU_CORPUS if device == "cuda" else CORPUS
+    shape = SHAPES[size]
+    corpus = CORPORA[size]
     documents = read_texts(expand_paths(corpus, "data.train"), "text", "data.train")
     tokenizer = train_tokenizer(documents, shape["vocab_size"])
     tokenizer.save_pretrained(workdir / "tokenizer")
@@ -258,32 +314,38 @@ def main() -> None:
         help="bf16 autocast + torch.compile for all three (default: on with CUDA, off on CPU)",
     )
     parser.add_argument("--procs", type=int, default=None, help="processes (default: 2 on CPU, every GPU on CUDA)")
+    parser.add_argument(
+        "--toy",
+        action="store_true",
+        help="a tiny model and corpus, 1 round of 6 steps: every code path in seconds (tests/test_bench.py)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 CPU, 120 CUDA)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out (default: 5 CPU, 30 CUDA)")
     parser.add_argument(
         "--rounds",
         type=int,
         default=None,
-        help="A/B/C rounds; the median of each runner is reported (default: 5 CPU, where a round varies by"
-        " about 5%%, 3 CUDA)",
+        help="A/B/C rounds; the median of each runner is reported (default: 5 CPU, 3 CUDA)",
     )
     args = parser.parse_args()
     cuda = args.device == "cuda"
+    size = "toy" if args.toy else args.device
     procs = args.procs or (torch.cuda.device_count() if cuda else 2)
-    steps = args.steps or (120 if cuda else 40)
-    warmup = args.warmup or (30 if cuda else 5)
-    rounds = args.rounds or (3 if cuda else 5)
+    steps = args.steps or LENGTHS[size]["steps"]
+    warmup = args.warmup or LENGTHS[size]["warmup"]
+    rounds = args.rounds or LENGTHS[size]["rounds"]
 
+    retried: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-") as tmp:
         workdir = Path(tmp)
         fast = cuda if args.fast is None else args.fast
-        settings, _ = prepare(workdir, args.device, fast, procs, steps, warmup)
+        settings, _ = prepare(workdir, args.device, size, fast, procs, steps, warmup)
         tokens_per_step = procs * settings["batch"] * settings["block"]
         runs: dict[str, list[Run]] = {}
         for round_index in range(rounds):
             for runner, command in commands(workdir, procs).items():
                 command = [c.replace("RUN_DIR", str(workdir / f"run-{round_index}")) for c in command]
-                run = measure(runner, command, cwd=workdir, warmup=warmup, last_step=steps)
+                run = measure_with_retry(runner, command, workdir, warmup, steps, round_index + 1, retried)
                 runs.setdefault(runner, []).append(run)
                 usage = run.usage_per_step()
                 print(
@@ -323,6 +385,7 @@ def main() -> None:
         # does for a step. Where it parts from the tokens/s ratio, the difference is time spent waiting.
         "cpu_ratio_vs_reference": round(cpu_per_step["reference"] / cpu_per_step["ddpjob"], 3),
         "cpu_ratio_vs_hf_trainer": round(cpu_per_step["hf-trainer"] / cpu_per_step["ddpjob"], 3),
+        "retried": retried,
     }
     if cuda:
         model_flops = flops_per_token_of(settings)
@@ -349,6 +412,8 @@ def main() -> None:
         f"tokens per CPU-second (all of a run's processes): ddpjob / reference {result['cpu_ratio_vs_reference']:.3f}x,"
         f" ddpjob / hf-trainer {result['cpu_ratio_vs_hf_trainer']:.3f}x"
     )
+    for retry in retried:
+        print(f"retried: round {retry['round']} {retry['runner']}, which failed ({retry['failure']})")
     print(json.dumps(result))
 
 

@@ -131,6 +131,15 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")], "no staging left behind"
 
 
+def test_read_texts_reads_every_document_from_the_text_field_it_is_given(tmp_path, mixed_inputs) -> None:
+    """The benches' reader: the same documents as preparation reads, in order, from the field named."""
+    files, documents = mixed_inputs
+    assert list(prepare.read_texts(files, "text", "data.train")) == documents
+    body = tmp_path / "body.jsonl"
+    body.write_text("".join(json.dumps({"body": t, "text": ""}) + "\n" for t in documents[:3]), encoding="utf-8")
+    assert list(prepare.read_texts([body], "body", "data.train")) == documents[:3]
+
+
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
     """jemalloc where installed (prepare.fast_malloc); the mechanism with a library no worker loads by itself."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison

@@ -323,7 +323,8 @@ def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipp
 
 def read_texts(paths: list[Path], text_field: str, key: str) -> Iterator[str]:
     """The text of every document of `paths` (a plain text file is one; each JSONL/CSV/Parquet row is one)."""
-    data = DataSpec(train=[str(p) for p in paths], text_field=text_field)
+    # The spec models take their camelCase keys only (as a job spec spells them).
+    data = DataSpec.model_validate({"train": [str(p) for p in paths], "textField": text_field})
     return (doc.text for doc in documents(paths, data, False, key, Skipped()))
 
 

@@ -1,0 +1,132 @@
+"""Every bench script runs here as `make bench` runs it, at toy size, so a bench that breaks fails the suite.
+
+Only the output is checked: the JSON line parses and its figures are finite numbers. What they are is the
+bench's business, never a test's (timing). A peer run that fails once is run again, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import REPO, tiny_spec
+
+
+def run_bench(script: str, *args: str) -> dict[str, Any]:
+    """`python bench/SCRIPT ARGS` from the repository root; its last line of output, read as JSON."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def numbers(value: Any) -> list[float]:
+    """Every number in a JSON value (not the booleans)."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers(v)]
+    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+def assert_finite(result: dict[str, Any], *ratios: str) -> None:
+    for name in ratios:
+        assert isinstance(result[name], int | float), name
+    assert numbers(result) and all(math.isfinite(n) for n in numbers(result)), result
+
+
+def test_make_bench_runs_every_bench_script() -> None:
+    """Each has its test below; the peers run under throughput.py."""
+    recipe = re.search(r"^bench:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert recipe, "the Makefile's bench target"
+    run = re.findall(r"\$\(BIN\)/python bench/(\w+\.py)", recipe.group(1))
+    assert sorted(run) == sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "peers.py")
+
+
+def test_throughput_runs_ddpjob_and_both_peers() -> None:
+    result = run_bench("throughput.py", "--toy")
+    assert set(result["tokens_per_second"]) == {"ddpjob", "reference", "hf-trainer"}
+    assert_finite(result, "ratio_vs_reference", "ratio_vs_hf_trainer", "cpu_ratio_vs_reference")
+    assert result["retried"] == []
+
+
+def test_checkpoint_bench_saves_sync_and_async() -> None:
+    assert_finite(run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1"), "async_stall_ratio")
+
+
+def test_cli_bench_times_ctl() -> None:
+    result = run_bench("cli.py", "--repeats", "1")
+    assert len(result) == 2
+    assert_finite(result)
+
+
+def test_metrics_overhead_bench(tmp_path: Path, corpus_file: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(corpus_file)))
+    assert_finite(run_bench("metrics_overhead.py", "--spec", str(spec)), "overhead_ratio")
+
+
+def test_data_bench_runs_the_reference_prepare_a_first_start_and_a_restart() -> None:
+    result = run_bench("data.py", "--small-mb", "1", "--large-mb", "2")
+    assert {"reference", "first_start", "restart"} <= set(result["small"])
+    assert_finite(result["ratios"], "first_start_vs_reference_wall", "restart_first_step_large_vs_small")
+    assert_finite(result)
+
+
+@pytest.fixture
+def throughput(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import throughput
+
+    return throughput
+
+
+def fails_once(tmp_path: Path) -> list[str]:
+    """A run that fails the first time it runs (a line on stderr, exit 3) and succeeds after."""
+    marker = tmp_path / "failed-once"
+    script = (
+        f"import pathlib, sys\nmarker = pathlib.Path({str(marker)!r})\n"
+        "if not marker.exists():\n    marker.touch()\n    sys.exit('gloo: connection closed by peer')\n"
+        "print('step 1')\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+def test_a_failed_peer_run_is_run_again_once_and_says_why(throughput: Any, tmp_path: Path, capsys) -> None:
+    retried: list[dict] = []
+    run = throughput.measure_with_retry(
+        "hf-trainer", fails_once(tmp_path), cwd=tmp_path, warmup=0, last_step=1, round_number=2, retried=retried
+    )
+    assert run.step_times.keys() == {1}
+    assert retried == [{"round": 2, "runner": "hf-trainer", "failure": "exit code 1"}]
+    said = capsys.readouterr().err
+    assert "round 2 hf-trainer: failed (exit code 1), running it again once" in said
+    assert "gloo: connection closed by peer" in said
+
+    # ddpjob's own runs are never retried; nor is a peer's a second time.
+    for runner in ("ddpjob", "reference"):
+        (tmp_path / "failed-once").unlink(missing_ok=True)
+        always = [sys.executable, "-c", "raise SystemExit(4)"]
+        first = fails_once(tmp_path) if runner == "ddpjob" else always
+        with pytest.raises(throughput.RunFailed):
+            throughput.measure_with_retry(
+                runner, first, cwd=tmp_path, warmup=0, last_step=1, round_number=1, retried=retried
+            )
+    assert len(retried) == 2
+
+
+def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(throughput: Any, tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os\nif os.environ['RANK'] == '1':\n    os.abort()\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker)]
+    with pytest.raises(throughput.RunFailed) as failed:
+        throughput.measure("reference", command, cwd=tmp_path, warmup=0, last_step=1)
+    assert failed.value.how == "exit code 1, rank 1 signal SIGABRT"
