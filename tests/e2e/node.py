@@ -420,9 +420,11 @@ def import_image(node: Node, ctr: Path, archive: Path, reference: str) -> None:
     if digest in listed:
         return
     started = time.monotonic()
+    if reference in listed:  # another content of it: removed first, so that containerd's collector frees it
+        node.ctr(ctr, "images", "rm", "--sync", reference)
     # Through the node's mount namespace: the archive's path is this machine's (only /run, /var/lib and /var/log
-    # differ there).
-    node.ctr(ctr, "images", "import", "--snapshotter=overlayfs", str(archive))
+    # differ there). Only the unpacked layers are kept: the archive's blobs would double the image's ~6 GB.
+    node.ctr(ctr, "images", "import", "--snapshotter=overlayfs", "--discard-unpacked-layers", str(archive))
     if digest not in node.ctr(ctr, "images", "ls", f"name=={reference}"):
         imported = node.ctr(ctr, "images", "ls", "-q")
         raise NodeError(f"{archive} imported, but not as {reference} {digest}: containerd has {imported.split()}")

@@ -176,7 +176,8 @@ def job_spec(
     spec |= {
         "nodes": 2,
         "image": image_values(),
-        "resources": {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
+        # A quarter CPU: two jobs, a prepare Job and pods still ending fit the tier's node (CPU is not limited).
+        "resources": {"cpu": "250m", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
         "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
     }
     return JobSpec.model_validate(spec | values)
@@ -239,18 +240,21 @@ def ended_pods(cluster: Cluster, namespace: str, job: str) -> dict[str, kubernet
 
 
 def pod_logs(cluster: Cluster, namespace: str) -> str:
-    """The trainer's output of every pod in the namespace (pods/log), a restarted container's previous run's
+    """The output of every pod's containers in the namespace (pods/log), a restarted container's previous run's
     first."""
     core = kubernetes.client.CoreV1Api(cluster.client())
     logs = []
     for pod in core.list_namespaced_pod(namespace).items:
-        restarted = any(s.restart_count for s in pod.status.container_statuses or [] if s.name == "pytorch")
-        for previous in (True, False) if restarted else (False,):
-            try:
-                log = core.read_namespaced_pod_log(pod.metadata.name, namespace, container="pytorch", previous=previous)
-            except kubernetes.client.ApiException as error:  # not started, or gone meanwhile
-                log = f"({error.status}: {error.reason})"
-            logs.append(f"--- {pod.metadata.name}{' (previous)' if previous else ''}\n{log}")
+        restarted = {s.name for s in pod.status.container_statuses or [] if s.restart_count}
+        for container in [c.name for c in pod.spec.containers]:
+            for previous in (True, False) if container in restarted else (False,):
+                try:
+                    log = core.read_namespaced_pod_log(
+                        pod.metadata.name, namespace, container=container, previous=previous
+                    )
+                except kubernetes.client.ApiException as error:  # not started, or gone meanwhile
+                    log = f"({error.status}: {error.reason})"
+                logs.append(f"--- {pod.metadata.name} {container}{' (previous)' if previous else ''}\n{log}")
     return "\n".join(logs)
 
 
@@ -429,6 +433,9 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     master = Replica("master", 0).pod_name(spec.name)
     first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
     wait_for_log(cluster, namespace, master, "step 100/600")
+    # The stopped pods' logs go with them when the operator recreates them: followed until their containers end.
+    worker = Replica("worker", 0).pod_name(spec.name)
+    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
     # The master container's first process, which the kubelet signals: the one whose parent is not in the job.
     marked = processes_with_marker(marker)
     (first_process,) = [
@@ -437,7 +444,7 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     os.kill(first_process, signal.SIGTERM)
 
     job = wait_for_job(cluster, namespace, spec.name)
-    logs = pod_logs(cluster, namespace)
+    logs = "\n".join([*(followed() for followed in first_runs), pod_logs(cluster, namespace)])
     assert finished_as(job) == "Succeeded", logs
     stopped = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", logs)
     assert stopped, logs
@@ -568,7 +575,8 @@ def wait_for_metrics(cluster: Cluster, namespace: str, pod: str, port: int) -> s
 
 
 def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
-    deadline = time.monotonic() + 60
+    """The job's pods gone: within their grace period (the chart's 120 s), and a kubelet's sync after it."""
+    deadline = time.monotonic() + 180
     while pods_of(cluster, namespace, job) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pods_of(cluster, namespace, job) == {}
@@ -1041,7 +1049,9 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
 ) -> None:
     """Interop with the Kubeflow SDK's TrainerClient (Trainer v2): it lists, reads the logs of and waits for a
     TrainJob `ctl submit` created, and ctl status/logs/delete work on a TrainJob the SDK created from a function
-    (on the runtime ctl's job brought)."""
+    (on the runtime ctl's job brought). On the tier's node, which has no GPU, the pods' GPU request is met by GPUs
+    the test advertises on the Node, as an administrator advertises an extended resource (the trainer, finding no
+    CUDA device, runs on the CPU)."""
     from kubeflow.common.types import KubernetesBackendConfig
     from kubeflow.trainer import CustomTrainer, TrainerClient
 
@@ -1055,8 +1065,9 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
     # kubeflow 0.5 describes a runtime (and so a TrainJob) only when its trainer has a cpu, GPU, TPU or NPU limit
     # (kubernetes/utils.py get_container_devices); the chart sets none for the CPU (a throttled rank would hold
     # up the others), so the job asks for a GPU, which this executor ignores and the trainer does not need.
-    resources = {"cpu": "1", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi", "gpu": 1}
+    resources = {"cpu": "250m", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi", "gpu": 1}
     spec = spec_file(tmp_path, job_spec(marker, name=ours, apiKind="TrainJob", resources=resources))
+    advertise_gpus(cluster, 4)  # or the pods would never be scheduled on the tier's node
     assert ctl("submit", str(spec)).returncode == 0
 
     # The SDK on ctl's job.
@@ -1086,6 +1097,21 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
     sdk.delete_job(ours)
     assert ctl("wait", ours).returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
+    advertise_gpus(cluster, 0)
+
+
+def advertise_gpus(cluster: Cluster, count: int) -> None:
+    """`count` nvidia.com/gpu in the tier's Node's capacity (its status, as Kubernetes documents advertising an
+    extended resource; the kubelet keeps what no device plugin of its own manages); 0 removes them."""
+    if cluster.plane is None:
+        return
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    path = "/status/capacity/nvidia.com~1gpu"
+    operation = {"op": "add", "path": path, "value": str(count)} if count else {"op": "remove", "path": path}
+    core.api_client.call_api(
+        f"/api/v1/nodes/{NODE_NAME}/status", "PATCH", body=[operation], auth_settings=["BearerToken"],
+        header_params={"Content-Type": "application/json-patch+json"}, _preload_content=False,
+    )  # fmt: skip
 
 
 def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def prepare_job_spec(marker: str, name: str, corpus: list[Path], backoff_limit: 
         "tokenizer": {"vocabSize": 300},
         "timeouts": {"longWorkSeconds": LONG_WORK_S},
     }
-    prepare = {"enabled": True, "cpu": "1", "memory": "1Gi", "backoffLimit": backoff_limit}
+    prepare = {"enabled": True, "cpu": "250m", "memory": "1Gi", "backoffLimit": backoff_limit}
     train = [f"{CLAIM_MOUNT_PATH}/corpus/{path.name}" for path in corpus]
     return job_spec(marker, train, training, name=name, restartPolicy="ExitCode", prepare=prepare, **values)
 
@@ -264,7 +264,7 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     failed = ctl("wait", name, "--timeout", str(JOB_TIMEOUT_S))
     assert failed.returncode == EXIT_JOB_FAILED, failed.stderr + pod_logs(cluster, namespace)
 
-    line = f"error: data.train: {claim / 'corpus' / 'latin1.py'} is not UTF-8 text (byte 3)"
+    line = f"error: data.train: {in_pod(claim, claim / 'corpus' / 'latin1.py')} is not UTF-8 text (byte 3)"
     assert ctl("logs", name).stdout.splitlines()[-1] == line
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     master = next(p for p in status["pods"] if p["node"] == "master-0")
