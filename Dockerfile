@@ -7,7 +7,8 @@
 # compatibility) satisfies pyproject's torch and transformers' (which disables its PyTorch models
 # under torch 2.6), so pip keeps it. 2.12 and up also read TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which
 # the chart sets from the pod's grace period.
-FROM pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
+ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
+FROM ${BASE_IMAGE}
 
 # HOME, the Hugging Face cache and torch.compile's caches must be writable by the non-root user. In a pod the
 # root filesystem is read-only and the chart mounts a size-limited scratch volume at this HOME (and /tmp),
