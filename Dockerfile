@@ -37,10 +37,11 @@ COPY ctl ./ctl
 
 # Only what pods use: the `train` extra's requirements, read from pyproject.toml (the one source of the
 # dependency set), then the project itself without the client's dependencies (kubernetes, Typer, Helm's engine).
+# setuptools builds in the source tree: its build/ (a second copy of the packages) and egg-info go too.
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['train'], sep='\n')" > /tmp/train.txt \
     && pip install --no-cache-dir -r /tmp/train.txt \
     && pip install --no-cache-dir --no-deps . \
-    && rm /tmp/train.txt \
+    && rm -r /tmp/train.txt build ddpjob.egg-info \
     && python -c "import torch, transformers, tokenizers, safetensors, tensorboard, trainer.__main__"
 
 # The chart runs as 1000:1000 (security.runAsUser/runAsGroup/fsGroup); /checkpoints is the default mount.
