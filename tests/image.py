@@ -8,7 +8,8 @@ the same torch version from PyPI, made once per machine and kept under a tag car
 is tagged as the chart's pods name it, `ddpjob:<appVersion>` (Docker's normalized form), labelled with the hash of
 what it is built from, and reused while that is unchanged; its OCI archive, for `ctr images import`, is kept per
 content hash under ~/.cache/ddpjob/images. podman runs with the settings in tests/containers (runc, cgroupfs, file
-events, ulimits this machine allows), passed by environment variables: nothing under /etc is changed.
+events, ulimits this machine allows), passed by environment variables: nothing under /etc is changed. Images live
+in podman's own storage (root's: /var/lib/containers/storage).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -34,9 +36,15 @@ REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
 CONTAINERS = REPO / "tests" / "containers"
 STAND_IN = CONTAINERS / "stand-in.Containerfile"
+STAND_IN_REPOSITORY = "localhost/ddpjob-base"  # tagged <torch version>-<recipe hash>
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpjob" / "images"
 # The image's name as a kubelet resolves the chart's `ddpjob:<appVersion>` (containerd normalizes it so).
 REGISTRY_PREFIX = "docker.io/library/"
+# Every build, tagged by its content hash; the KEEP_BUILDS newest are kept, and the KEEP_ARCHIVES newest archives
+# (6 GB each).
+BUILDS_REPOSITORY = "localhost/ddpjob-build"
+KEEP_BUILDS = 3
+KEEP_ARCHIVES = 2
 # Where the image records what it was built from (the content hash) and on which base.
 CONTENT_LABEL = "io.ddpjob.content"
 BASE_LABEL = "io.ddpjob.base"
@@ -71,7 +79,6 @@ def podman_env() -> dict[str, str]:
     """This process's environment with podman and buildah pointed at the repository's container settings."""
     return os.environ | {
         "CONTAINERS_CONF": str(CONTAINERS / "containers.conf"),
-        "CONTAINERS_STORAGE_CONF": str(CONTAINERS / "storage.conf"),
         "CONTAINERS_REGISTRIES_CONF": str(CONTAINERS / "registries.conf"),
     }
 
@@ -95,17 +102,13 @@ def podman(*args: str, timeout: float | None = None, quiet: bool = True) -> str:
     return result.stdout
 
 
-def image_id(reference: str) -> str | None:
-    """The image's ID in local storage, None when it has none by that name."""
-    try:
-        return podman("image", "inspect", "--format", "{{.Id}}", reference).strip()
-    except ImageError:
+def local_image(reference: str) -> dict[str, Any] | None:
+    """`podman image inspect`'s record of the image (Id, Labels, Size...), None where local storage has no such name."""
+    exists = subprocess.run(["podman", "image", "exists", reference], env=podman_env(), capture_output=True)
+    if exists.returncode == 1:
         return None
-
-
-def image_labels(reference: str) -> dict[str, str]:
     (inspected,) = json.loads(podman("image", "inspect", reference))
-    return inspected.get("Labels") or {}
+    return inspected
 
 
 def app_version() -> str:
@@ -178,7 +181,7 @@ def timed(what: str) -> Iterator[None]:
 
 def real_base(base: str) -> str | None:
     """The Dockerfile's base from local storage, or pulled within PULL_TIMEOUT_SECONDS; None when it cannot be had."""
-    if image_id(base):
+    if local_image(base):
         return base
     try:
         podman("pull", "--quiet", base, timeout=PULL_TIMEOUT_SECONDS)
@@ -211,8 +214,8 @@ def stand_in(base: str) -> str:
     """The stand-in base's local tag, made first if this machine has none of its recipe."""
     torch = base_torch_version(base)
     recipe = stand_in_recipe()[:16]
-    tag = f"localhost/ddpjob-base:{torch}-{recipe}"
-    if image_id(tag):
+    tag = f"{STAND_IN_REPOSITORY}:{torch}-{recipe}"
+    if local_image(tag):
         return tag
     if shutil.which("mmdebstrap") is None:
         raise ImageError("mmdebstrap is missing: run .ci/install-container-tools (`make image` does)")
@@ -241,22 +244,23 @@ def stand_in(base: str) -> str:
     return tag
 
 
-def build(reference: str, base: str, content: str) -> None:
+def build(tag: str, base: str, content: str) -> None:
     arguments = ["--build-arg", f"BASE_IMAGE={base}"]
     labels = ["--label", f"{CONTENT_LABEL}={content}", "--label", f"{BASE_LABEL}={base}"]
     with timed("image build"):
         podman(
             "build", "--network=host", "--pull=never", *ca_mount(), *arguments, *labels,
-            "--tag", reference, "--file", str(DOCKERFILE), str(REPO),
+            "--tag", tag, "--file", str(DOCKERFILE), str(REPO),
             quiet=False,
         )  # fmt: skip
 
 
 def export(reference: str, content: str) -> Path:
-    """The image's OCI archive for this content, written once (other contents' archives are removed)."""
+    """The image's OCI archive, named `reference`, written once per content."""
     name = reference.removeprefix(REGISTRY_PREFIX).replace(":", "-")
     archive = CACHE / f"{name}-{content[:16]}.oci.tar"
     if archive.exists():
+        archive.touch()  # the newest are kept
         return archive
     partial = archive.with_name(archive.name + ".partial")
     partial.unlink(missing_ok=True)
@@ -264,10 +268,18 @@ def export(reference: str, content: str) -> Path:
         # Uncompressed layers: a multi-GB gzip would cost minutes here and at every import.
         podman("save", "--quiet", "--uncompressed", "--format", "oci-archive", "--output", str(partial), reference)
     partial.rename(archive)
-    for stale in CACHE.glob(f"{name}-*.oci.tar"):
-        if stale != archive:
-            stale.unlink()
+    archives = sorted(CACHE.glob(f"{name}-*.oci.tar"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for stale in archives[KEEP_ARCHIVES:]:
+        stale.unlink()
     return archive
+
+
+def prune(repository: str) -> None:
+    """Untag the builds of `repository` beyond the KEEP_BUILDS newest (podman removes what no tag holds)."""
+    listed = podman("images", "--filter", f"reference={repository}", "--format", "{{.Repository}}:{{.Tag}}")
+    for stale in listed.split()[KEEP_BUILDS:]:  # newest first
+        with contextlib.suppress(ImageError):  # in use by a container: it stays
+            podman("rmi", stale)
 
 
 @contextlib.contextmanager
@@ -281,22 +293,29 @@ def locked() -> Iterator[None]:
 
 def ensure_image() -> Image:
     """The training image for the repository's current content, built (and archived) only when it changed."""
-    if os.geteuid() != 0:
-        raise ImageError("the image is built as root (tests/containers/storage.conf is root's storage): run as root")
+    # The storage settings stay the machine's: podman's database keeps the driver it was created with, and a driver
+    # named by a storage.conf of ours reaches the cleanup process (which records a container's exit) as a flag that
+    # disagrees with it, so every `podman run` waited 20 s for an exit code. Checked instead: vfs would copy the
+    # whole image for each layer and container.
+    driver = podman("info", "--format", "{{.Store.GraphDriverName}}").strip()
+    if driver != "overlay":
+        raise ImageError(f"podman stores images with {driver!r}, not overlay: each container would copy the image")
     reference = f"{REGISTRY_PREFIX}ddpjob:{app_version()}"
     content = content_hash()
+    # Each build is also tagged by its content: worktrees of other contents on this machine take turns with the
+    # reference's tag without building again.
+    built = f"{BUILDS_REPOSITORY}:{content[:16]}"
     with locked():
-        previous = image_id(reference)
-        labels = image_labels(reference) if previous else {}
-        if labels.get(CONTENT_LABEL) == content:
-            base = labels[BASE_LABEL]
+        found = local_image(built)
+        if found:
+            base = found["Labels"][BASE_LABEL]
         else:
+            note(f"building {reference} for this content ({content[:16]})")
             wanted = dockerfile_base()
             base = real_base(wanted) or stand_in(wanted)
-            build(reference, base, content)
-            if previous and previous != image_id(reference):
-                with contextlib.suppress(ImageError):  # still used by a container or another tag: it stays
-                    podman("rmi", previous)
+            build(built, base, content)
+            prune(BUILDS_REPOSITORY)
+        podman("tag", built, reference)
         archive = export(reference, content)
     return Image(reference.removeprefix(REGISTRY_PREFIX), content, archive, base)
 
