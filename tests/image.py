@@ -210,16 +210,12 @@ def ca_mount() -> list[str]:
     return ["--volume", f"{bundle}:{BUILD_CA_BUNDLE}:ro"] if bundle.is_file() else []
 
 
-def stand_in(base: str) -> str:
-    """The stand-in base's local tag, made first if this machine has none of its recipe."""
-    torch = base_torch_version(base)
-    recipe = stand_in_recipe()[:16]
-    tag = f"{STAND_IN_REPOSITORY}:{torch}-{recipe}"
+def debian_rootfs(tag: str) -> str:
+    """The stand-in's Debian root filesystem as a local image (kept until the stand-in is made from it)."""
     if local_image(tag):
         return tag
     if shutil.which("mmdebstrap") is None:
         raise ImageError("mmdebstrap is missing: run .ci/install-container-tools (`make image` does)")
-    rootfs = f"localhost/ddpjob-rootfs:{recipe}"
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE, prefix="rootfs-") as tmp:
         tarball = Path(tmp) / "rootfs.tar"
@@ -229,7 +225,19 @@ def stand_in(base: str) -> str:
             if result.returncode != 0:
                 last = (result.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
                 raise ImageError(f"mmdebstrap failed: {last}")
-            podman("import", "--quiet", str(tarball), rootfs)
+            podman("import", "--quiet", str(tarball), tag)
+    return tag
+
+
+def stand_in(base: str) -> str:
+    """The stand-in base's local tag, made first if this machine has none of its recipe."""
+    torch = base_torch_version(base)
+    recipe = stand_in_recipe()[:16]
+    tag = f"{STAND_IN_REPOSITORY}:{torch}-{recipe}"
+    if local_image(tag):
+        return tag
+    note(f"making the stand-in base {tag} (once per machine: about 4 minutes)")
+    rootfs = debian_rootfs(f"localhost/ddpjob-rootfs:{recipe}")
     uv, uv_cache = host_uv()
     # /mnt and /srv: directories the rootfs has, empty, so the image keeps no trace of the mounts.
     mounts = ["--volume", f"{uv.parent}:/mnt:ro", "--volume", f"{uv_cache}:/srv", *ca_mount()]
@@ -241,6 +249,7 @@ def stand_in(base: str) -> str:
             quiet=False,
         )  # fmt: skip
     podman("rmi", rootfs)  # its layer stays, under the stand-in
+    prune(STAND_IN_REPOSITORY, 1)  # an older recipe's
     return tag
 
 
@@ -274,11 +283,11 @@ def export(reference: str, content: str) -> Path:
     return archive
 
 
-def prune(repository: str) -> None:
-    """Untag the builds of `repository` beyond the KEEP_BUILDS newest (podman removes what no tag holds)."""
+def prune(repository: str, keep: int) -> None:
+    """Untag the images of `repository` beyond the `keep` newest (podman removes what no tag holds)."""
     listed = podman("images", "--filter", f"reference={repository}", "--format", "{{.Repository}}:{{.Tag}}")
-    for stale in listed.split()[KEEP_BUILDS:]:  # newest first
-        with contextlib.suppress(ImageError):  # in use by a container: it stays
+    for stale in listed.split()[keep:]:  # newest first
+        with contextlib.suppress(ImageError):  # in use by a container, or the base of a kept build: it stays
             podman("rmi", stale)
 
 
@@ -314,7 +323,7 @@ def ensure_image() -> Image:
             wanted = dockerfile_base()
             base = real_base(wanted) or stand_in(wanted)
             build(built, base, content)
-            prune(BUILDS_REPOSITORY)
+            prune(BUILDS_REPOSITORY, KEEP_BUILDS)
         podman("tag", built, reference)
         archive = export(reference, content)
     return Image(reference.removeprefix(REGISTRY_PREFIX), content, archive, base)
