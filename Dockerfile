@@ -2,6 +2,8 @@
 # `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (the chart sets
 # that command; trainer.launch is torchrun with signal exit codes, see trainer/launch.py).
 #   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
+# (`make image` builds it here with podman, as ddpjob:0.1.0, and BASE_IMAGE a local stand-in where the base
+# cannot be pulled: docs/testing.md.)
 # The tag is the chart's appVersion (helm/ddpjob/Chart.yaml), the image the chart's pods run by default.
 # The base image's torch (2.14.1, CUDA 12.6: drivers from 560, or 525 with CUDA's minor-version
 # compatibility) satisfies pyproject's torch and transformers' (which disables its PyTorch models
