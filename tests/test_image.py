@@ -132,6 +132,9 @@ def test_the_image_trains_the_quickstart_as_the_chart_runs_it(image: Image, tmp_
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == image.reference  # the chart's default is the image `make image` built
+    # The chart's command is the image's own: `docker run` of the image and the pod run the same thing.
+    config = (local_image(f"docker.io/library/{image.reference}") or {})["Config"]
+    assert config["Entrypoint"] + config["Cmd"] == container["command"] + container.get("args", [])
 
     spec = load_spec(QUICKSTART, OVERRIDES)
     replica = Replica("master", 0)
@@ -141,19 +144,24 @@ def test_the_image_trains_the_quickstart_as_the_chart_runs_it(image: Image, tmp_
     options, mounts = pod_run_args(pod, config_maps, tmp_path)
     # Kubernetes' command replaces the image's entrypoint, and its args the image's CMD.
     entry = ["--entrypoint", json.dumps(container["command"])] if "command" in container else []
+    container_name = f"ddpjob-test-{uuid.uuid4().hex[:12]}"
     command = [
-        "run", "--rm", f"--name=ddpjob-test-{uuid.uuid4().hex[:12]}", "--pull=never", "--network=none",
+        "run", "--rm", f"--name={container_name}", "--pull=never", "--network=none",
         f"--hostname={name}", f"--add-host={name}:127.0.0.1",  # the master Service's name is this pod
         *options, *[f"--env={key}={value}" for key, value in env.items()], *entry,
         image.reference, *container.get("args", []),
     ]  # fmt: skip
-    result = podman(*command, timeout=RUN_TIMEOUT_SECONDS)
+    try:
+        result = podman(*command, timeout=RUN_TIMEOUT_SECONDS)
+    finally:  # a run past its time keeps going without podman's client
+        podman("rm", "--force", "--ignore", container_name)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
 
-    config = yaml.safe_load(config_maps[f"{spec.name}-training"]["data"]["training.yaml"])
-    claim_path = next(path for path in mounts if Path(config["checkpoint"]["dir"]).is_relative_to(path))
-    run_dir = mounts[claim_path] / Path(config["checkpoint"]["dir"]).relative_to(claim_path)
+    training = yaml.safe_load(config_maps[f"{spec.name}-training"]["data"]["training.yaml"])
+    checkpoints = Path(training["checkpoint"]["dir"])
+    claim_path = next(path for path in mounts if checkpoints.is_relative_to(path))
+    run_dir = mounts[claim_path] / checkpoints.relative_to(claim_path)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 10
     assert {"config.json", "model.safetensors"} <= {p.name for p in (run_dir / "final").iterdir()}
