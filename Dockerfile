@@ -2,12 +2,15 @@
 # `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (the chart sets
 # that command; trainer.launch is torchrun with signal exit codes, see trainer/launch.py).
 #   docker build -t registry.example.com/ml/ddpjob:0.1.0 .
+# (`make image` builds it here with podman, as ddpjob:0.1.0, and BASE_IMAGE a local stand-in where the base
+# cannot be pulled: docs/testing.md.)
 # The tag is the chart's appVersion (helm/ddpjob/Chart.yaml), the image the chart's pods run by default.
 # The base image's torch (2.14.1, CUDA 12.6: drivers from 560, or 525 with CUDA's minor-version
 # compatibility) satisfies pyproject's torch and transformers' (which disables its PyTorch models
 # under torch 2.6), so pip keeps it. 2.12 and up also read TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which
 # the chart sets from the pod's grace period.
-FROM pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
+ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime
+FROM ${BASE_IMAGE}
 
 # HOME, the Hugging Face cache and torch.compile's caches must be writable by the non-root user. In a pod the
 # root filesystem is read-only and the chart mounts a size-limited scratch volume at this HOME (and /tmp),
@@ -36,10 +39,11 @@ COPY ctl ./ctl
 
 # Only what pods use: the `train` extra's requirements, read from pyproject.toml (the one source of the
 # dependency set), then the project itself without the client's dependencies (kubernetes, Typer, Helm's engine).
+# setuptools builds in the source tree: its build/ (a second copy of the packages) and egg-info go too.
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['train'], sep='\n')" > /tmp/train.txt \
     && pip install --no-cache-dir -r /tmp/train.txt \
     && pip install --no-cache-dir --no-deps . \
-    && rm /tmp/train.txt \
+    && rm -r /tmp/train.txt build ddpjob.egg-info \
     && python -c "import torch, transformers, tokenizers, safetensors, tensorboard, trainer.__main__"
 
 # The chart runs as 1000:1000 (security.runAsUser/runAsGroup/fsGroup); /checkpoints is the default mount.

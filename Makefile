@@ -9,7 +9,7 @@ INSTALL := $(UV_INSTALL) --python $(BIN)/python
 # The floors tier's environment: every dependency pyproject.toml declares at the oldest version it allows.
 FLOORS_VENV ?= .venv-floors
 
-.PHONY: demo test floors-env e2e e2e-binaries bench lint install dev chart k8s prometheus
+.PHONY: demo test floors-env e2e e2e-binaries image bench lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,14 @@ prometheus:
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
 
-test: dev prometheus e2e-binaries floors-env
+# The training image from the Dockerfile, with podman (tools from the distribution's packages when missing, as root
+# or with sudo); where the real base cannot be pulled, on a stand-in made once per machine (about 4 minutes), then
+# rebuilt only when the Dockerfile or the project's files change (docs/testing.md).
+image: dev
+	.ci/install-container-tools
+	$(BIN)/python tests/image.py
+
+test: dev prometheus e2e-binaries floors-env image
 	$(BIN)/python -m pytest
 	$(FLOORS_VENV)/bin/python -m pytest $(FLOOR_TESTS)
 

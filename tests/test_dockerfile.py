@@ -74,7 +74,12 @@ def test_base_image_is_a_pinned_cuda_pytorch_whose_torch_every_dependency_accept
     transformers declares its torch floor only in its `torch` extra and, under it, imports fine but
     disables every PyTorch model: a base image below that floor builds and then fails in every pod.
     """
-    (image,) = [args for keyword, args in instructions() if keyword == "FROM"]
+    steps = instructions()
+    # The base is a build argument (`make image` builds on a local stand-in where the real one cannot be pulled,
+    # tests/image.py) declared before FROM; its default is the image that ships.
+    assert [args for keyword, args in steps if keyword == "FROM"] == ["${BASE_IMAGE}"]
+    first_from = [keyword for keyword, _ in steps].index("FROM")
+    (image,) = [args.split("=", 1)[1] for _, args in steps[:first_from] if args.startswith("BASE_IMAGE=")]
     match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime", image)
     assert match, f"base image {image!r} is not a pinned pytorch/pytorch CUDA runtime tag"
     torch = Version(match.group(1))
