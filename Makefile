@@ -36,9 +36,10 @@ demo: install
 prometheus:
 	.ci/install-prometheus
 
-# The e2e tier's etcd, kube-apiserver, kube-controller-manager, kubectl, training operator, Trainer v2 manager and
-# JobSet controller, built from their Go modules into ~/.cache/ddpjob/bin the first time (about 16 minutes of
-# compiling on 2 busy cores, plus downloads; docs/testing.md), found there afterwards.
+# The e2e tier's etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, training operator, Trainer v2
+# manager and JobSet controller, and its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
+# pause, built from their Go modules into ~/.cache/ddpjob/bin the first time (about 25 minutes of compiling on 2
+# busy cores, plus downloads; docs/testing.md), found there afterwards.
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
 
@@ -71,8 +72,8 @@ floors-env: $(BIN)/uv
 	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python -e '.[dev]'
 	$(call compile_venv,$(FLOORS_VENV))
 
-# Only the control-plane tier (tests/e2e).
-e2e: dev e2e-binaries
+# Only the control-plane tier (tests/e2e): its node runs the training image.
+e2e: dev e2e-binaries image
 	$(BIN)/python -m pytest -m e2e tests/e2e
 
 # Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
