@@ -54,7 +54,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
-from local_processes import LOOPBACK, die_with_parent, free_port, terminate_group
+from local_processes import LOOPBACK, free_port, start_process, terminate_group, wait_until
 from oci import busybox_image
 
 from ctl.cluster import Target, apply
@@ -121,37 +121,6 @@ STOP_GRACE_S = 10
 # containerd's content and snapshots, kept between runs (by containerd's version): the training image is imported
 # once per content.
 CONTAINERD_ROOT = CACHE / "containerd"
-
-
-def start_process(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what}: exited with {process.returncode}; its log {log}:\n{tail(log)}")
-        try:
-            if check():
-                return
-        except Exception:  # not up yet: connection refused, 5xx, TLS handshake during startup
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what}: not ready after {timeout_s:.0f} s; its log {log}:\n{tail(log)}")
-
-
-def tail(log: Path, lines: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
 
 @dataclass(frozen=True)
@@ -732,16 +701,8 @@ def start_node(
     assert plane.node is not None
     node.start(
         plane.node,
-        node.NodeBinaries(
-            kubelet=binaries.kubelet,
-            kube_proxy=binaries.kube_proxy,
-            containerd=binaries.containerd,
-            containerd_shim=binaries.containerd_shim,
-            ctr=binaries.ctr,
-            coredns=binaries.coredns,
-            pause=binaries.pause,
-            containerd_root=CONTAINERD_ROOT / binaries.containerd.name,
-        ),
+        binaries,
+        CONTAINERD_ROOT / binaries.containerd.name,
         plane.api_client(),
         node.KubeletFiles(
             kubeconfig=plane.kubeconfig_of("kubelet-client"),

@@ -47,7 +47,8 @@ from typing import Any
 
 import kubernetes
 import yaml
-from local_processes import die_with_parent
+from cluster_binaries import Binaries
+from local_processes import die_with_parent, start_process, wait_until
 from oci import pause_image
 
 NODE_NAME = "ddpjob-e2e-node"
@@ -235,35 +236,12 @@ def leftovers(before: dict[str, str] | None = None) -> list[str]:
 
 
 def start_in_node(node: Node, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    log = node.directory / f"{name}.log"
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            node.in_node(command),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-    node.processes[name] = process
+    node.processes[name] = process = start_process(node.in_node(command), node.directory / f"{name}.log", env)
     return process
 
 
 def wait_for(node: Node, name: str, check: Callable[[], bool], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    process = node.processes.get(name)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        if process is not None and process.poll() is not None:
-            break
-        time.sleep(0.2)
-    log = node.directory / f"{name}.log"
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
-    state = "exited" if process is not None and process.poll() is not None else f"not ready after {timeout_s} s"
-    raise NodeError(f"{name} {state}; its log ends:\n{tail}")
+    wait_until(check, name, timeout_s, node.processes[name], node.directory / f"{name}.log")
 
 
 def make_namespaces(directory: Path, pause: Path) -> Node:
@@ -423,8 +401,9 @@ def import_image(node: Node, ctr: Path, archive: Path, reference: str) -> None:
     if reference in listed:  # another content of it: removed first, so that containerd's collector frees it
         node.ctr(ctr, "images", "rm", "--sync", reference)
     # Through the node's mount namespace: the archive's path is this machine's (only /run, /var/lib and /var/log
-    # differ there). Only the unpacked layers are kept: the archive's blobs would double the image's ~6 GB.
-    node.ctr(ctr, "images", "import", "--snapshotter=overlayfs", "--discard-unpacked-layers", str(archive))
+    # differ there). Only the unpacked layers are kept (which ctr does only with --local, client-side): the
+    # archive's blobs would double the image's ~6 GB.
+    node.ctr(ctr, "images", "import", "--local", "--snapshotter=overlayfs", "--discard-unpacked-layers", str(archive))
     if digest not in node.ctr(ctr, "images", "ls", f"name=={reference}"):
         imported = node.ctr(ctr, "images", "ls", "-q")
         raise NodeError(f"{archive} imported, but not as {reference} {digest}: containerd has {imported.split()}")
@@ -655,18 +634,6 @@ def provision(node: Node, client: kubernetes.client.ApiClient) -> None:
 
 
 @dataclass(frozen=True)
-class NodeBinaries:
-    kubelet: Path
-    kube_proxy: Path
-    containerd: Path
-    containerd_shim: Path
-    ctr: Path
-    coredns: Path
-    pause: Path
-    containerd_root: Path
-
-
-@dataclass(frozen=True)
 class NodeImage:
     archive: Path
     reference: str
@@ -674,7 +641,8 @@ class NodeImage:
 
 def start(
     node: Node,
-    binaries: NodeBinaries,
+    binaries: Binaries,
+    containerd_root: Path,
     client: kubernetes.client.ApiClient,
     kubelet_files: KubeletFiles,
     kube_proxy_kubeconfig: Path,
@@ -684,7 +652,7 @@ def start(
     """The node (its namespaces made by `make_namespaces`) Ready, with cluster DNS answering, kube-proxy running
     and every image imported. The caller stops it with `Node.stop`, also when this fails."""
     pause = pause_image(binaries.pause, node.directory / "images")
-    start_containerd(node, binaries.containerd, binaries.containerd_shim, binaries.containerd_root, pause.reference)
+    start_containerd(node, binaries.containerd, binaries.containerd_shim, containerd_root, pause.reference)
     for image in [NodeImage(pause.archive, pause.reference), *images]:
         import_image(node, binaries.ctr, image.archive, image.reference)
     cluster_objects(client)
