@@ -119,6 +119,10 @@ class Node:
         return self.directory.parent / "volumes" / namespace / claim
 
     def stop(self) -> None:
+        # Once: a second call (an atexit hook after the fixture's) must not take the machine state of a node that
+        # started since, which has the same link name.
+        if self.stopping.is_set():
+            return
         self.stopping.set()
         for name in reversed(list(self.processes)):
             stop_process(self.processes.pop(name))

@@ -39,6 +39,7 @@ from ctl.local import parent_pid
 from ctl.spec import StorageSpec
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
+from trainer.spec import TimeoutsSpec
 from trainer.workloads import RUN_DATASET
 
 # The tier's fixtures: a control plane of this module's own, and a namespace per test.
@@ -50,17 +51,27 @@ pytestmark = pytest.mark.e2e
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CLAIM_MOUNT_PATH = StorageSpec().mount_path  # where the pods see the claim
 LONG_WORK_S = 10  # training.timeouts.longWorkSeconds: how long the ranks wait for a prepare Job that shows no progress
+# The same timeout bounds the ranks' rendezvous (init_process_group), which on the tier's node has taken more than
+# 10 s while a prepare Job tokenized on both cores: the tests that do not wait for a dead Job keep its default.
+DEFAULT_LONG_WORK_S = TimeoutsSpec().long_work_seconds
 SIGKILLED = 128 + signal.SIGKILL  # what a node reports for a container killed by SIGKILL (OOM killer, lost node)
 
 
-def prepare_job_spec(marker: str, name: str, corpus: list[Path], backoff_limit: int = 0, **values: Any) -> Any:
+def prepare_job_spec(
+    marker: str,
+    name: str,
+    corpus: list[Path],
+    backoff_limit: int = 0,
+    long_work_s: int = DEFAULT_LONG_WORK_S,
+    **values: Any,
+) -> Any:
     """A tiny causal-lm job (its BPE trained while the data is prepared) on 2 pods, restartPolicy ExitCode, its
     prepare Job without retries unless `backoff_limit`, reading `corpus` from its claim (copied there first: the
     tier's claim is a local directory)."""
     training = {
         "task": "causal-lm",
         "tokenizer": {"vocabSize": 300},
-        "timeouts": {"longWorkSeconds": LONG_WORK_S},
+        "timeouts": {"longWorkSeconds": long_work_s},
     }
     prepare = {"enabled": True, "cpu": "250m", "memory": "1Gi", "backoffLimit": backoff_limit}
     train = [f"{CLAIM_MOUNT_PATH}/corpus/{path.name}" for path in corpus]
@@ -176,7 +187,7 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     name = f"kill-{marker[:6]}"
     corpus = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB: a few seconds of work, the Job is killed amid it
     claim = put_on_claim(cluster, namespace, name, {path.name: path.read_bytes() for path in corpus})
-    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus))
+    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, long_work_s=LONG_WORK_S))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
