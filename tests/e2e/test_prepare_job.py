@@ -97,6 +97,16 @@ def batch_job(cluster: Cluster, namespace: str, name: str) -> kubernetes.client.
     return kubernetes.client.BatchV1Api(cluster.client()).read_namespaced_job(name, namespace)
 
 
+def finished_batch_job(cluster: Cluster, namespace: str, name: str) -> kubernetes.client.V1Job:
+    """The Job once the Job controller has called it Complete or Failed (a minute at most)."""
+    deadline = time.monotonic() + 60
+    job = batch_job(cluster, namespace, name)
+    while job_finished(job) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = batch_job(cluster, namespace, name)
+    return job
+
+
 def job_finished(job: kubernetes.client.V1Job) -> str | None:
     """Complete or Failed once the Job controller says so."""
     true = {c.type for c in job.status.conditions or [] if c.status == "True"}
@@ -136,7 +146,8 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     done = ctl("wait", name, "--timeout", str(JOB_TIMEOUT_S))
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
 
-    prepare = batch_job(cluster, namespace, f"{name}-prepare")
+    # The ranks go on once the manifest is written: the Job's pod may still be exiting when training is done.
+    prepare = finished_batch_job(cluster, namespace, f"{name}-prepare")
     assert job_finished(prepare) == "Complete" and prepare.status.succeeded == 1
     (pod,) = prepare_pods(cluster, namespace, f"{name}-prepare")
     (container,) = pod.spec.containers
