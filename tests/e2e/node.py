@@ -81,7 +81,7 @@ HOLDER_SCRIPT = (
 
 
 class NodeError(RuntimeError):
-    """The node could not start; the message names the component and the tail of its log."""
+    """A command in the node failed, or the node could not start: the message says which, and why."""
 
 
 @dataclass
