@@ -212,18 +212,39 @@ def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers
     assert hung.exit_code == EXIT_HUNG and killed.exit_code == 1
 
 
-def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Path) -> None:
-    """A rank's own error (exit 1): torchrun's report, then the root cause in one line, last. A pod's log tail is its
-    termination message (the chart's FallbackToLogsOnError), whose last line `ctl status` shows."""
-    script = tmp_path / "fail.py"
+def launch_a_failing_rank(folder: Path) -> list[str]:
+    """trainer.launch's arguments for one rank that fails with its own error, recorded by torch's @record."""
+    script = folder / "fail.py"
     script.write_text(
         "from torch.distributed.elastic.multiprocessing.errors import record\n\n\n"
         "@record\ndef main() -> None:\n    raise RuntimeError('the data was not prepared')\n\n\nmain()\n"
     )
-    command = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1", str(script)]
+    return ["--standalone", "--nproc-per-node=1", str(script)]
+
+
+def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Path) -> None:
+    """A rank's own error (exit 1): torchrun's report, then the root cause in one line, last. A pod's log tail is its
+    termination message (the chart's FallbackToLogsOnError), whose last line `ctl status` shows."""
+    command = [sys.executable, "-m", "trainer.launch", *launch_a_failing_rank(tmp_path)]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Root Cause (first observed failure)" in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
+
+
+def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:
+    """torch's TCPStore server thread, in the launcher, warns on stderr about every peer whose hostname it cannot
+    look up, also while the launcher ends: on a node such a warning came after the root cause and became the pod's
+    termination message. Here a thread of the launcher's writes to both streams without a pause until the process
+    is gone, and the root cause is still the last line."""
+    launcher = (
+        "import os, sys, threading\nfrom trainer.launch import main\n\n\ndef noise() -> None:\n    while True:\n"
+        "        os.write(2, b'[W socket.cpp:207] hostname\\n')\n        os.write(1, b'out\\n')\n\n\n"
+        "threading.Thread(target=noise, daemon=True).start()\n"
+        f"sys.argv = ['trainer.launch', *{launch_a_failing_rank(tmp_path)!r}]\nmain()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", launcher], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "hostname" in done.stderr and "out" in done.stdout, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr[-2000:]
 
 
 def test_a_position_table_larger_than_the_machine_names_model_block_size() -> None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -50,11 +50,9 @@ def main() -> None:
         if cause.kind == Kind.HUNG:
             exit_stopped(EXIT_HUNG, "a rank's watchdog found the job hung; a restart resumes from the last checkpoint")
         if cause.kind == Kind.BAD_INPUT:
-            print(f"error: {cause.message}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_BAD_INPUT)
+            quick_exit(EXIT_BAD_INPUT, f"error: {cause.message}")
         traceback.print_exc()  # torchrun's report, then the root cause as the last line (a pod's termination message)
-        print(f"error: {cause.message}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_ERROR)
+        quick_exit(EXIT_ERROR, f"error: {cause.message}")
 
 
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:
@@ -78,9 +76,8 @@ def worker_log(failure: ProcessFailure) -> str | None:
     return str(folder) if (folder / "stderr.log").is_file() else None
 
 
-def exit_stopped(code: int, reason: str) -> None:
-    print(f"trainer.launch: {reason}; exiting with code {code}", file=sys.stderr, flush=True)
-    sys.exit(code)
+def exit_stopped(code: int, reason: str) -> NoReturn:
+    quick_exit(code, f"trainer.launch: {reason}; exiting with code {code}")
 
 
 if __name__ == "__main__":
