@@ -117,7 +117,6 @@ JOBSET_NAME_PREFIX = "jobset-"
 # mounts the ConfigMap made of that directory's files (the init container template of Worker pods).
 OPERATOR_OVERLAY = Path(__file__).resolve().parents[2] / "k8s" / "operator"
 STARTUP_TIMEOUT_S = 120
-STOP_GRACE_S = 10
 # containerd's content and snapshots, kept between runs (by containerd's version): the training image is imported
 # once per content.
 CONTAINERD_ROOT = CACHE / "containerd"
@@ -221,7 +220,7 @@ class ControlPlane:
         if self.node is not None:
             self.node.stop()
         for name in reversed(list(self.processes)):
-            terminate_group(self.processes.pop(name), STOP_GRACE_S)
+            terminate_group(self.processes.pop(name))
 
 
 def pki(directory: Path) -> dict[str, KeyPair]:

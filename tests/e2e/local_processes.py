@@ -14,6 +14,7 @@ from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_GRACE_S = 10
 
 
 def free_port() -> int:
@@ -27,7 +28,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
 
 
-def terminate_group(process: subprocess.Popen, grace_s: float) -> None:
+def terminate_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to the process group led by `process`, SIGKILL after `grace_s`; then SIGKILL to what is left of
     the group (members may outlive their leader)."""
     with contextlib.suppress(ProcessLookupError):

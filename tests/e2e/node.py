@@ -48,7 +48,7 @@ from typing import Any
 import kubernetes
 import yaml
 from cluster_binaries import Binaries
-from local_processes import die_with_parent, start_process, wait_until
+from local_processes import die_with_parent, start_process, terminate_group, wait_until
 from oci import pause_image
 
 NODE_NAME = "ddpjob-e2e-node"
@@ -125,24 +125,14 @@ class Node:
             return
         self.stopping.set()
         for name in reversed(list(self.processes)):
-            stop_process(self.processes.pop(name))
+            terminate_group(self.processes.pop(name))
         # Shims and containers were started by containerd but are not its children by the time it ends: every
         # process in the node's namespaces goes, then the namespaces with the holder.
         kill_namespace_members(self.holder.pid)
-        stop_process(self.holder)
+        terminate_group(self.holder)
         remove_machine_state()
         if self.provisioner is not None:
             self.provisioner.join(timeout=5)
-
-
-def stop_process(process: subprocess.Popen, grace_s: float = 10) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def namespace_of(pid: int | str, kind: str) -> str | None:
