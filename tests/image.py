@@ -40,11 +40,11 @@ STAND_IN_REPOSITORY = "localhost/ddpjob-base"  # tagged <torch version>-<recipe 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddpjob" / "images"
 # The image's name as a kubelet resolves the chart's `ddpjob:<appVersion>` (containerd normalizes it so).
 REGISTRY_PREFIX = "docker.io/library/"
-# Every build, tagged by its content hash; the KEEP_BUILDS newest are kept, and the KEEP_ARCHIVES newest archives
-# (6 GB each).
+# Every build, tagged by its content hash; the KEEP_BUILDS newest are kept (they share the base's layers), and the
+# newest archive only (6 GB each: it is read once, by the node's import, which containerd's root then caches).
 BUILDS_REPOSITORY = "localhost/ddpjob-build"
 KEEP_BUILDS = 3
-KEEP_ARCHIVES = 2
+KEEP_ARCHIVES = 1
 # Where the image records what it was built from (the content hash) and on which base.
 CONTENT_LABEL = "io.ddpjob.content"
 BASE_LABEL = "io.ddpjob.base"
