@@ -5,9 +5,12 @@ names it and its last step, dumps stacks and exits retryably; running the job ag
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -25,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
 from test_checkpoint import uninterrupted as uninterrupted  # the fixture: an uninterrupted run of the same spec
+from test_metrics import free_port
 
 from ctl.cli import progress_text
 from ctl.cluster import metrics_progress
@@ -153,6 +157,53 @@ def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_ex
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"resuming from {step_name(saved[-1])}:" in rerun.stdout
     assert_bitwise_equal(weights(hung.run_dir), uninterrupted)
+
+
+def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_exit_hung(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """Two nodes as on a cluster, each its own launcher with nothing above it (no `ctl run` to end the other node):
+    rank 1's whole process is stopped, watchdog included. Node 0's rank finds the job hung and its node exits
+    EXIT_HUNG; node 1's launcher finds its rank's heartbeat stale, kills it and exits EXIT_HUNG too, so that
+    restartPolicy ExitCode recreates both pods (a pod left with a stopped rank never exits, and the recreated
+    pods would wait for it at the rendezvous)."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "training.yaml"
+    config.write_text(yaml.safe_dump(training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR})))
+    marker = uuid.uuid4().hex
+    env = os.environ | {
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "DDPJOB_TEST_MARKER": marker,
+        SLOW_RANK_ENV: f"1:{SLOWDOWN}",  # steps long enough to stop rank 1 amid the run
+    }
+    launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
+    launch.append(f"--master-port={free_port()}")
+    trainer = ["-m", "trainer", "--config", str(config)]
+    nodes = [
+        subprocess.Popen(
+            [*launch, f"--node-rank={node}", *trainer], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True
+        )
+        for node in (0, 1)
+    ]
+    try:
+        poll("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
+        (rank_1,) = trainer_pids(marker, rank=1)
+        os.kill(rank_1, signal.SIGSTOP)
+        outputs = [node.communicate(timeout=120)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+        for pid in processes_with_marker(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs
+    assert "[rank 0] hang: rank 0 completed no step for" in outputs[0], outputs[0]
+    killed = re.search(
+        r"\[rank 1\] hang: rank 1 stopped responding after step \d+ .*its node's launcher killed it", outputs[1]
+    )
+    assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), outputs[1]
+    assert outputs[1].splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), outputs[1]
 
 
 def test_pods_get_the_nccl_flight_recorder_by_default_and_the_spec_env_overrides_it() -> None:

@@ -12,7 +12,8 @@ a peer's "Connection closed by peer". Here the node's root cause is picked by
   up. On SIGTERM (eviction, preemption, a node shutting down) every rank stops at one agreed step,
   rank 0 saves and the trainers exit 143, on the pod that got the signal and on every other pod;
 - found hung by a rank's watchdog (trainer.watchdog): exit EXIT_HUNG (200), retried by ExitCode
-  too, and the restarted pods resume from the last checkpoint;
+  too, and the restarted pods resume from the last checkpoint. A rank of this node frozen as a whole,
+  watchdog included, is killed here and counts as hung (trainer.frozen);
 - any other failure: torchrun's own report, then the root cause's line, exit 1.
 
 The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has one (`ctl run` sets it).
@@ -31,18 +32,21 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
+from trainer.frozen import FrozenRanks
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
 
 
 def main() -> None:
+    frozen = FrozenRanks().start()
     try:
         torchrun()
         quick_exit(0)
     except SignalException as exc:
         exit_stopped(128 + int(exc.sigval), f"stopped by {signal.Signals(exc.sigval).name}")
     except ChildFailedError as exc:
-        cause = root_cause(worker_failure(rank, failure) for rank, failure in exc.failures.items())
+        workers = [worker_failure(rank, failure) for rank, failure in exc.failures.items()]
+        cause = root_cause([*workers, *frozen.found])
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
             write_record(Path(error_file), cause)
         if cause.kind == Kind.STOPPED:  # another pod got the signal: this pod's trainers stopped with it and saved

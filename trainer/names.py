@@ -15,6 +15,9 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # torchrun's: how long it waits for its workers to exit after forwarding SIGTERM (the chart: the grace period
 # less 5 s); the trainer spaces its stop checks by it (trainer.dist.StopRequest).
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# Set by the launcher (trainer.launch) for its workers: the directory of their watchdogs' heartbeat files, which it
+# reads to find a rank whose whole process is stopped or frozen (trainer.frozen).
+HEARTBEAT_DIR_ENV = "DDPJOB_HEARTBEAT_DIR"
 # Test hook only: "RANK:SECONDS" makes that rank sleep SECONDS in every step (a straggler on demand).
 SLOW_RANK_ENV = "DDPJOB_TEST_SLOW_RANK"
 # What every rank exits with when its watchdog finds the job hung. Retryable: the operator's
@@ -44,8 +47,8 @@ PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
 # The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);
 # tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
-# `ctl run` and the e2e pod executor (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
-# Trainer v2's controller.
+# `ctl run` (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
+# Trainer v2's controller, HEARTBEAT_DIR_ENV by the launcher.
 POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)
 # The trainer container's name in the pods of each kind, as its controller requires it: the operator v1 reads
 # `pytorch`; Trainer v2's torch plugin and the TrainJob's trainer overrides go to `node` (the chart's

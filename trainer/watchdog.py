@@ -35,7 +35,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
-from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
+from trainer.frozen import Beat, beat_path, write_beat
+from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.tracking import finish as finish_tracking
 
 HUNG = "hung"  # store key: the first rank to find the job hung writes its report here
@@ -112,6 +113,8 @@ class Watchdog:
         self.busy: float | None = None
         self.peer_report: str | None = None  # another rank found the job hung (read by the heartbeat thread)
         self.stopped = threading.Event()
+        # Where this rank's launcher looks for a rank that is frozen as a whole (trainer.frozen); unset without one.
+        self.beats = Path(os.environ[HEARTBEAT_DIR_ENV]) if HEARTBEAT_DIR_ENV in os.environ else None
         # Two threads: the store may be served by a rank that is frozen too (elastic jobs: rank 0's process),
         # and then a store call blocks; the watch itself never waits on the store for longer than a poll.
         self.threads = [
@@ -131,6 +134,8 @@ class Watchdog:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self.stopped.set()
         self.threads[0].join()  # the heartbeat thread may be inside a store call: it ends with the process
+        if self.beats is not None:  # what follows the loop (the final save) is not watched
+            beat_path(self.beats, os.getpid()).unlink(missing_ok=True)
         # A collective that failed because a peer found the job hung and exited: this rank is hung too.
         if isinstance(exc, Exception) and (report := self.read(HUNG)):
             self.exit_hung(f"{report} (this rank's collective then failed: {str(exc).splitlines()[0]})")
@@ -189,7 +194,11 @@ class Watchdog:
                 self.exit_hung(f"{self.peer_report} (found by another rank)")
             stalled = time.monotonic() - self.progress
             limit, why = self.limit()
-            if self.spec.watchdog and stalled > limit:
+            if not self.spec.watchdog:
+                continue
+            if self.beats is not None:  # from this thread: it never waits on the store, a frozen peer's or not
+                write_beat(self.beats, Beat(os.getpid(), self.dist.rank, self.step, limit, why, self.poll))
+            if stalled > limit:
                 self.found_hung(stalled, limit, why)
 
     def publish(self) -> None:

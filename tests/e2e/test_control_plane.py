@@ -42,7 +42,7 @@ from ctl.local import parent_pid
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
-from trainer.names import EXIT_BAD_INPUT
+from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
 
 pytestmark = pytest.mark.e2e
 
@@ -458,6 +458,47 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     assert {m.split(".")[-1] for m in exits if m.endswith(" 143")} == {
         "tiny-master-0 exited with code 143",
         "tiny-worker-0 exited with code 143",
+    }, exits
+    assert_no_process_left(cluster, marker)
+
+
+def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_policy_exit_code(
+    cluster: Cluster, namespace: str
+) -> None:
+    """The worker pod's rank stopped as a whole (SIGSTOP: its watchdog too), as a process stuck in the kernel or
+    a frozen node would be. The master's rank finds the job hung and its pod exits EXIT_HUNG; the worker pod's
+    launcher finds its rank's heartbeat stale, kills it and exits EXIT_HUNG too. ExitCode retries both, the
+    recreated pods resume from the last checkpoint and the job succeeds (without the launcher's part, the worker
+    pod never exits and the recreated master waits for it at the rendezvous)."""
+    if cluster.plane is None:
+        pytest.skip("stops a container's process from this machine: needs the tier's node")
+    marker = uuid.uuid4().hex
+    training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}, "timeouts": {"hangFloorSeconds": 5}}
+    spec = job_spec(marker, training=training, restartPolicy="ExitCode")
+    apply_rendered(cluster, spec, namespace)
+    master, worker = Replica("master", 0).pod_name(spec.name), Replica("worker", 0).pod_name(spec.name)
+    wait_for_log(cluster, namespace, master, "step 100/600")
+    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
+    marked = processes_with_marker(marker)
+    # The trainer of global rank 1, below its launcher (which the operator gives RANK=1 too, the pod's node rank).
+    (rank_1,) = [pid for pid in marked if b"\0RANK=1\0" in environ(pid) and parent_pid(pid) in marked]
+    os.kill(rank_1, signal.SIGSTOP)
+
+    job = wait_for_job(cluster, namespace, spec.name)
+    master_run, worker_run = (followed() for followed in first_runs)
+    logs = "\n".join([master_run, worker_run, pod_logs(cluster, namespace)])
+    assert finished_as(job) == "Succeeded", logs
+    assert "[rank 0] hang: rank 0 completed no step for" in master_run, master_run
+    assert "[rank 1] hang: rank 1 stopped responding after step" in worker_run, worker_run
+    assert "its node's launcher killed it" in worker_run, worker_run
+    for run in (master_run, worker_run):
+        assert run.splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), run
+    assert re.search(r"resuming from step-\d{8}:", logs), logs
+    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
+    exits = {e.message for e in events if "exited with code" in (e.message or "")}
+    assert {m.split(".")[-1] for m in exits if m.endswith(f" {EXIT_HUNG}")} == {
+        f"tiny-master-0 exited with code {EXIT_HUNG}",
+        f"tiny-worker-0 exited with code {EXIT_HUNG}",
     }, exits
     assert_no_process_left(cluster, marker)
 

@@ -1,0 +1,109 @@
+"""Frozen ranks, found by their own node's launcher.
+
+The watchdog (trainer.watchdog) finds a hang from inside the ranks: every rank whose threads still
+run exits EXIT_HUNG, and the operator's restartPolicy ExitCode recreates their pods. A rank whose
+whole process is stopped or frozen (SIGSTOP, stuck in the kernel) runs nothing, watchdog included:
+its pod would never exit, the recreated pods would wait for it at the rendezvous, and the job would
+hang for good. So each rank's watchdog thread also leaves a heartbeat file on its node, and the
+launcher (trainer.launch) kills a rank of its own whose heartbeat is older than the rank's hang limit
+plus a few polls, after the other ranks' watchdogs have had their turn, and reports it as hung.
+Torch-free, like the launcher's other helpers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainer.failures import Failure
+from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV
+
+# Polls past the rank's hang limit before its launcher acts: the others' watchdogs report first (they find the
+# hang at the limit and exit two polls later), with the better report, naming every rank behind.
+MARGIN_POLLS = 4
+CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What a rank's watchdog last said of itself; the file's modification time says when."""
+
+    pid: int
+    rank: int
+    step: int  # the last completed step
+    limit: float  # seconds without progress that mean a hang, now
+    why: str  # why that many
+    poll: float  # seconds between beats
+
+
+def beat_path(directory: Path, pid: int) -> Path:
+    return directory / f"{pid}.json"
+
+
+def write_beat(directory: Path, beat: Beat) -> None:
+    """Replaced atomically: the launcher never reads half a beat."""
+    staging = directory / f".{beat.pid}.tmp"
+    staging.write_text(json.dumps(asdict(beat)), encoding="utf-8")
+    os.replace(staging, beat_path(directory, beat.pid))
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
+
+
+class FrozenRanks:
+    """The launcher's watch over its ranks' heartbeats, from `start()` until the process ends."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="ddpjob-heartbeats-"))
+        self.found: list[Failure] = []  # the ranks it killed, as hangs
+
+    def start(self) -> FrozenRanks:
+        os.environ[HEARTBEAT_DIR_ENV] = str(self.directory)  # the workers torchrun starts inherit it
+        atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
+        threading.Thread(target=self.watch, name="ddpjob-frozen-ranks", daemon=True).start()
+        return self
+
+    def watch(self) -> None:
+        while True:
+            time.sleep(CHECK_SECONDS)
+            self.check()
+
+    def check(self) -> None:
+        for path in self.directory.glob("*.json"):
+            try:
+                beat = Beat(**json.loads(path.read_text(encoding="utf-8")))
+                age = time.time() - path.stat().st_mtime
+            except (OSError, ValueError, TypeError):
+                continue  # removed meanwhile (the rank's watchdog ended)
+            if age <= beat.limit + MARGIN_POLLS * beat.poll:
+                continue
+            # Only a worker of this launcher: one that ended without removing its beat (killed for an elastic
+            # restart) may have left its pid to another process.
+            if parent_pid(beat.pid) == os.getpid():
+                self.kill(beat, age)
+            path.unlink(missing_ok=True)
+
+    def kill(self, beat: Beat, age: float) -> None:
+        report = (
+            f"hang: rank {beat.rank} stopped responding after step {beat.step} (no heartbeat for {age:.0f} s; limit"
+            f" {beat.limit:.0f} s: {beat.why}): process stopped or frozen; its node's launcher killed it"
+        )
+        print(f"[rank {beat.rank}] {report}", file=sys.stderr, flush=True)
+        self.found.append(Failure(EXIT_HUNG, report, time.time(), beat.rank))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(beat.pid, signal.SIGKILL)
