@@ -292,13 +292,13 @@ def submit(
     if target is None:
         typer.echo(to_yaml(manifests), nl=False)
         return
-    from ctl.cluster import JOB_APIS, wait
     from ctl.cluster import submit as submit_objects
+    from ctl.cluster import wait
 
     with cluster_errors():
         submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
     ns = target.namespace
-    api = JOB_APIS[job.api_kind]
+    api = job.kind
     typer.echo(f"{api.kind.lower()}.{api.group}/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":
         return
@@ -324,13 +324,20 @@ def submit(
 def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str]) -> JobSpec:
     """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
     spec as a TrainJob (validated as one), said on stderr."""
-    from ctl.cluster import PYTORCHJOB, TRAINJOB, serves
+    from ctl.cluster import serves
+    from ctl.kinds import DEFAULT_KIND, KINDS
 
     with cluster_errors():
-        if serves(target, PYTORCHJOB) or not serves(target, TRAINJOB):
+        if serves(target, DEFAULT_KIND):
             return job
-    note("apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob: submitting a TrainJob")
-    return load_job(spec, [*set_values, "apiKind=TrainJob"])
+        served = next((kind for kind in KINDS.values() if kind is not DEFAULT_KIND and serves(target, kind)), None)
+    if served is None:
+        return job
+    note(
+        f"apiKind unset: the cluster serves {served.kind} ({served.operator}), not {DEFAULT_KIND.kind}:"
+        f" submitting a {served.kind}"
+    )
+    return load_job(spec, [*set_values, f"apiKind={served.kind}"])
 
 
 @app.command("wait")
@@ -524,12 +531,13 @@ def logs(
 
 def print_logs(target: Target, name: str, all_nodes: bool, rank: int, options: LogOptions) -> None:
     """The chosen pods' lines on stdout (prefixed by pod with --all, coloured on a terminal); notes on stderr."""
-    from ctl.cluster import find_job, node_labels, procs_per_node
+    from ctl.cluster import find_job, procs_per_node
+    from ctl.kinds import kind_of
     from ctl.logs import interleaved, node_lines
 
     with cluster_errors():
         job = find_job(target, name)
-        labels = node_labels(job)
+        labels = kind_of(job).node_labels(job)
         if not all_nodes:
             labels = [labels[node_of_rank(rank, len(labels), procs_per_node(job))]]
         streams = {label: node_lines(target, job, label, options, note) for label in labels}

@@ -24,16 +24,10 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ctl import storage
-from trainer.names import TRAINER_CONTAINER
+from ctl.kinds import DEFAULT_KIND, KINDS, TRAINJOB, JobKind, kind_of
+from ctl.kinds.trainjob import RUNTIME_PLURAL
 
 FIELD_MANAGER = "ctl"
-JOB_NAME_LABEL = "training.kubeflow.org/job-name"
-REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
-REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
-# A TrainJob's pods: JobSet's labels (the JobSet is named after the TrainJob) and the Indexed Job's completion index.
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
-COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
@@ -45,50 +39,8 @@ SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/
 EXIT_JOB_FAILED = 100
 EXIT_NOT_FINISHED = 101
 EXIT_NOT_FOUND = 102
-OPERATOR_INSTALL = (
-    "kubectl apply --server-side -k"
-    " 'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.0'"
-)
-
-
-@dataclass(frozen=True)
-class JobApi:
-    """Where a job kind is served, and what a cluster needs installed to serve it."""
-
-    kind: str
-    group: str
-    version: str
-    plural: str
-    install: str
-    container: str  # the trainer's container, by the name the controller requires
-    pod_label: str  # the label naming the job on each of its pods
-
-    def path(self, namespace: str, name: str = "") -> str:
-        return f"/apis/{self.group}/{self.version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
-
-
-PYTORCHJOB = JobApi(
-    "PyTorchJob",
-    "kubeflow.org",
-    "v1",
-    "pytorchjobs",
-    f"the Kubeflow training operator v1.9 first, e.g. {OPERATOR_INSTALL}",
-    container=TRAINER_CONTAINER["PyTorchJob"],
-    pod_label=JOB_NAME_LABEL,
-)
-TRAINJOB = JobApi(
-    "TrainJob",
-    "trainer.kubeflow.org",
-    "v1alpha1",
-    "trainjobs",
-    "Kubeflow Trainer v2.3 and JobSet first (docs/trainer-v2.md)",
-    container=TRAINER_CONTAINER["TrainJob"],
-    pod_label=JOBSET_NAME_LABEL,
-)
-# In the order a name is looked up in (PyTorchJob, the default kind, first).
-JOB_APIS = {api.kind: api for api in (PYTORCHJOB, TRAINJOB)}
 # The training objects rendered with a TrainJob, deleted with it (selected by the chart's instance label).
-TRAINING_RUNTIMES = ("/apis/trainer.kubeflow.org/v1alpha1", "trainingruntimes")
+TRAINING_RUNTIMES = (f"/apis/{TRAINJOB.api_version}", RUNTIME_PLURAL)
 
 
 class ClusterError(RuntimeError):
@@ -208,7 +160,7 @@ def apply(target: Target, obj: dict[str, Any], dry_run: bool = False) -> dict[st
     )
 
 
-def get_job(target: Target, name: str, api: JobApi = PYTORCHJOB) -> dict[str, Any]:
+def get_job(target: Target, name: str, api: JobKind = DEFAULT_KIND) -> dict[str, Any]:
     try:
         return target.call(api.path(target.namespace, name))
     except NotFound:
@@ -217,7 +169,7 @@ def get_job(target: Target, name: str, api: JobApi = PYTORCHJOB) -> dict[str, An
 
 def find_job(target: Target, name: str) -> dict[str, Any]:
     """The job of that name, of whichever kind the cluster has it as (PyTorchJob first)."""
-    for api in JOB_APIS.values():
+    for api in KINDS.values():
         try:
             return target.call(api.path(target.namespace, name))
         except NotFound:  # no such job, or no such resource in this cluster
@@ -225,31 +177,27 @@ def find_job(target: Target, name: str) -> dict[str, Any]:
     raise JobNotFound(f"job {name} not found in namespace {target.namespace} (neither PyTorchJob nor TrainJob)")
 
 
-def api_of(job: dict[str, Any]) -> JobApi:
-    return JOB_APIS[job["kind"]]
-
-
-def serves(target: Target, api: JobApi) -> bool:
+def serves(target: Target, api: JobKind) -> bool:
     """Whether the cluster serves the kind (its CRD installed)."""
     try:
-        resources = target.call(f"/apis/{api.group}/{api.version}")["resources"]
+        resources = target.call(f"/apis/{api.api_version}")["resources"]
     except NotFound:
         return False
     return any(r["name"] == api.plural for r in resources)
 
 
-def require_operator(target: Target, api: JobApi = PYTORCHJOB) -> None:
+def require_operator(target: Target, api: JobKind = DEFAULT_KIND) -> None:
     if not serves(target, api):
         raise ClusterError(f"the cluster has no {api.kind} resource ({api.plural}.{api.group}): install {api.install}")
 
 
-def delete_job(target: Target, name: str, foreground: bool = False, api: JobApi = PYTORCHJOB) -> None:
+def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind = DEFAULT_KIND) -> None:
     """Delete the job and wait until it is gone. In the background (the default) the cluster's garbage
     collector removes its pods and Services afterwards; in the foreground the job object goes only once the
     collector has removed them, so a job recreated under its name never meets the old pods. A TrainJob is deleted
     in the background even so, and then its pods awaited: Trainer v2.3 recreates the JobSet of a TrainJob that a
     foreground deletion holds, again and again until the collector wins the race."""
-    policy = "Foreground" if foreground and api is not TRAINJOB else "Background"
+    policy = "Foreground" if foreground and api.foreground_deletion else "Background"
     target.call(api.path(target.namespace, name), "DELETE", body={"propagationPolicy": policy})
     deadline = time.monotonic() + DELETE_WAIT_S
     pods = f"/api/v1/namespaces/{target.namespace}/pods"
@@ -257,7 +205,7 @@ def delete_job(target: Target, name: str, foreground: bool = False, api: JobApi 
         try:
             get_job(target, name, api)
         except JobNotFound:
-            selector = [("labelSelector", f"{api.pod_label}={name}")]
+            selector = [("labelSelector", f"{api.job_label}={name}")]
             if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
                 return
         time.sleep(0.5)
@@ -275,8 +223,8 @@ def submit(
     """Apply the rendered objects in install order (volume claim, config and a TrainJob's runtime before the job),
     once the cluster is known to run them: the operator installed, a claim its storage class can give
     (ctl.storage)."""
-    (job,) = [obj for obj in objects if obj["kind"] in JOB_APIS]
-    api = JOB_APIS[job["kind"]]
+    (job,) = [obj for obj in objects if obj["kind"] in KINDS]
+    api = kind_of(job)
     require_operator(target, api)
     if (message := check_claim(target, objects)) and note:
         note(message)
@@ -298,7 +246,7 @@ def submit(
     for obj in objects:
         if obj is not job:
             apply(target, obj, dry_run=dry_run)
-    if dry_run and api is TRAINJOB and not runtime_exists(target, job):
+    if dry_run and (runtime := api.runtime_name(job)) and not runtime_exists(target, runtime):
         if note:
             note(
                 "note: Trainer v2's webhook checks a TrainJob against its TrainingRuntime, which a dry run does not"
@@ -339,10 +287,10 @@ def prepare_state(job: dict[str, Any]) -> str:
     return "Succeeded" if "Complete" in true else "Failed" if "Failed" in true else state
 
 
-def runtime_exists(target: Target, job: dict[str, Any]) -> bool:
+def runtime_exists(target: Target, name: str) -> bool:
     base, plural = TRAINING_RUNTIMES
     try:
-        target.call(f"{base}/namespaces/{target.namespace}/{plural}/{job['spec']['runtimeRef']['name']}")
+        target.call(f"{base}/namespaces/{target.namespace}/{plural}/{name}")
     except NotFound:
         return False
     return True
@@ -382,18 +330,8 @@ def check_claim(target: Target, objects: list[dict[str, Any]]) -> str | None:
 
 
 def condition(job: dict[str, Any]) -> str:
-    """The job's state in one word, the same for both kinds: Created, Running, Restarting, Succeeded, Failed...
-    A PyTorchJob's newest true condition; a TrainJob's Complete (as Succeeded), Failed or Suspended condition, else
-    Running while a Job of its JobSet has pods active, else Created."""
-    status = job.get("status") or {}
-    true = [c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"]
-    if job["kind"] == PYTORCHJOB.kind:
-        return true[-1] if true else "Pending"
-    for kind, state in (("Failed", "Failed"), ("Complete", "Succeeded"), ("Suspended", "Suspended")):
-        if kind in true:
-            return state
-    active = any(j.get("active") or j.get("ready") for j in status.get("jobsStatus") or [])
-    return "Running" if active else "Created"
+    """The job's state in one word, the same for both kinds: Created, Running, Restarting, Succeeded, Failed..."""
+    return kind_of(job).state(job)
 
 
 def finished(job: dict[str, Any]) -> bool:
@@ -428,56 +366,19 @@ def wait(target: Target, name: str, state: str, timeout: float, progress: Callab
 def job_pods(target: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
     """The job's pods in node-rank order (master-0, worker-0, worker-1...; node-0, node-1...), oldest first
     among a node's pods (a Job replaces a failed pod by a new one)."""
-    name = job["metadata"]["name"]
-    selector = f"{api_of(job).pod_label}={name}"
+    kind = kind_of(job)
+    selector = f"{kind.job_label}={job['metadata']['name']}"
     pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
-    ranks = {label: rank for rank, label in enumerate(node_labels(job))}
+    ranks = {label: rank for rank, label in enumerate(kind.node_labels(job))}
     return sorted(
-        pods["items"], key=lambda p: (ranks.get(pod_label(p), len(ranks)), p["metadata"].get("creationTimestamp", ""))
+        pods["items"],
+        key=lambda p: (ranks.get(kind.pod_label(p), len(ranks)), p["metadata"].get("creationTimestamp", "")),
     )
-
-
-def pod_label(pod: dict[str, Any]) -> str:
-    """`master-0`, `worker-1` (the operator's labels), `node-0`, `node-1` (JobSet's replicated job and the
-    completion index): the pod's name within its job."""
-    labels = pod["metadata"].get("labels") or {}
-    if REPLICATED_JOB_LABEL in labels:
-        return f"{labels[REPLICATED_JOB_LABEL]}-{labels.get(COMPLETION_INDEX_LABEL, '0')}"
-    return f"{labels.get(REPLICA_TYPE_LABEL, '')}-{labels.get(REPLICA_INDEX_LABEL, '0')}"
-
-
-def node_labels(job: dict[str, Any]) -> list[str]:
-    """The job's pods by node rank, as `master-0`, `worker-0`, ...: the master is node 0, the workers follow
-    (an elastic job without a master starts at worker-0); a TrainJob's are `node-0`, `node-1`, ... (its
-    replicated job `node`, one pod per completion index)."""
-    if job["kind"] == TRAINJOB.kind:
-        return [f"node-{index}" for index in range(nodes(job))]
-    specs = job["spec"].get("pytorchReplicaSpecs") or {}
-    return [
-        f"{kind.lower()}-{index}"
-        for kind in ("Master", "Worker")
-        if kind in specs
-        for index in range(int(specs[kind].get("replicas", 1)))
-    ]
-
-
-def nodes(job: dict[str, Any]) -> int:
-    """The job's pods: a TrainJob's numNodes (1, the torch plugin's default, when its runtime decides)."""
-    if job["kind"] == TRAINJOB.kind:
-        return int((job["spec"].get("trainer") or {}).get("numNodes", 1))
-    return sum(int(s.get("replicas", 1)) for s in (job["spec"].get("pytorchReplicaSpecs") or {}).values())
-
-
-def procs_value(job: dict[str, Any]) -> str:
-    """Processes per pod as the job says it: a number, or `auto`, `gpu`... (each node decides)."""
-    if job["kind"] == TRAINJOB.kind:
-        return str((job["spec"].get("trainer") or {}).get("numProcPerNode", "auto"))
-    return str(job["spec"].get("nprocPerNode", "1"))
 
 
 def procs_per_node(job: dict[str, Any]) -> int | None:
     """Processes per pod when the job fixes the number (`auto`, `gpu`... leave it to each node)."""
-    value = procs_value(job)
+    value = kind_of(job).procs_value(job)
     return int(value) if value.isdigit() else None
 
 
@@ -536,14 +437,14 @@ def trainer_status(pod: dict[str, Any], container: str) -> dict[str, Any]:
     return next((s for s in statuses if s["name"] == container), {})
 
 
-def pod_summary(pod: dict[str, Any], container: str) -> dict[str, Any]:
+def pod_summary(pod: dict[str, Any], kind: JobKind, container: str) -> dict[str, Any]:
+    """A pod of a job of `kind` (or of its prepare Job) in one stable shape; `container` is the one it reports."""
     trainer = trainer_status(pod, container)
     terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
-    labels = pod["metadata"].get("labels") or {}
     return {
         "name": pod["metadata"]["name"],
-        "node": pod_label(pod),
-        "replicaType": labels.get(REPLICA_TYPE_LABEL) or labels.get(REPLICATED_JOB_LABEL, ""),
+        "node": kind.pod_label(pod),
+        "replicaType": kind.pod_replica_type(pod),
         "phase": pod.get("status", {}).get("phase", "Unknown"),
         "restarts": trainer.get("restartCount", 0),
         "exitCode": terminated.get("exitCode") if terminated else None,
@@ -562,23 +463,14 @@ def termination_cause(terminated: dict[str, Any] | None) -> str | None:
     return lines[-1] if lines else None
 
 
-def replica_counts(job: dict[str, Any]) -> dict[str, Any]:
-    """Pods by state for each replica: a PyTorchJob's replicaStatuses; a TrainJob's jobsStatus, by replicated
-    job."""
-    status = job.get("status") or {}
-    if job["kind"] == PYTORCHJOB.kind:
-        return status.get("replicaStatuses") or {}
-    counts = ("active", "ready", "succeeded", "failed", "suspended")
-    return {j["name"]: {k: j.get(k, 0) for k in counts} for j in status.get("jobsStatus") or []}
-
-
 def status(target: Target, name: str) -> dict[str, Any]:
     """The job in one stable shape, for both kinds: state, training progress (rank 0's metrics while it runs;
     for a TrainJob also what its trainer reported to Trainer v2, `trainerStatus`), conditions, replica counts,
     pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
     job = find_job(target, name)
+    kind = kind_of(job)
     pods = job_pods(target, job)
-    prepare = prepare_job(target, name)
+    prepare = prepare_job(target, name, kind)
     involved = {name} | {pod["metadata"]["name"] for pod in pods} | ({prepare["name"]} if prepare else set())
     involved |= {(pod["metadata"].get("labels") or {}).get(BATCH_JOB_NAME_LABEL) for pod in pods}
     events = [
@@ -598,8 +490,8 @@ def status(target: Target, name: str) -> dict[str, Any]:
             {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
             for c in job.get("status", {}).get("conditions") or []
         ],
-        "replicas": replica_counts(job),
-        "pods": [pod_summary(pod, api_of(job).container) for pod in pods],
+        "replicas": kind.replica_counts(job),
+        "pods": [pod_summary(pod, kind, kind.container) for pod in pods],
         "events": [
             {"object": f"{e['involvedObject'].get('kind', '').lower()}/{e['involvedObject'].get('name')}"}
             | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
@@ -608,7 +500,7 @@ def status(target: Target, name: str) -> dict[str, Any]:
     }
 
 
-def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
+def prepare_job(target: Target, name: str, kind: JobKind) -> dict[str, Any] | None:
     """The job's prepare Job (prepare.enabled), which its training pods wait for: Pending, Running, Succeeded or
     Failed, why it failed (its Failed condition) and its newest pod (exit code 137: killed, as by the OOM killer; 2:
     bad data, its message the line naming the file). None without one."""
@@ -627,27 +519,28 @@ def prepare_job(target: Target, name: str) -> dict[str, Any] | None:
         "state": prepare_state(job),
         "reason": failed.get("reason"),
         "message": failed.get("message"),
-        "pod": None if newest is None else pod_summary(newest, container["name"]),
+        "pod": None if newest is None else pod_summary(newest, kind, container["name"]),
     }
 
 
 def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Progress from node 0's pod (where rank 0 runs; its newest) while the job runs."""
-    labels = node_labels(job)
-    rank0 = [p for p in pods if labels and pod_label(p) == labels[0]]
+    kind = kind_of(job)
+    labels = kind.node_labels(job)
+    rank0 = [p for p in pods if labels and kind.pod_label(p) == labels[0]]
     return progress(target, rank0[-1]) if rank0 and not finished(job) else None
 
 
 def list_jobs(target: Target, all_namespaces: bool) -> list[dict[str, Any]]:
     """The jobs of both kinds the cluster serves (an error naming the install when it serves neither)."""
     items = []
-    for api in JOB_APIS.values():
+    for api in KINDS.values():
         scope = "" if all_namespaces else f"namespaces/{target.namespace}/"
         try:
-            items += target.call(f"/apis/{api.group}/{api.version}/{scope}{api.plural}")["items"]
+            items += target.call(f"/apis/{api.api_version}/{scope}{api.plural}")["items"]
         except NotFound:  # this kind is not served here
             continue
-    if not items and not any(serves(target, api) for api in JOB_APIS.values()):
+    if not items and not any(serves(target, api) for api in KINDS.values()):
         require_operator(target)
     rows = []
     for job in sorted(items, key=lambda j: (j["metadata"]["namespace"], j["metadata"]["name"], j["kind"])):
@@ -665,8 +558,8 @@ def job_row(job: dict[str, Any]) -> dict[str, Any]:
         "namespace": job["metadata"]["namespace"],
         "kind": job["kind"],
         "state": condition(job),
-        "nodes": nodes(job),
-        "procsPerNode": procs_value(job),
+        "nodes": kind_of(job).nodes(job),
+        "procsPerNode": kind_of(job).procs_value(job),
         "ageSeconds": int((datetime.now(timezone.utc) - created).total_seconds()),
     }
 
@@ -674,7 +567,7 @@ def job_row(job: dict[str, Any]) -> dict[str, Any]:
 def delete(target: Target, name: str, purge: bool) -> list[str]:
     """The job, and the objects rendered with it (config, monitoring, a TrainJob's runtime); its claim only with
     `purge`."""
-    api = api_of(find_job(target, name))
+    api = kind_of(find_job(target, name))
     delete_job(target, name, api=api)
     removed = [f"{api.kind.lower()}/{name}"]
     selector = f"app.kubernetes.io/instance={name}"

@@ -39,7 +39,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from ctl.operator_env import Replica, operator_env, replicas
+from ctl.kinds import Replica
+from ctl.kinds.trainjob import COMPLETION_INDEX_LABEL
+from ctl.operator_env import operator_env
 from ctl.pod import LocalContainer, PodSetupError, Volume, image_path, local_container
 from ctl.render import Manifest, chart_values, render_chart, split_manifests
 from ctl.spec import JobSpec
@@ -54,7 +56,6 @@ from trainer.names import (
     LATEST_CHECKPOINT,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
-    TRAINER_CONTAINER,
 )
 
 LOCAL_ADDRESS = "127.0.0.1"
@@ -62,7 +63,7 @@ NAMESPACE = "default"
 # Every PersistentVolumeClaim of a local run: the chart's run directory <mountPath>/<name> is ./runs/<name> here.
 LOCAL_CLAIMS = Path("runs")
 # The pod label holding a TrainJob node's completion index (a fieldRef a pod may read).
-COMPLETION_INDEX_FIELD = "metadata.labels['batch.kubernetes.io/job-completion-index']"
+COMPLETION_INDEX_FIELD = f"metadata.labels['{COMPLETION_INDEX_LABEL}']"
 STOP_GRACE_SECONDS = 15
 # After one node fails, how long the others may take to fail by themselves: their own error may be the
 # root cause (rank 0's bad input while rank 1 lost its connection to it and exited first).
@@ -153,30 +154,7 @@ class LocalJob:
 
 def rendered_pods(manifests: list[Manifest], spec: JobSpec) -> dict[Replica, dict[str, Any]]:
     """Each replica's pod spec as the operator creates it from the rendered job object."""
-    by_kind = {m.kind: m.obj for m in manifests}
-    if spec.api_kind == "TrainJob":
-        pod = trainjob_pod(by_kind["TrainingRuntime"], by_kind["TrainJob"])
-        return {replica: pod for replica in replicas(spec)}
-    replica_specs = by_kind["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
-    return {r: replica_specs[r.type.capitalize()]["template"]["spec"] for r in replicas(spec)}
-
-
-def trainjob_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's pod spec of a TrainingRuntime, with the TrainJob's trainer image, command, args and env applied
-    to the container `node` as Trainer v2 applies them (the torch plugin's env is operator_env's)."""
-    (trainer,) = [
-        rj["template"]["spec"]["template"]["spec"]
-        for rj in runtime["spec"]["template"]["spec"]["replicatedJobs"]
-        if rj["template"]["metadata"]["labels"].get("trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"
-    ]
-    overrides = job["spec"].get("trainer", {})
-    for container in trainer["containers"]:
-        if container["name"] == TRAINER_CONTAINER["TrainJob"]:
-            container |= {key: overrides[key] for key in ("image", "command", "args") if key in overrides}
-            env = overrides.get("env", [])
-            replaced = {var["name"] for var in env}
-            container["env"] = [var for var in container.get("env", []) if var["name"] not in replaced] + env
-    return trainer
+    return spec.kind.replica_pods({m.kind: m.obj for m in manifests}, spec)
 
 
 @contextlib.contextmanager

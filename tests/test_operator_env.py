@@ -98,7 +98,7 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
 def test_trainjob_nodes_get_the_torch_plugin_env(corpus_file: Path) -> None:
     """Trainer v2.3's torch plugin: PET_* only (torchrun derives the rest), node rank = completion index."""
     spec = job(corpus_file, apiKind="TrainJob", nodes=3, procsPerNode=4)
-    assert replicas(spec) == [Replica("node", 0), Replica("node", 1), Replica("node", 2)]
+    assert [(r.type, r.index) for r in replicas(spec)] == [("node", 0), ("node", 1), ("node", 2)]
     assert [r.pod_name(spec.name) for r in replicas(spec)] == ["news-node-0-0", "news-node-0-1", "news-node-0-2"]
     for replica in replicas(spec):
         assert operator_env(spec, replica) == {
@@ -115,8 +115,9 @@ def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "16")
     spec = job(corpus_file, apiKind="TrainJob", nodes=2)
-    env = local_env(spec, Replica("node", 1), tmp_path)
-    assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
+    node_1 = replicas(spec)[1]
+    env = local_env(spec, node_1, tmp_path)
+    assert env.items() >= operator_env(spec, node_1, address="127.0.0.1", port=40123).items()
     assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
     assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them
     assert env["PYTHONUNBUFFERED"] == "1"  # the chart's, on TrainJob pods (test_trainjob.py)

@@ -108,4 +108,4 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
             assert set(names.POD_TEMPLATE_ENV) <= set(node.container.env), node.replica
     # The trainer container has the name its controller requires, the name ctl reads logs and overrides from.
     for pod in rendered_pods(render(spec), spec).values():
-        assert names.TRAINER_CONTAINER[api_kind] in [c["name"] for c in pod["containers"]]
+        assert spec.kind.container in [c["name"] for c in pod["containers"]]

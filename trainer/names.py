@@ -47,7 +47,3 @@ METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.
 # `ctl run` and the e2e pod executor (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
 # Trainer v2's controller.
 POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)
-# The trainer container's name in the pods of each kind, as its controller requires it: the operator v1 reads
-# `pytorch`; Trainer v2's torch plugin and the TrainJob's trainer overrides go to `node` (the chart's
-# ddpjob.containerName says the same).
-TRAINER_CONTAINER = {"PyTorchJob": "pytorch", "TrainJob": "node"}
