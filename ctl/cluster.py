@@ -26,13 +26,14 @@ from kubernetes.client.exceptions import ApiException
 from ctl import storage
 from ctl.kinds import DEFAULT_KIND, KINDS, TRAINJOB, JobKind, kind_of
 from ctl.kinds.trainjob import RUNTIME_PLURAL
+from ctl.names import COMPONENT_LABEL, INSTANCE_LABEL, METRICS_PORT_NAME, PREPARE_COMPONENT
+from trainer.names import METRICS_PREFIX, Metric
 
 FIELD_MANAGER = "ctl"
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
 # Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
 DELETE_WAIT_S = 300
-METRICS_PORT_NAME = "metrics"  # the chart's container port of the trainer's Prometheus endpoint
 PROGRESS_TIMEOUT_S = 5.0  # a metrics endpoint that does not answer leaves the progress out, not ctl hanging
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # `wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
@@ -274,7 +275,7 @@ def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
 
 def prepare_jobs(target: Target, name: str) -> list[dict[str, Any]]:
     """The job's prepare Job, by the labels helm/ddpjob/templates/prepare-job.yaml gives it (none, or one)."""
-    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=prepare"
+    selector = f"{INSTANCE_LABEL}={name},{COMPONENT_LABEL}={PREPARE_COMPONENT}"
     jobs = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
     return target.call(jobs, query_params=[("labelSelector", selector)])["items"]
 
@@ -405,29 +406,32 @@ def metrics_progress(text: str) -> dict[str, Any] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-    value = {s.name: s.value for s in samples if s.labels.get("rank") == "0"}.get
-    if value("ddpjob_step") is None and value("ddpjob_planned_steps") is None:
+    rank0 = {s.name: s.value for s in samples if s.labels.get("rank") == "0"}
+
+    def value(metric: str) -> float | None:
+        return rank0.get(METRICS_PREFIX + metric)
+
+    if value(Metric.STEP) is None and value(Metric.PLANNED_STEPS) is None:
         return None
-    saved_at = value("ddpjob_checkpoint_last_success_timestamp_seconds")
+    saved_at = value(Metric.CHECKPOINT_TIME)
+    planned = value(Metric.PLANNED_STEPS)
+    slowest = value(Metric.SLOWEST_RANK)
     return {
-        "step": int(value("ddpjob_step") or 0),
-        "plannedSteps": None if value("ddpjob_planned_steps") is None else int(value("ddpjob_planned_steps")),
-        "trainLoss": value("ddpjob_train_loss"),
-        "evalLoss": value("ddpjob_eval_loss"),
-        "tokensPerSecond": value("ddpjob_tokens_per_second"),
+        "step": int(value(Metric.STEP) or 0),
+        "plannedSteps": None if planned is None else int(planned),
+        "trainLoss": value(Metric.TRAIN_LOSS),
+        "evalLoss": value(Metric.EVAL_LOSS),
+        "tokensPerSecond": value(Metric.TOKENS_PER_SECOND),
         "checkpoint": None
         if saved_at is None
         else {
-            "step": int(value("ddpjob_checkpoint_step") or 0),
+            "step": int(value(Metric.CHECKPOINT_STEP) or 0),
             "time": datetime.fromtimestamp(saved_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         },
         # Rank 0's watchdog compares every rank's busy time per step with the median (trainer.watchdog).
         "slowestRank": None
-        if value("ddpjob_slowest_rank") is None
-        else {
-            "rank": int(value("ddpjob_slowest_rank")),
-            "stepTimeRatioToMedian": value("ddpjob_slowest_rank_step_time_ratio_to_median"),
-        },
+        if slowest is None
+        else {"rank": int(slowest), "stepTimeRatioToMedian": value(Metric.SLOWEST_RANK_RATIO)},
     }
 
 
@@ -570,7 +574,7 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
     api = kind_of(find_job(target, name))
     delete_job(target, name, api=api)
     removed = [f"{api.kind.lower()}/{name}"]
-    selector = f"app.kubernetes.io/instance={name}"
+    selector = f"{INSTANCE_LABEL}={name}"
     kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
     kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
     kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))

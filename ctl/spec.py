@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
+from ctl.names import CPU_PER_PROCESS, DNS_LABEL_MAX, MEMORY_MIB_PER_PROCESS
 from trainer.names import EXIT_HUNG
 from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
 
@@ -24,7 +25,6 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
 # or Helm's release record.
 CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
-DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
@@ -58,13 +58,15 @@ class ResourcesSpec(SpecModel):
     cpu: str | None = Field(
         None,
         pattern=CPU_QUANTITY,
-        description="CPU request per pod, e.g. '8' (when unset: 2 per process). No CPU limit: a throttled rank"
+        description=f"CPU request per pod, e.g. '8' (when unset: {CPU_PER_PROCESS} per process). No CPU limit: a"
+        " throttled rank"
         " holds every other rank back at the next all-reduce.",
     )
     memory: str | None = Field(
         None,
         pattern=BYTES_QUANTITY,
-        description="Memory of the trainer processes per pod, e.g. 64Gi (when unset: 4Gi per process). The pod's"
+        description="Memory of the trainer processes per pod, e.g. 64Gi (when unset:"
+        f" {MEMORY_MIB_PER_PROCESS // 1024}Gi per process). The pod's"
         " memory request and limit are this plus `shm` (/dev/shm is memory the pod is charged for).",
     )
     shm: str = Field("1Gi", pattern=BYTES_QUANTITY, description="Size limit of the /dev/shm memory volume.")

@@ -65,6 +65,8 @@ class JobKind(ABC):
     container: str  # the trainer's container, by the name the controller requires
     job_label: str  # the label naming the job on each of its pods
     rendezvous_port_name: str  # the spec's name for the rendezvous port, in error messages
+    replica_types: tuple[str, ...]  # in node-rank order
+    index_labels: tuple[str, ...]  # the pod labels telling the job's pods apart
     # Whether a foreground deletion (the pods first, then the job) ends; see ctl.cluster.delete_job.
     foreground_deletion: bool = True
 
@@ -75,6 +77,10 @@ class JobKind(ABC):
     def path(self, namespace: str, name: str = "") -> str:
         """The API path of the namespace's jobs of this kind, or of one of them."""
         return f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
+
+    def pod_name_part(self, replica_type: str) -> str:
+        """What the names of a replica type's pods have between the job's name and the index."""
+        return replica_type
 
     @abstractmethod
     def replicas(self, spec: JobShape) -> list[Replica]:

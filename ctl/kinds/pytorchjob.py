@@ -15,7 +15,6 @@ JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 RDZV_BACKEND = "c10d"
-REPLICA_TYPES = ("Master", "Worker")  # in node-rank order
 OPERATOR_INSTALL = (
     "kubectl apply --server-side -k"
     " 'github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.0'"
@@ -32,6 +31,8 @@ class PyTorchJob(JobKind):
     container = "pytorch"
     job_label = JOB_NAME_LABEL
     rendezvous_port_name = "masterPort"
+    replica_types = ("master", "worker")
+    index_labels = (REPLICA_TYPE_LABEL, REPLICA_INDEX_LABEL)
 
     def replicas(self, spec: JobShape) -> list[Replica]:
         """Master + (nodes-1) Workers; or, elastic, `nodes` Workers and no Master."""
@@ -97,10 +98,10 @@ class PyTorchJob(JobKind):
         """The master is node 0, the workers follow (an elastic job without a master starts at worker-0)."""
         specs = job["spec"].get("pytorchReplicaSpecs") or {}
         return [
-            Replica(kind.lower(), index).label
-            for kind in REPLICA_TYPES
-            if kind in specs
-            for index in range(int(specs[kind].get("replicas", 1)))
+            Replica(kind, index).label
+            for kind in self.replica_types
+            if kind.capitalize() in specs
+            for index in range(int(specs[kind.capitalize()].get("replicas", 1)))
         ]
 
     def nodes(self, job: dict[str, Any]) -> int:

@@ -35,11 +35,17 @@ class TrainJob(JobKind):
     container = NODE
     job_label = JOBSET_NAME_LABEL
     rendezvous_port_name = "Trainer v2's port"
+    replica_types = (NODE,)
+    index_labels = (COMPLETION_INDEX_LABEL,)
     # Trainer v2.3 recreates the JobSet of a TrainJob that a foreground deletion holds, again and again.
     foreground_deletion = False
 
+    def pod_name_part(self, replica_type: str) -> str:
+        """The replicated job, then its one Job's index."""
+        return f"{replica_type}-0"
+
     def replicas(self, spec: JobShape) -> list[Replica]:
-        return [Replica(NODE, i, f"{NODE}-0") for i in range(spec.nodes)]
+        return [Replica(NODE, i, self.pod_name_part(NODE)) for i in range(spec.nodes)]
 
     def longest_replica(self, spec: JobShape) -> Replica:
         return self.replicas(spec)[-1]
