@@ -18,8 +18,9 @@ from typing import Any
 
 import urllib3
 
-from ctl.cluster import ClusterError, Target, finished, get_job, job_pods, trainer_status
+from ctl.cluster import ClusterError, Target, get_job
 from ctl.kinds import JobKind, kind_of
+from ctl.status import finished, job_pods, trainer_status
 
 POLL_S = 1.0
 CHUNK_BYTES = 64 * 1024

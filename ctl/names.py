@@ -21,3 +21,7 @@ PREPARE_DENIED_ENV = (SHUTDOWN_TIMEOUT_ENV, FRESH_RDZV_STORE_ENV, METRICS_DIR_EN
 # What a pod gets per torchrun process when the spec leaves resources.cpu/memory unset.
 CPU_PER_PROCESS = 2
 MEMORY_MIB_PER_PROCESS = 4096
+# `ctl wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
+EXIT_JOB_FAILED = 100
+EXIT_NOT_FINISHED = 101
+EXIT_NOT_FOUND = 102

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from conftest import tiny_spec
 
-from ctl.local import agent_env, local_job
+from ctl.local import agent_env
+from ctl.local_pods import local_job
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.spec import JobSpec
 from trainer.names import SHUTDOWN_TIMEOUT_ENV

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, run_ctl, tiny_spec
 
 import trainer.names as names
-from ctl.local import local_job, rendered_pods
+from ctl.local_pods import local_job, rendered_pods
 from ctl.render import CHART_ENV, render
 from ctl.spec import JobSpec
 

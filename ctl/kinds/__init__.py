@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctl.kinds.base import JobKind, Replica
+from ctl.kinds.base import JobKind, Replica, State
 from ctl.kinds.pytorchjob import PYTORCHJOB
 from ctl.kinds.trainjob import TRAINJOB
 
@@ -13,7 +13,7 @@ from ctl.kinds.trainjob import TRAINJOB
 KINDS: dict[str, JobKind] = {k.kind: k for k in (PYTORCHJOB, TRAINJOB)}
 DEFAULT_KIND = PYTORCHJOB
 
-__all__ = ["DEFAULT_KIND", "KINDS", "PYTORCHJOB", "TRAINJOB", "JobKind", "Replica", "kind_of"]
+__all__ = ["DEFAULT_KIND", "KINDS", "PYTORCHJOB", "TRAINJOB", "JobKind", "Replica", "State", "kind_of"]
 
 
 def kind_of(job: dict[str, Any]) -> JobKind:

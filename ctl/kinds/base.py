@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 
@@ -31,6 +32,29 @@ class JobShape(Protocol):
     elastic: ElasticShape
     queue: Any
     run_policy: Any
+
+
+class State(str, Enum):
+    """A job's state in one word, the same for both kinds (and for a prepare Job)."""
+
+    PENDING = "Pending"
+    CREATED = "Created"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+    def __str__(self) -> str:  # the word, on every Python version
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job has ended (for good: nothing restarts it)."""
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED})
 
 
 @dataclass(frozen=True)
@@ -114,8 +138,8 @@ class JobKind(ABC):
         """The namespaced runtime object the job references, which must exist before the job is admitted."""
 
     @abstractmethod
-    def state(self, job: dict[str, Any]) -> str:
-        """The job's state in one word: Pending, Created, Running, Restarting, Suspended, Succeeded or Failed."""
+    def state(self, job: dict[str, Any]) -> State:
+        """The job's state."""
 
     @abstractmethod
     def replica_counts(self, job: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctl.kinds.base import JobKind, JobShape, Replica, true_conditions
+from ctl.kinds.base import JobKind, JobShape, Replica, State, true_conditions
 
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
@@ -86,10 +86,10 @@ class PyTorchJob(JobKind):
     def runtime_name(self, job: dict[str, Any]) -> str | None:
         return None
 
-    def state(self, job: dict[str, Any]) -> str:
-        """The newest true condition."""
+    def state(self, job: dict[str, Any]) -> State:
+        """The newest true condition (the operator's condition types are the states' words)."""
         true = true_conditions(job)
-        return true[-1] if true else "Pending"
+        return State(true[-1]) if true else State.PENDING
 
     def replica_counts(self, job: dict[str, Any]) -> dict[str, Any]:
         return (job.get("status") or {}).get("replicaStatuses") or {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctl.kinds.base import JobKind, JobShape, Replica, true_conditions
+from ctl.kinds.base import JobKind, JobShape, Replica, State, true_conditions
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # the JobSet is named after the TrainJob
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -21,7 +21,7 @@ RUNTIME_PLURAL = "trainingruntimes"  # the namespaced runtime the chart renders 
 NODE = "node"  # the replicated job running the trainer, and the trainer's container
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 # The TrainJob's conditions that end or hold it, in the order they win, and the state each is.
-STATE_CONDITIONS = (("Failed", "Failed"), ("Complete", "Succeeded"), ("Suspended", "Suspended"))
+STATE_CONDITIONS = (("Failed", State.FAILED), ("Complete", State.SUCCEEDED), ("Suspended", State.SUSPENDED))
 JOB_COUNTS = ("active", "ready", "succeeded", "failed", "suspended")
 
 
@@ -94,7 +94,7 @@ class TrainJob(JobKind):
     def runtime_name(self, job: dict[str, Any]) -> str | None:
         return job["spec"]["runtimeRef"]["name"]
 
-    def state(self, job: dict[str, Any]) -> str:
+    def state(self, job: dict[str, Any]) -> State:
         """Complete (as Succeeded), Failed or Suspended, else Running while a Job of its JobSet has pods active,
         else Created."""
         true = true_conditions(job)
@@ -102,7 +102,7 @@ class TrainJob(JobKind):
             if condition in true:
                 return state
         active = any(j.get("active") or j.get("ready") for j in (job.get("status") or {}).get("jobsStatus") or [])
-        return "Running" if active else "Created"
+        return State.RUNNING if active else State.CREATED
 
     def replica_counts(self, job: dict[str, Any]) -> dict[str, Any]:
         """The JobSet's jobsStatus, by replicated job."""

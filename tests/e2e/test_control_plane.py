@@ -38,8 +38,8 @@ from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 
-from ctl.local import parent_pid
 from ctl.operator_env import Replica, operator_env, replicas
+from ctl.processes import parent_pid
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
 from trainer.names import EXIT_BAD_INPUT

@@ -35,7 +35,7 @@ from test_control_plane import (
     spec_file,
 )
 
-from ctl.local import parent_pid
+from ctl.processes import parent_pid
 from ctl.spec import StorageSpec
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
