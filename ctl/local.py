@@ -34,7 +34,7 @@ from ctl.console import Console, pump_stderr, pump_stdout
 from ctl.kinds import Replica
 from ctl.local_pods import LocalJob, LocalNode
 from ctl.operator_env import operator_env
-from ctl.pod import image_path
+from ctl.pod import expand_references, image_path
 from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
@@ -142,8 +142,11 @@ def start_agent(
     metrics_port = free_port()
     error_file = job.work_dir / f"error-{node.replica.pod_name(spec.name)}.json"
     env = agent_env(spec, node, port, error_file, metrics_port, logs / f"node-{node_index}", verbose)
+    # The kubelet expands the pod's own variables only (the operator's among them), not this machine's.
+    injected = operator_env(spec, node.replica, address=LOCAL_ADDRESS, port=port)
+    variables = {name: env[name] for name in node.container.env.keys() | injected.keys()}
     process = subprocess.Popen(
-        node.container.command,
+        [expand_references(arg, variables) for arg in node.container.command],
         env=env,
         cwd=node.container.working_dir,
         stdout=subprocess.PIPE,
