@@ -250,9 +250,9 @@ class AlertsSpec(SpecModel):
         " (data preparation, model loading, torch.compile and the rendezvous included).",
     )
     runbook_url: str = Field(
-        "https://github.com/ddpjob/ddpjob/blob/main/docs/operations.md",
-        description="Where the alerts' runbook_url annotations point: docs/operations.md of this project (or your"
-        " copy of it); each alert adds its own #anchor.",
+        "",
+        description="Where the alerts' runbook_url annotations point: your published copy of this project's"
+        " docs/operations.md (each alert adds its own #anchor); empty: the alerts carry no runbook_url.",
     )
     loss_explosion_factor: float = Field(
         3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
