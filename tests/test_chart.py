@@ -25,6 +25,7 @@ import yaml
 from conftest import REPO, prometheus_server, prometheus_tool, run_ctl
 from pod_security import violations
 
+from ctl.kinds import KINDS, PYTORCHJOB
 from ctl.operator_env import replicas
 from ctl.render import (
     Manifest,
@@ -43,7 +44,7 @@ from trainer.spec import load_training_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"
-CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+CRD_IN_MODULE = f"manifests/base/crds/{PYTORCHJOB.group}_{PYTORCHJOB.plural}.yaml"
 KUBERNETES_VERSION = "1.30.0"  # `helm template --kube-version` for a go-installed helm binary
 # Chart.yaml's kubeVersion (>=1.27) up to the newest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
@@ -86,7 +87,7 @@ def pod_owner(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def trainer_container(template: dict[str, Any]) -> dict[str, Any]:
     """The container the operator injects its env into: `pytorch` (v1) or `node` (Trainer v2)."""
-    (container,) = [c for c in template["spec"]["containers"] if c["name"] in ("pytorch", "node")]
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] in {k.container for k in KINDS.values()}]
     return container
 
 
@@ -266,7 +267,7 @@ def test_strict_crd_schema_catches_unknown_fields(pytorchjob_schema: dict[str, A
 @pytest.mark.parametrize(("name", "spec"), PYTORCHJOB_SPECS, ids=[name for name, _ in PYTORCHJOB_SPECS])
 def test_pytorchjob_validates_against_the_real_crd(name: str, spec: JobSpec, pytorchjob_schema: dict[str, Any]) -> None:
     job = objects(spec)["PyTorchJob"]
-    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert (job["apiVersion"], job["kind"]) == (PYTORCHJOB.api_version, PYTORCHJOB.kind)
     jsonschema.validate(job, pytorchjob_schema, cls=jsonschema.Draft7Validator)
 
 
@@ -936,7 +937,7 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
     # ctl status/logs: pods, their logs and rank 0's metrics (pods/proxy), the operator's Services and events.
     assert readable - writable == {
-        ("kubeflow.org", "pytorchjobs/status"),
+        (PYTORCHJOB.group, f"{PYTORCHJOB.plural}/status"),
         ("", "pods"),
         ("", "pods/log"),
         ("", "pods/proxy"),
@@ -1024,8 +1025,8 @@ def test_every_pod_serves_metrics_on_the_port_named_metrics() -> None:
 def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
     by_kind = objects(spec_of(**VARIANTS[variant]))
     monitor = by_kind["PodMonitor"]["spec"]
-    assert monitor["jobLabel"] == "training.kubeflow.org/job-name"
-    assert monitor["podTargetLabels"] == ["training.kubeflow.org/replica-type", "training.kubeflow.org/replica-index"]
+    assert monitor["jobLabel"] == PYTORCHJOB.job_label
+    assert monitor["podTargetLabels"] == list(PYTORCHJOB.index_labels)
     assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
     for template in pod_templates(by_kind["PyTorchJob"]).values():
         assert monitor["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()

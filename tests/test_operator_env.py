@@ -1,4 +1,5 @@
-"""The env contract: what the training operator v1.9 or Trainer v2.3 injects into each pod (DESIGN.md)."""
+"""The env contract: what the training operator v1.9 or Trainer v2.3 injects into each pod (docs/internals.md,
+docs/trainer-v2.md)."""
 
 from __future__ import annotations
 
