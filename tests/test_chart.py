@@ -283,6 +283,8 @@ def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() 
         "limits": {"cpu": "16", "memory": "8Gi"},
     }
     assert [p["name"] for p in container["ports"]] == ["metrics"]
+    # Labelled with the job's name as the training pods are (their operator's label): its series go with theirs.
+    assert job["spec"]["template"]["metadata"]["labels"][PYTORCHJOB.job_label] == "job"
     assert pod["nodeSelector"] == {"pool": "cpu"} and "schedulerName" not in pod and pod["restartPolicy"] == "Never"
     # Bad data is not retried: the Job fails on the preparation's bad-input exit code.
     (rule,) = job["spec"]["podFailurePolicy"]["rules"]
@@ -1039,8 +1041,8 @@ def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
 def test_prepare_job_series_get_the_job_label_of_the_training_pods(api_kind: str, tmp_path: Path) -> None:
     """The PodMonitor's rules, run by a real Prometheus on the pod labels Kubernetes' service discovery gives
     (what prometheus-operator generates for a PodMonitor: `job` = namespace/name, then the jobLabel's value,
-    then the endpoint's relabelings): the prepare Job's pod, which has no jobLabel, gets the same `job` as
-    the training pods, so the alert rules and the dashboard (`job="<name>"`) see its series."""
+    then the endpoint's relabelings): the prepare Job's pod, labelled with the job's name as the training pods
+    are, gets the same `job` as they do, so the alert rules and the dashboard (`job="<name>"`) see its series."""
     values = VARIANTS["prepare-job"] | {"metrics": {"podMonitor": {"enabled": True}}, "apiKind": api_kind}
     by_kind = objects(spec_of(**values))
     monitor = by_kind["PodMonitor"]
