@@ -88,6 +88,7 @@ class JobKind(ABC):
     install: str  # what a cluster needs installed to serve it
     container: str  # the trainer's container, by the name the controller requires
     job_label: str  # the label naming the job on each of its pods
+    replica_label: str  # the label its controller gives each pod, naming its replica type (or replicated job)
     rendezvous_port_name: str  # the spec's name for the rendezvous port, in error messages
     replica_types: tuple[str, ...]  # in node-rank order
     index_labels: tuple[str, ...]  # the pod labels telling the job's pods apart
@@ -161,9 +162,9 @@ class JobKind(ABC):
     def pod_label(self, pod: dict[str, Any]) -> str:
         """A pod's Replica.label, from the labels its controller gave it."""
 
-    @abstractmethod
     def pod_replica_type(self, pod: dict[str, Any]) -> str:
         """A pod's replica type (or replicated job), from its labels."""
+        return (pod["metadata"].get("labels") or {}).get(self.replica_label, "")
 
 
 def true_conditions(job: dict[str, Any]) -> list[str]:

@@ -30,6 +30,7 @@ class PyTorchJob(JobKind):
     install = f"the Kubeflow training operator v1.9 first, e.g. {OPERATOR_INSTALL}"
     container = "pytorch"
     job_label = JOB_NAME_LABEL
+    replica_label = REPLICA_TYPE_LABEL
     rendezvous_port_name = "masterPort"
     replica_types = ("master", "worker")
     index_labels = (REPLICA_TYPE_LABEL, REPLICA_INDEX_LABEL)
@@ -113,9 +114,6 @@ class PyTorchJob(JobKind):
     def pod_label(self, pod: dict[str, Any]) -> str:
         labels = pod["metadata"].get("labels") or {}
         return f"{labels.get(REPLICA_TYPE_LABEL, '')}-{labels.get(REPLICA_INDEX_LABEL, '0')}"
-
-    def pod_replica_type(self, pod: dict[str, Any]) -> str:
-        return (pod["metadata"].get("labels") or {}).get(REPLICA_TYPE_LABEL, "")
 
 
 PYTORCHJOB = PyTorchJob()

@@ -34,6 +34,7 @@ class TrainJob(JobKind):
     install = "Kubeflow Trainer v2.3 and JobSet first (docs/trainer-v2.md)"
     container = NODE
     job_label = JOBSET_NAME_LABEL
+    replica_label = REPLICATED_JOB_LABEL
     rendezvous_port_name = "Trainer v2's port"
     replica_types = (NODE,)
     index_labels = (COMPLETION_INDEX_LABEL,)
@@ -122,9 +123,6 @@ class TrainJob(JobKind):
     def pod_label(self, pod: dict[str, Any]) -> str:
         labels = pod["metadata"].get("labels") or {}
         return f"{labels.get(REPLICATED_JOB_LABEL, '')}-{labels.get(COMPLETION_INDEX_LABEL, '0')}"
-
-    def pod_replica_type(self, pod: dict[str, Any]) -> str:
-        return (pod["metadata"].get("labels") or {}).get(REPLICATED_JOB_LABEL, "")
 
 
 def trainer_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
