@@ -7,6 +7,8 @@ Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `s
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import json
 import os
@@ -14,16 +16,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from ctl.names import EXIT_NOT_FOUND
+from ctl.tables import list_table, status_line, status_table
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 
 if TYPE_CHECKING:
     from ctl.cluster import Target
-    from ctl.local import LocalJob
+    from ctl.local_pods import LocalJob
     from ctl.logs import LogOptions
     from ctl.spec import JobSpec
 
@@ -66,19 +71,89 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
     return typer.Exit(code)
 
 
+# The one place where ctl's errors become exit codes (each with its one line), the first match winning. By module
+# and class name: `ctl --help` imports none of these modules, and an exception's module is loaded once it is raised.
+ERROR_EXITS = (
+    ("ctl.cluster", "JobNotFound", EXIT_NOT_FOUND),
+    ("ctl.jobs", "StorageMismatch", EXIT_BAD_INPUT),  # the spec asks what the cluster cannot give
+    ("ctl.cluster", "ClusterError", EXIT_ERROR),
+    ("trainer.spec", "SpecError", EXIT_BAD_INPUT),
+    ("ctl.render", "RenderError", EXIT_ERROR),
+    ("ctl.pod", "PodSetupError", EXIT_ERROR),  # a pod ctl run cannot start here
+)
+
+
+@contextlib.contextmanager
+def mapped_errors() -> Iterator[None]:
+    """ctl's errors -> their one line on stderr and their exit code (ERROR_EXITS); anything else is a bug."""
+    try:
+        yield
+    except Exception as exc:
+        for module, name, code in ERROR_EXITS:
+            error = getattr(sys.modules.get(module), name, None)
+            if error is not None and isinstance(exc, error):
+                raise fail(str(exc), code) from None
+        raise
+
+
+KubeconfigOpt = Annotated[
+    str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).")
+]
+ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the context's).", show_default=False)
+]
+# Every cluster command's targeting options, as kubectl's, in this order after the command's own.
+CLUSTER_OPTIONS = [
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=option)
+    for name, option in (("kubeconfig", KubeconfigOpt), ("context", ContextOpt), ("namespace", NamespaceOpt))
+]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster command's --kubeconfig, --context and -n: connects when the command first needs the cluster."""
+
+    kubeconfig: str | None
+    context: str | None
+    namespace: str | None
+
+    def connect(self) -> Target:
+        from ctl.cluster import connect
+
+        return connect(self.kubeconfig, self.context, self.namespace)
+
+
+def command(name: str | None = None, cluster: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a command whose errors become exit codes (mapped_errors); with `cluster`, it takes CLUSTER_OPTIONS,
+    given to it as its `cluster: Cluster` parameter."""
+
+    def register(function: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            if cluster:
+                kwargs["cluster"] = Cluster(*(kwargs.pop(option.name) for option in CLUSTER_OPTIONS))
+            with mapped_errors():
+                function(*args, **kwargs)
+
+        if cluster:  # what Typer reads the options from
+            signature = inspect.signature(function, eval_str=True)
+            own = [p for p in signature.parameters.values() if p.name != "cluster"]
+            run.__signature__ = signature.replace(parameters=own + CLUSTER_OPTIONS)  # type: ignore[attr-defined]
+        return app.command(name)(run)
+
+    return register
+
+
 def load_job(spec: Path, set_values: list[str]) -> JobSpec:
-    """The validated spec, or exit 2 with its one-line problem."""
+    """The validated spec (a SpecError: exit 2 with its one-line problem)."""
     # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
     from ctl.spec import load_spec
-    from trainer.spec import SpecError
 
-    try:
-        return load_spec(spec, set_values)
-    except SpecError as exc:
-        raise fail(str(exc)) from None
+    return load_spec(spec, set_values)
 
 
-@app.command()
+@command()
 def run(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
@@ -107,16 +182,11 @@ def run(
 
 @contextlib.contextmanager
 def local_pods(job: JobSpec, run_dir: Path | None) -> Iterator[LocalJob]:
-    """The job's rendered pods, materialised for local processes; exit 1 with the reason when they cannot be."""
-    from ctl.local import local_job
-    from ctl.pod import PodSetupError
-    from ctl.render import RenderError
+    """The job's rendered pods, materialised for local processes (a PodSetupError when they cannot be)."""
+    from ctl.local_pods import local_job
 
-    try:
-        with local_job(job, run_dir) as pods:
-            yield pods
-    except (RenderError, PodSetupError) as exc:
-        raise fail(str(exc), code=EXIT_ERROR) from None
+    with local_job(job, run_dir) as pods:
+        yield pods
 
 
 def require_trainer(command: str) -> None:
@@ -128,21 +198,16 @@ def require_trainer(command: str) -> None:
 
 
 def prepare_data(job: JobSpec, directory: Path):  # -> trainer.prepare.Plan
-    """The job's dataset in its cache, prepared here unless it is there already; exit 2 on bad data."""
-    from trainer.spec import SpecError
-
+    """The job's dataset in its cache, prepared here unless it is there already (a SpecError on bad data)."""
     try:
         # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
         from trainer.prepare import prepare_spec
     except ImportError as exc:
         raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
-    try:
-        return prepare_spec(job.training, directory, note)
-    except SpecError as exc:
-        raise fail(str(exc)) from None
+    return prepare_spec(job.training, directory, note)
 
 
-@app.command()
+@command()
 def prepare(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
@@ -160,7 +225,7 @@ def prepare(
     typer.echo(str(plan.entry))
 
 
-@app.command()
+@command()
 def render(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
@@ -176,50 +241,18 @@ def render(
         raise fail(f"--output {output!r}: expected yaml or json")
     fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
     job = load_job(spec, set_values)
-    from ctl.render import RenderError, to_json, to_yaml
     from ctl.render import render as render_spec
+    from ctl.render import to_json, to_yaml
     from ctl.storage import render_note
 
-    try:
-        manifests = render_spec(job)
-    except RenderError as exc:
-        raise fail(str(exc), code=1) from None
+    manifests = render_spec(job)
     if message := render_note([m.obj for m in manifests]):
         note(message)
     typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
 
 
-KubeconfigOpt = Annotated[
-    str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).")
-]
-ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
-NamespaceOpt = Annotated[
-    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the context's).", show_default=False)
-]
 NameArg = Annotated[str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False)]
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or json.")]
-
-
-def cluster_target(kubeconfig: str | None, context: str | None, namespace: str | None):  # -> ctl.cluster.Target
-    from ctl.cluster import connect
-
-    with cluster_errors():
-        return connect(kubeconfig, context, namespace)
-
-
-@contextlib.contextmanager
-def cluster_errors() -> Iterator[None]:
-    """A cluster failure -> its one line and exit 1; a job that does not exist -> exit 102."""
-    from ctl.cluster import EXIT_NOT_FOUND, ClusterError, JobNotFound, StorageMismatch
-
-    try:
-        yield
-    except JobNotFound as exc:
-        raise fail(str(exc), code=EXIT_NOT_FOUND) from None
-    except StorageMismatch as exc:  # the spec asks what the cluster cannot give: bad input
-        raise fail(str(exc)) from None
-    except ClusterError as exc:
-        raise fail(str(exc), code=1) from None
 
 
 def note(message: str) -> None:
@@ -246,20 +279,22 @@ def interruptible() -> Iterator[None]:
 
 
 def print_data(data: object, output: str, table: Callable[[], str]) -> None:
-    """Machine output on stdout in a stable shape (json/yaml), or a table for people."""
+    """Machine output on stdout in a stable shape (json/yaml: the status's JSON form), or a table for people."""
+    from ctl.status import json_form
+
     if output == "json":
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps(json_form(data), indent=2))
     elif output == "yaml":
         import yaml
 
-        typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+        typer.echo(yaml.safe_dump(json_form(data), sort_keys=False), nl=False)
     elif output == "table":
         typer.echo(table())
     else:
         raise fail(f"--output {output!r}: expected table, yaml or json")
 
 
-@app.command()
+@command(cluster=True)
 def submit(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
@@ -272,33 +307,28 @@ def submit(
         bool, typer.Option("--follow", "-f", help="Print rank 0's log as it runs, until the job ends (implies --wait).")
     ] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait/--follow wait.")] = 86_400,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
     if dry_run not in ("none", "client", "server"):
         raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
     job = load_job(spec, set_values)
-    target = None if dry_run == "client" else cluster_target(kubeconfig, context, namespace)
+    target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
         job = served_kind(target, job, spec, set_values)
-    from ctl.render import RenderError, render, to_yaml
+    from ctl.render import render, to_yaml
 
-    try:
-        manifests = render(job)
-    except RenderError as exc:
-        raise fail(str(exc), code=1) from None
+    manifests = render(job)
     if target is None:
         typer.echo(to_yaml(manifests), nl=False)
         return
-    from ctl.cluster import JOB_APIS, wait
-    from ctl.cluster import submit as submit_objects
+    from ctl.jobs import submit as submit_objects
+    from ctl.status import wait
 
-    with cluster_errors():
-        submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
+    submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
     ns = target.namespace
-    api = JOB_APIS[job.api_kind]
+    api = job.kind
     typer.echo(f"{api.kind.lower()}.{api.group}/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
     if dry_run == "server":
         return
@@ -314,8 +344,7 @@ def submit(
         printer = threading.Thread(target=follow_log, args=(target, job.name, LogOptions(follow=True)), daemon=True)
         printer.start()
     if wait_for or follow:
-        with cluster_errors():
-            code = wait(target, job.name, "succeeded", timeout, progress=note)
+        code = wait(target, job.name, "succeeded", timeout, progress=note)
         if follow:
             printer.join(LOG_DRAIN_S)
         raise typer.Exit(code)
@@ -324,61 +353,62 @@ def submit(
 def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str]) -> JobSpec:
     """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
     spec as a TrainJob (validated as one), said on stderr."""
-    from ctl.cluster import PYTORCHJOB, TRAINJOB, serves
+    from ctl.cluster import serves
+    from ctl.kinds import DEFAULT_KIND, KINDS
 
-    with cluster_errors():
-        if serves(target, PYTORCHJOB) or not serves(target, TRAINJOB):
-            return job
-    note("apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob: submitting a TrainJob")
-    return load_job(spec, [*set_values, "apiKind=TrainJob"])
+    if serves(target, DEFAULT_KIND):
+        return job
+    served = next((kind for kind in KINDS.values() if kind is not DEFAULT_KIND and serves(target, kind)), None)
+    if served is None:
+        return job
+    note(
+        f"apiKind unset: the cluster serves {served.kind} ({served.operator}), not {DEFAULT_KIND.kind}:"
+        f" submitting a {served.kind}"
+    )
+    return load_job(spec, [*set_values, f"apiKind={served.kind}"])
 
 
-@app.command("wait")
+@command("wait", cluster=True)
 def wait_command(
     name: NameArg,
     state: Annotated[str, typer.Option("--for", help="succeeded, failed or running.")] = "succeeded",
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 86_400,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """Wait for a job's state; the exit code says how it ended (0: reached; 100, 101, 102: see below)."""
     if state not in ("succeeded", "failed", "running"):
         raise fail(f"--for {state!r}: expected succeeded, failed or running")
-    from ctl.cluster import wait
+    from ctl.status import wait
 
-    target = cluster_target(kubeconfig, context, namespace)
-    with cluster_errors():
-        code = wait(target, name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
+    code = wait(cluster.connect(), name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
     raise typer.Exit(code)
 
 
-@app.command()
+@command(cluster=True)
 def status(
     name: NameArg,
     output: OutputOpt = "table",
     watch: Annotated[
         bool, typer.Option("--watch", "-w", help="Print each change (table: one line each) until the job has ended.")
     ] = False,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """A job's state and training progress (rank 0's step, loss, last checkpoint), its conditions,
     each pod's phase, restarts and exit code, recent events."""
-    from ctl.cluster import status as job_status
+    from ctl.status import status as job_status
 
     if output not in ("table", "yaml", "json"):
         raise fail(f"--output {output!r}: expected table, yaml or json")
-    target = cluster_target(kubeconfig, context, namespace)
-    with cluster_errors():
-        data = job_status(target, name)
+    target = cluster.connect()
+    data = job_status(target, name)
     print_data(data, output, lambda: status_table(data))
     if not watch:
         return
     last = status_line(data) if output == "table" else data
-    with cluster_errors(), interruptible():
-        while data["state"] not in ("Succeeded", "Failed"):
+    with interruptible():
+        while not data.state.terminal:
             time.sleep(WATCH_INTERVAL_S)
             data = job_status(target, name)
             current = status_line(data) if output == "table" else data
@@ -393,100 +423,22 @@ def status(
             print_data(data, output, table=str)  # json or yaml: no table
 
 
-def status_table(data: dict[str, Any]) -> str:
-    lines = [f"{data['name']} ({data['namespace']}): {data['state']}"]
-    if data["progress"]:
-        lines.append(f"  progress: {progress_text(data['progress'])}")
-    if data["trainerStatus"]:
-        lines.append(f"  trainer status: {trainer_status_text(data['trainerStatus'])}")
-    if data["prepare"]:
-        lines.append(f"  prepare: {prepare_text(data['prepare'])}")
-    lines += [
-        f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in data["conditions"]
-    ]
-    lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
-    lines += [
-        f"  {p['name']:<32} {p['phase']:<10} {p['restarts']:>8} {'' if p['exitCode'] is None else p['exitCode']:>5}"
-        f"  {p['reason'] or ''}"
-        for p in data["pods"]
-    ]
-    lines += [f"  {p['name']}: {p['message']}" for p in data["pods"] if p["exitCode"] and p["message"]]
-    lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in data["events"]]
-    return "\n".join(lines)
-
-
-def status_line(data: dict[str, Any]) -> str:
-    """`ctl status -w`'s line: state, progress and the pods."""
-    pods = ", ".join(
-        f"{p['node']} {p['phase']}"  # master-0, worker-0; node-0, node-1
-        + (f" ({p['restarts']} restarts)" if p["restarts"] else "")
-        for p in data["pods"]
-    )
-    return " | ".join(filter(None, [data["state"], data["progress"] and progress_text(data["progress"]), pods]))
-
-
-def progress_text(progress: dict[str, Any]) -> str:
-    step = f"step {progress['step']}" + (f"/{progress['plannedSteps']}" if progress["plannedSteps"] else "")
-    parts = [step]
-    parts += [f"loss {progress['trainLoss']:.4f}"] if progress["trainLoss"] is not None else []
-    parts += [f"val loss {progress['evalLoss']:.4f}"] if progress["evalLoss"] is not None else []
-    parts += [f"{progress['tokensPerSecond']:,.0f} tok/s"] if progress["tokensPerSecond"] is not None else []
-    checkpoint = progress["checkpoint"]
-    parts += [f"checkpoint step-{checkpoint['step']} at {checkpoint['time']}"] if checkpoint else []
-    slowest = progress.get("slowestRank")
-    parts += [f"slowest rank {slowest['rank']} ({slowest['stepTimeRatioToMedian']:.2f}x the median)"] if slowest else []
-    return ", ".join(parts)
-
-
-def prepare_text(prepare: dict[str, Any]) -> str:
-    """The prepare Job in one line: `job/NAME Failed (exit code 137; BackoffLimitExceeded: ...)`."""
-    pod = prepare["pod"] or {}
-    why = [f"exit code {pod['exitCode']}"] if pod.get("exitCode") else []
-    why += [f"{prepare['reason']}: {prepare['message']}"] if prepare["reason"] else []
-    return f"job/{prepare['name']} {prepare['state']}" + (f" ({'; '.join(why)})" if why else "")
-
-
-def trainer_status_text(status: dict[str, Any]) -> str:
-    """A TrainJob's `.status.trainerStatus` (what its trainer reported to Trainer v2) in one line."""
-    parts = [f"{status['progressPercentage']}%"] if status.get("progressPercentage") is not None else []
-    if status.get("estimatedRemainingSeconds") is not None:
-        parts.append(f"about {status['estimatedRemainingSeconds']} s left")
-    parts += [f"{m['name']} {m['value']}" for m in status.get("metrics") or []]
-    if status.get("lastUpdatedTime"):
-        parts.append(f"at {status['lastUpdatedTime']}")
-    return ", ".join(parts)
-
-
-@app.command("list")
+@command("list", cluster=True)
 def list_command(
     all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Jobs of every namespace.")] = False,
     output: OutputOpt = "table",
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """The jobs of the namespace, PyTorchJobs and TrainJobs: state, nodes x processes per node, age, rank 0's step
     while running."""
-    from ctl.cluster import list_jobs
+    from ctl.status import list_jobs
 
-    target = cluster_target(kubeconfig, context, namespace)
-    with cluster_errors():
-        rows = list_jobs(target, all_namespaces)
-
-    def table() -> str:
-        lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'KIND':<10} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
-        lines += [
-            f"{r['namespace']:<20} {r['name']:<32} {r['kind']:<10} {r['state']:<11}"
-            f" {r['nodes']} x {r['procsPerNode']:<10} {str(r['ageSeconds']) + 's':<8}"
-            f" {progress_text(r['progress']) if r['progress'] else ''}"
-            for r in rows
-        ]
-        return "\n".join(lines)
-
-    print_data(rows, output, table)
+    rows = list_jobs(cluster.connect(), all_namespaces)
+    print_data(rows, output, lambda: list_table(rows))
 
 
-@app.command()
+@command(cluster=True)
 def logs(
     name: NameArg,
     rank: Annotated[
@@ -505,9 +457,8 @@ def logs(
     timestamps: Annotated[
         bool, typer.Option("--timestamps", help="Prefix each line with its time (RFC 3339).")
     ] = False,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """Print a job's log: rank 0's pod by default. Waits for pods that have not started yet."""
     from ctl.logs import LogOptions
@@ -517,35 +468,36 @@ def logs(
     if tail < -1:
         raise fail(f"--tail {tail}: expected a number of lines, or -1 for all")
     options = LogOptions(follow, None if tail == -1 else tail, previous, timestamps)
-    target = cluster_target(kubeconfig, context, namespace)
+    target = cluster.connect()
     with interruptible():
         print_logs(target, name, all_nodes, rank or 0, options)
 
 
 def print_logs(target: Target, name: str, all_nodes: bool, rank: int, options: LogOptions) -> None:
     """The chosen pods' lines on stdout (prefixed by pod with --all, coloured on a terminal); notes on stderr."""
-    from ctl.cluster import find_job, node_labels, procs_per_node
+    from ctl.cluster import find_job
+    from ctl.kinds import kind_of
     from ctl.logs import interleaved, node_lines
+    from ctl.status import procs_per_node
 
-    with cluster_errors():
-        job = find_job(target, name)
-        labels = node_labels(job)
+    job = find_job(target, name)
+    labels = kind_of(job).node_labels(job)
+    if not all_nodes:
+        labels = [labels[node_of_rank(rank, len(labels), procs_per_node(job))]]
+    streams = {label: node_lines(target, job, label, options, note) for label in labels}
+    colours = dict(zip(labels, itertools.cycle(PREFIX_COLOURS), strict=False)) if colour_enabled() else {}
+    for label, line in interleaved(streams):
         if not all_nodes:
-            labels = [labels[node_of_rank(rank, len(labels), procs_per_node(job))]]
-        streams = {label: node_lines(target, job, label, options, note) for label in labels}
-        colours = dict(zip(labels, itertools.cycle(PREFIX_COLOURS), strict=False)) if colour_enabled() else {}
-        for label, line in interleaved(streams):
-            if not all_nodes:
-                typer.echo(line)
-            elif label in colours:
-                typer.echo(f"\033[{colours[label]}m[{label}]\033[0m {line}")
-            else:
-                typer.echo(f"[{label}] {line}")
+            typer.echo(line)
+        elif label in colours:
+            typer.echo(f"\033[{colours[label]}m[{label}]\033[0m {line}")
+        else:
+            typer.echo(f"[{label}] {line}")
 
 
 def follow_log(target: Target, name: str, options: LogOptions) -> None:
-    """submit --follow's log thread: rank 0's pod; a failure is reported (by print_logs) and ends only the log."""
-    with contextlib.suppress(typer.Exit):
+    """submit --follow's log thread: rank 0's pod; a failure is reported and ends only the log."""
+    with contextlib.suppress(typer.Exit), mapped_errors():
         print_logs(target, name, False, 0, options)
 
 
@@ -559,29 +511,26 @@ def node_of_rank(rank: int, nodes: int, procs: int | None) -> int:
     return rank // procs
 
 
-@app.command()
+@command(cluster=True)
 def delete(
     name: NameArg,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     purge: Annotated[bool, typer.Option("--purge", help="Also delete the run directory's volume claim.")] = False,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    namespace: NamespaceOpt = None,
+    *,
+    cluster: Cluster,
 ) -> None:
     """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
-    from ctl.cluster import delete as delete_objects
     from ctl.cluster import find_job
+    from ctl.jobs import delete as delete_objects
 
-    target = cluster_target(kubeconfig, context, namespace)
+    target = cluster.connect()
     if not yes:
         if not sys.stdin.isatty():
             raise fail("delete: confirm with --yes (stdin is not a terminal)")
-        with cluster_errors():
-            kind = find_job(target, name)["kind"].lower()
+        kind = find_job(target, name)["kind"].lower()
         if not typer.confirm(f"delete {kind} {name} in namespace {target.namespace}?", err=True):
             raise typer.Exit(1)
-    with cluster_errors():
-        removed = delete_objects(target, name, purge)
+    removed = delete_objects(target, name, purge)
     for item in removed:
         typer.echo(f"{item} deleted")
 
@@ -591,7 +540,7 @@ COMPLETE_VAR = "_CTL_COMPLETE"
 SHELLS = ("bash", "zsh", "fish")
 
 
-@app.command()
+@command()
 def completion(
     shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", show_default=False)],
 ) -> None:

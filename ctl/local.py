@@ -1,12 +1,7 @@
 """`ctl run`: a job's pods as local torchrun agents, each started from the rendered pod template.
 
-The chart is rendered as for a cluster and each pod becomes a local process through ctl/pod.py, the code the e2e
-pod executor uses too: the trainer container's command, args and env as rendered, its mounted ConfigMap's files
-(training.yaml) in a directory of the run, and every mount path rewritten to its local directory. Then the env
-the chosen operator injects (ctl/operator_env.py) with the master on 127.0.0.1. What stands in for a node:
-a claim is ./runs (so the chart's run directory, <storage.mountPath>/<name>, is ./runs/<name>); the pod's HOME
-is this user's home, with its caches; an emptyDir is this machine's directory of that path where one exists
-(/tmp, /dev/shm), else a directory of the run per node; a variable exported here keeps its value (credentials,
+Each pod is materialised as ctl/local_pods.py says; then the env the chosen operator injects (ctl/operator_env.py)
+with the master on 127.0.0.1. A variable exported here keeps its value (credentials,
 a chosen TMPDIR or TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and references to Secrets or ConfigMaps in `env`/`envFrom`
 are the variables exported here or nothing. When any agent fails, the others are stopped: no process outlives
 the run.
@@ -26,22 +21,21 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-import yaml
-
-from ctl.operator_env import Replica, operator_env, replicas
-from ctl.pod import LocalContainer, PodSetupError, Volume, image_path, local_container
-from ctl.render import Manifest, chart_values, render_chart, split_manifests
+from ctl.console import Console, pump_stderr, pump_stdout
+from ctl.kinds import Replica
+from ctl.local_pods import LocalJob, LocalNode
+from ctl.operator_env import operator_env
+from ctl.pod import expand_references, image_path
+from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
 from trainer.names import (
@@ -54,16 +48,8 @@ from trainer.names import (
     LATEST_CHECKPOINT,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
-    TRAINER_CONTAINER,
 )
 
-LOCAL_ADDRESS = "127.0.0.1"
-NAMESPACE = "default"
-# Every PersistentVolumeClaim of a local run: the chart's run directory <mountPath>/<name> is ./runs/<name> here.
-LOCAL_CLAIMS = Path("runs")
-# The pod label holding a TrainJob node's completion index (a fieldRef a pod may read).
-COMPLETION_INDEX_FIELD = "metadata.labels['batch.kubernetes.io/job-completion-index']"
-STOP_GRACE_SECONDS = 15
 # After one node fails, how long the others may take to fail by themselves: their own error may be the
 # root cause (rank 0's bad input while rank 1 lost its connection to it and exited first).
 FAILURE_GRACE_SECONDS = 5
@@ -128,139 +114,6 @@ def missing_trainer_requirements() -> list[str]:
     return missing
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOCAL_ADDRESS, 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class LocalNode:
-    """One pod of the job, ready to start here: which replica, and its container as a local process."""
-
-    replica: Replica
-    container: LocalContainer
-
-
-@dataclass(frozen=True)
-class LocalJob:
-    """The job's pods as rendered, materialised under `work_dir` (ConfigMaps written, mount paths rewritten)."""
-
-    nodes: list[LocalNode]
-    run_dir: Path  # the checkpoint directory the nodes' training config names, on this machine
-    work_dir: Path
-
-
-def rendered_pods(manifests: list[Manifest], spec: JobSpec) -> dict[Replica, dict[str, Any]]:
-    """Each replica's pod spec as the operator creates it from the rendered job object."""
-    by_kind = {m.kind: m.obj for m in manifests}
-    if spec.api_kind == "TrainJob":
-        pod = trainjob_pod(by_kind["TrainingRuntime"], by_kind["TrainJob"])
-        return {replica: pod for replica in replicas(spec)}
-    replica_specs = by_kind["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]
-    return {r: replica_specs[r.type.capitalize()]["template"]["spec"] for r in replicas(spec)}
-
-
-def trainjob_pod(runtime: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's pod spec of a TrainingRuntime, with the TrainJob's trainer image, command, args and env applied
-    to the container `node` as Trainer v2 applies them (the torch plugin's env is operator_env's)."""
-    (trainer,) = [
-        rj["template"]["spec"]["template"]["spec"]
-        for rj in runtime["spec"]["template"]["spec"]["replicatedJobs"]
-        if rj["template"]["metadata"]["labels"].get("trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"
-    ]
-    overrides = job["spec"].get("trainer", {})
-    for container in trainer["containers"]:
-        if container["name"] == TRAINER_CONTAINER["TrainJob"]:
-            container |= {key: overrides[key] for key in ("image", "command", "args") if key in overrides}
-            env = overrides.get("env", [])
-            replaced = {var["name"] for var in env}
-            container["env"] = [var for var in container.get("env", []) if var["name"] not in replaced] + env
-    return trainer
-
-
-@contextlib.contextmanager
-def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
-    """Render the job (`run_dir`: its training.checkpoint.dir, as `--run-dir` asks) and materialise its pods in a
-    temporary directory, removed afterwards. PodSetupError when a pod needs what this machine cannot give."""
-    values = chart_values(spec)
-    if run_dir is not None:
-        values["training"].setdefault("checkpoint", {})["dir"] = str(run_dir.absolute())
-    manifests = split_manifests(render_chart(values, spec.name, NAMESPACE))
-    config_maps = {m.name: m.obj for m in manifests if m.kind == "ConfigMap"}
-    with tempfile.TemporaryDirectory(prefix="ddpjob-") as tmp:
-        work_dir = Path(tmp)
-        nodes = []
-        for replica, pod in rendered_pods(manifests, spec).items():
-            pod_dir = work_dir / replica.pod_name(spec.name)
-
-            def volume_dir(volume: Volume, pod_dir: Path = pod_dir) -> Path:
-                return local_volume(volume, pod_dir, config_maps)
-
-            fields = {
-                "metadata.name": replica.pod_name(spec.name),
-                "metadata.namespace": NAMESPACE,
-                "spec.nodeName": socket.gethostname(),
-                "status.podIP": LOCAL_ADDRESS,
-                "status.hostIP": LOCAL_ADDRESS,
-                COMPLETION_INDEX_FIELD: str(replica.index),
-            }
-            container = local_container(pod, volume_dir, fields, lambda name, source: None, provided_dirs(pod))
-            nodes.append(LocalNode(replica, container))
-        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)  # every node's config names the same
-
-
-def local_volume(volume: Volume, pod_dir: Path, config_maps: dict[str, dict[str, Any]]) -> Path:
-    """A volume of a local pod: a claim is ./runs; a ConfigMap the chart rendered, its files in the pod's directory;
-    an emptyDir, a directory of the pod's."""
-    if "persistentVolumeClaim" in volume:
-        return LOCAL_CLAIMS.absolute()
-    directory = pod_dir / "volumes" / volume["name"]
-    if "configMap" in volume:
-        name = volume["configMap"]["name"]
-        if name not in config_maps:
-            raise PodSetupError(f"volume {volume['name']}: ConfigMap {name} is not one the chart renders")
-        directory.mkdir(parents=True)
-        for key, text in (config_maps[name].get("data") or {}).items():
-            (directory / key).write_text(text, encoding="utf-8")
-    elif "emptyDir" in volume:
-        directory.mkdir(parents=True)
-    else:
-        kind = next((key for key in volume if key != "name"), "unknown")
-        raise PodSetupError(f"volume {volume['name']}: ctl run cannot provide a {kind} volume")
-    return directory
-
-
-def provided_dirs(pod: dict[str, Any]) -> dict[str, Path]:
-    """Mounts that are this machine's own directories: the pod's HOME is this user's (a laptop keeps its caches),
-    and an emptyDir mounted where this machine has a directory (/tmp, /dev/shm) is that directory."""
-    container = pod["containers"][0]
-    empty_dirs = {v["name"] for v in pod.get("volumes") or [] if "emptyDir" in v}
-    provided = {
-        m["mountPath"]: Path(m["mountPath"])
-        for m in container.get("volumeMounts") or []
-        if m["name"] in empty_dirs and Path(m["mountPath"]).is_dir()
-    }
-    home = next((var.get("value") for var in container.get("env") or [] if var["name"] == "HOME"), None)
-    return provided | ({home.rstrip("/"): Path.home()} if home else {})
-
-
-def training_run_dir(pod: dict[str, Any], container: LocalContainer) -> Path:
-    """The run directory named by the training config: the mounted ConfigMap file that the command reads."""
-    config_volumes = {v["name"] for v in pod.get("volumes") or [] if "configMap" in v}
-    config_dirs = [
-        container.mounts[m["mountPath"].rstrip("/")]
-        for m in pod["containers"][0].get("volumeMounts") or []
-        if m["name"] in config_volumes
-    ]
-    for arg in container.command:
-        path = Path(arg)
-        if path.is_file() and any(path.is_relative_to(directory) for directory in config_dirs):
-            checkpoint = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
-            return Path(checkpoint.get("dir") or LOCAL_CLAIMS).absolute()
-    raise PodSetupError(f"the trainer's command reads no file of its mounted ConfigMap: {container.command}")
-
-
 def agent_env(
     spec: JobSpec, node: LocalNode, port: int, error_file: Path, metrics_port: int, log_dir: Path, verbose: bool
 ) -> dict[str, str]:
@@ -281,93 +134,38 @@ def agent_env(
     return env
 
 
-class Console:
-    """The terminal: trainers' lines on stdout as they come, ctl's on stderr. ctl's start-up notes are held
-    until the first trainer line, so that a run that fails before training prints its one line and nothing else."""
-
-    def __init__(self, out: TextIO, err: TextIO) -> None:
-        self.out, self.err = out, err
-        self.held: list[str] = []
-        self.lock = threading.Lock()
-
-    def release(self) -> None:
-        """Print the held notes (once)."""
-        with self.lock:
-            for note in self.held:
-                print(note, file=self.err, flush=True)
-            self.held = []
-
-    def trainer_line(self, line: str, stream: TextIO | None = None) -> None:
-        self.release()
-        with self.lock:
-            (stream or self.out).write(line)
-            (stream or self.out).flush()
-
-    def note(self, message: str) -> None:
-        with self.lock:
-            print(message, file=self.err, flush=True)
-
-
-def pump_stdout(agent: Agent, console: Console) -> None:
-    """The agent's stdout: the ranks' lines torchrun shows (prefixed with their rank)."""
-    assert agent.process.stdout is not None
-    for line in agent.process.stdout:
-        console.trainer_line(line)
-
-
-def pump_stderr(agent: Agent, log: Path, console: Console | None) -> None:
-    """The agent's stderr (torchrun's own messages and reports) into the node's log; to the terminal with --verbose."""
-    assert agent.process.stderr is not None
-    with log.open("w", encoding="utf-8") as file:
-        for line in agent.process.stderr:
-            file.write(line)
-            file.flush()
-            if console is not None:
-                console.trainer_line(f"[node {agent.node}] {line}", console.err)
-
-
-def parent_pid(pid: int | str) -> int | None:
-    """The parent of process `pid`, from /proc; None once it has ended (or where there is no /proc)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def descendants(pids: list[int]) -> set[int]:
-    """Every process below `pids`, from /proc (none where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        if (parent := parent_pid(entry.name)) is not None:
-            children.setdefault(parent, []).append(int(entry.name))
-    found: set[int] = set()
-    pending = list(pids)
-    while pending:
-        for child in children.get(pending.pop(), []):
-            if child not in found:
-                found.add(child)
-                pending.append(child)
-    return found
-
-
-def stop(agents: list[Agent]) -> None:
-    """SIGTERM every agent's process group (torchrun passes it on to its workers, which save and
-    exit), then SIGKILL what is left after the grace period: the agents' groups and their workers,
-    which torchrun starts in sessions of their own (killing an agent alone would orphan them)."""
-    workers: set[int] = set()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        workers |= descendants([agent.process.pid for agent in agents])
-        for agent in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.process.pid, sig)
-        if sig == signal.SIGKILL:
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for agent in agents:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                agent.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+def start_agent(
+    spec: JobSpec, job: LocalJob, node_index: int, port: int, logs: Path, console: Console, verbose: bool
+) -> tuple[Agent, list[threading.Thread]]:
+    """Start one node's torchrun agent; its output threads, not started yet."""
+    node = job.nodes[node_index]
+    metrics_port = free_port()
+    error_file = job.work_dir / f"error-{node.replica.pod_name(spec.name)}.json"
+    env = agent_env(spec, node, port, error_file, metrics_port, logs / f"node-{node_index}", verbose)
+    # The kubelet expands the pod's own variables only (the operator's among them), not this machine's.
+    injected = operator_env(spec, node.replica, address=LOCAL_ADDRESS, port=port)
+    variables = {name: env[name] for name in node.container.env.keys() | injected.keys()}
+    process = subprocess.Popen(
+        [expand_references(arg, variables) for arg in node.container.command],
+        env=env,
+        cwd=node.container.working_dir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # its own process group, so stop() reaches its workers too
+    )
+    if METRICS_PORT_ENV in node.container.env:
+        console.held.append(f"ctl: metrics of node {node_index} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics")
+    stderr_log = logs / f"node-{node_index}.log"
+    pumps = [
+        threading.Thread(target=pump_stdout, args=(process, console), daemon=True),
+        threading.Thread(
+            target=pump_stderr, args=(process, node_index, stderr_log, console if verbose else None), daemon=True
+        ),
+    ]
+    return Agent(node_index, node.replica, process, error_file), pumps
 
 
 def supervise(agents: list[Agent]) -> list[Agent]:
@@ -396,7 +194,7 @@ def supervise(agents: list[Agent]) -> list[Agent]:
             failed.append(agent)
             deadline = deadline or time.monotonic() + FAILURE_GRACE_SECONDS
     if failed:
-        stop(agents)
+        stop([agent.process for agent in agents])
     return failed
 
 
@@ -457,36 +255,10 @@ def run_local(
     previous_handler = signal.signal(signal.SIGTERM, terminate)
     pumps: list[threading.Thread] = []
     try:
-        for node_index, node in enumerate(job.nodes):
-            pod = node.replica.pod_name(spec.name)
-            metrics_port = free_port()
-            error_file = job.work_dir / f"error-{pod}.json"
-            env = agent_env(spec, node, port, error_file, metrics_port, logs / f"node-{node_index}", verbose)
-            process = subprocess.Popen(
-                node.container.command,
-                env=env,
-                cwd=node.container.working_dir,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
-                start_new_session=True,  # its own process group, so stop() reaches its workers too
-            )
-            agent = Agent(node_index, node.replica, process, error_file)
+        for node_index in range(len(job.nodes)):
+            agent, threads = start_agent(spec, job, node_index, port, logs, console, verbose)
             agents.append(agent)
-            pumps += [
-                threading.Thread(target=pump_stdout, args=(agent, console), daemon=True),
-                threading.Thread(
-                    target=pump_stderr,
-                    args=(agent, logs / f"node-{node_index}.log", console if verbose else None),
-                    daemon=True,
-                ),
-            ]
-            if METRICS_PORT_ENV in node.container.env:
-                console.held.append(
-                    f"ctl: metrics of node {node_index} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics"
-                )
+            pumps += threads
         console.held.append(
             f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}"
         )
@@ -499,7 +271,7 @@ def run_local(
         # Every node saves at one agreed step and exits; a second signal must not cut that short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop(agents)
+        stop([agent.process for agent in agents])
         join(pumps)
         kept = keep_logs(logs, run_dir, started)
         interrupted = isinstance(exc, KeyboardInterrupt)
@@ -509,6 +281,11 @@ def run_local(
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     join(pumps)
+    return outcome(spec, failed, console, logs, run_dir, started)
+
+
+def outcome(spec: JobSpec, failed: list[Agent], console: Console, logs: Path, run_dir: Path, started: str) -> int:
+    """The ended run's one line and exit code: its root cause when nodes failed; logs kept in the run directory."""
     by_failure = {agent.failure(): agent for agent in failed}  # their records are in the work directory
     if not by_failure:
         console.note(f"ctl: logs of every rank in {keep_logs(logs, run_dir, started)}")
@@ -531,10 +308,3 @@ def run_local(
         return EXIT_ERROR
     console.note(failure_line(cause, by_failure[cause], spec.name, logs, kept))
     return cause.exit_code
-
-
-def join(threads: list[threading.Thread]) -> None:
-    """Let the output threads print what is left (an agent's children may keep a pipe open: not forever)."""
-    for thread in threads:
-        if thread.ident is not None:
-            thread.join(timeout=5)

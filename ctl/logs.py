@@ -18,17 +18,9 @@ from typing import Any
 
 import urllib3
 
-from ctl.cluster import (
-    ClusterError,
-    JobApi,
-    Target,
-    api_of,
-    finished,
-    get_job,
-    job_pods,
-    pod_label,
-    trainer_status,
-)
+from ctl.cluster import ClusterError, Target, get_job
+from ctl.kinds import JobKind, kind_of
+from ctl.status import finished, job_pods, trainer_status
 
 POLL_S = 1.0
 CHUNK_BYTES = 64 * 1024
@@ -47,13 +39,13 @@ def node_lines(
 ) -> Iterator[str]:
     """The log lines of the job's pod `label` (`master-0`, `worker-1`, `node-0`; its newest pod): waits for it to
     start; with `follow`, goes on through its restarts until the job has ended."""
-    api = api_of(job)
+    api = kind_of(job)
     job_name = job["metadata"]["name"]
     streamed: tuple[str, int] | None = None  # the container run read last: (pod uid, restart count)
     waited = False
     while True:
         job = get_job(target, job_name, api)
-        pod = next((p for p in reversed(job_pods(target, job)) if pod_label(p) == label), None)
+        pod = next((p for p in reversed(job_pods(target, job)) if api.pod_label(p) == label), None)
         run = container_run(pod, api) if pod else None
         if run is not None and run != streamed:
             if streamed is not None:
@@ -73,7 +65,7 @@ def node_lines(
         time.sleep(POLL_S)
 
 
-def container_run(pod: dict[str, Any], api: JobApi) -> tuple[str, int] | None:
+def container_run(pod: dict[str, Any], api: JobKind) -> tuple[str, int] | None:
     """(uid, restart count) of the pod's container run that has a log (running, ended, or backing off after
     ending); None before the container has first started."""
     trainer = trainer_status(pod, api.container)
@@ -85,7 +77,7 @@ def container_run(pod: dict[str, Any], api: JobApi) -> tuple[str, int] | None:
     return None
 
 
-def read_log(target: Target, pod: str, api: JobApi, options: LogOptions) -> Iterator[str]:
+def read_log(target: Target, pod: str, api: JobKind, options: LogOptions) -> Iterator[str]:
     """One container run's log, line by line as it arrives (to the run's end when following)."""
     query = [("container", api.container)]
     query += [("follow", "true")] if options.follow and not options.previous else []

@@ -21,6 +21,7 @@ Volume = dict[str, Any]
 # A `valueFrom` the caller resolves (configMapKeyRef, secretKeyRef, an unknown fieldRef): the value, or None to
 # leave the variable out.
 Reference = Callable[[str, dict[str, Any]], str | None]
+VARIABLE_REFERENCE = re.compile(r"\$(\$|\(([^)]*)\))")  # $$, or $(NAME)
 
 
 class PodSetupError(RuntimeError):
@@ -51,6 +52,16 @@ def the_container(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
     if len(containers) != 1:
         raise PodSetupError(f"a local process runs a single-container pod; this one has {len(containers)}")
     return containers[0]
+
+
+def expand_references(text: str, variables: Mapping[str, str]) -> str:
+    """`$(VAR)` in a container's command or args, as the kubelet expands it: the container's variable (the
+    operator's included); `$$` is a literal `$`; a name the container does not define stays as written."""
+
+    def replace(match: re.Match[str]) -> str:
+        return "$" if match.group(1) == "$" else variables.get(match.group(2), match.group(0))
+
+    return VARIABLE_REFERENCE.sub(replace, text)
 
 
 def container_env(container: Mapping[str, Any], fields: Mapping[str, str], reference: Reference) -> dict[str, str]:

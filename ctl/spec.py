@@ -13,6 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from ctl.kinds import KINDS, JobKind
+from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
+from ctl.names import CPU_PER_PROCESS, DNS_LABEL_MAX, MEMORY_MIB_PER_PROCESS
 from trainer.names import EXIT_HUNG
 from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
 
@@ -22,11 +25,8 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
 # or Helm's release record.
 CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
-DNS_LABEL_MAX = 63
 PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
 PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
-# Kubeflow Trainer v2.3's torch plugin: the fixed rendezvous port (PET_MASTER_PORT) of every TrainJob.
-TRAINJOB_MASTER_PORT = 29500
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
 CPU_QUANTITY = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
@@ -58,13 +58,15 @@ class ResourcesSpec(SpecModel):
     cpu: str | None = Field(
         None,
         pattern=CPU_QUANTITY,
-        description="CPU request per pod, e.g. '8' (when unset: 2 per process). No CPU limit: a throttled rank"
+        description=f"CPU request per pod, e.g. '8' (when unset: {CPU_PER_PROCESS} per process). No CPU limit: a"
+        " throttled rank"
         " holds every other rank back at the next all-reduce.",
     )
     memory: str | None = Field(
         None,
         pattern=BYTES_QUANTITY,
-        description="Memory of the trainer processes per pod, e.g. 64Gi (when unset: 4Gi per process). The pod's"
+        description="Memory of the trainer processes per pod, e.g. 64Gi (when unset:"
+        f" {MEMORY_MIB_PER_PROCESS // 1024}Gi per process). The pod's"
         " memory request and limit are this plus `shm` (/dev/shm is memory the pod is charged for).",
     )
     shm: str = Field("1Gi", pattern=BYTES_QUANTITY, description="Size limit of the /dev/shm memory volume.")
@@ -248,9 +250,9 @@ class AlertsSpec(SpecModel):
         " (data preparation, model loading, torch.compile and the rendezvous included).",
     )
     runbook_url: str = Field(
-        "https://github.com/ddpjob/ddpjob/blob/main/docs/operations.md",
-        description="Where the alerts' runbook_url annotations point: docs/operations.md of this project (or your"
-        " copy of it); each alert adds its own #anchor.",
+        "",
+        description="Where the alerts' runbook_url annotations point: your published copy of this project's"
+        " docs/operations.md (each alert adds its own #anchor); empty: the alerts carry no runbook_url.",
     )
     loss_explosion_factor: float = Field(
         3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
@@ -401,19 +403,14 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if self.api_kind == "TrainJob":
-            self._trainjob_compatible()
-        elif self.queue.coscheduling:
-            raise ValueError(
-                "queue.coscheduling: TrainJob only (the training operator v1 chooses its gang scheduler itself)"
-            )
+        self.kind.refuse(self)
         if self.elastic.enabled and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
             raise ValueError(
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
             )
         if self.metrics.port == self.rendezvous_port:
-            port = "masterPort" if self.api_kind == "PyTorchJob" else "Trainer v2's port"
+            port = self.kind.rendezvous_port_name
             raise ValueError(f"metrics.port: {self.metrics.port} is already {port}, the rendezvous port")
         longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:
@@ -423,38 +420,18 @@ class JobSpec(SpecModel):
         return self
 
     @property
+    def kind(self) -> JobKind:
+        """The job API the spec renders to (ctl.kinds)."""
+        return KINDS[self.api_kind]
+
+    @property
     def rendezvous_port(self) -> int:
         """The port node 0's torchrun listens on: masterPort, or Trainer v2's fixed port."""
-        return TRAINJOB_MASTER_PORT if self.api_kind == "TrainJob" else self.master_port
+        return self.kind.rendezvous_port(self)
 
     def longest_pod_name(self) -> str:
         """The longest pod hostname the operator derives (the chart's `ddpjob.fullname` checks the same)."""
-        from ctl.operator_env import Replica  # that module builds on this one
-
-        if self.api_kind == "TrainJob":  # Indexed Job pods of the JobSet's replicated job `node`
-            return Replica("node", self.nodes - 1).pod_name(self.name)
-        workers = self.elastic.max_nodes if self.elastic.enabled else self.nodes - 1
-        return (Replica("worker", workers - 1) if workers else Replica("master", 0)).pod_name(self.name)
-
-    def _trainjob_compatible(self) -> None:
-        """Refuse what Trainer v2.3 cannot express, one key at a time."""
-        if self.elastic.enabled:
-            raise ValueError(
-                "elastic.enabled: Kubeflow Trainer v2.3 has no elastic training (apiKind TrainJob);"
-                " use apiKind PyTorchJob for elastic jobs"
-            )
-        if self.restart_policy == "Always":
-            raise ValueError("restartPolicy: Always is not allowed for the Job pods of a TrainJob")
-        policy = self.run_policy
-        pytorchjob_only = {
-            "runPolicy.ttlSecondsAfterFinished": policy.ttl_seconds_after_finished is not None,
-            "runPolicy.cleanPodPolicy": policy.clean_pod_policy != "None",
-            "runPolicy.schedulingPolicy.minAvailable": policy.scheduling_policy.min_available is not None,
-            "runPolicy.schedulingPolicy.priorityClass": bool(policy.scheduling_policy.priority_class),
-        }
-        for key, is_set in pytorchjob_only.items():
-            if is_set:
-                raise ValueError(f"{key}: PyTorchJob only; a TrainJob has no such setting (apiKind TrainJob)")
+        return self.kind.longest_replica(self).pod_name(self.name)
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:

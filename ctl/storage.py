@@ -4,7 +4,7 @@ and the job waits forever without a word. `ctl submit` checks the class against 
 anything; `ctl render`, without a cluster, notes the risk when the claim relies on the default class.
 
 What is checked is read from the rendered claim (its access modes follow the node count in the chart). No
-Kubernetes client here: `ctl render` imports this module; ctl.cluster.check_claim asks the cluster.
+Kubernetes client here: `ctl render` imports this module; ctl.jobs.check_claim asks the cluster.
 """
 
 from __future__ import annotations

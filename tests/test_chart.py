@@ -25,6 +25,7 @@ import yaml
 from conftest import REPO, prometheus_server, prometheus_tool, run_ctl
 from pod_security import violations
 
+from ctl.kinds import KINDS, PYTORCHJOB
 from ctl.operator_env import replicas
 from ctl.render import (
     Manifest,
@@ -43,7 +44,7 @@ from trainer.spec import load_training_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 TRAINING_OPERATOR = "github.com/kubeflow/training-operator@v1.9.0"
-CRD_IN_MODULE = "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"
+CRD_IN_MODULE = f"manifests/base/crds/{PYTORCHJOB.group}_{PYTORCHJOB.plural}.yaml"
 KUBERNETES_VERSION = "1.30.0"  # `helm template --kube-version` for a go-installed helm binary
 # Chart.yaml's kubeVersion (>=1.27) up to the newest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.utils.latest_version()]
@@ -86,7 +87,7 @@ def pod_owner(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def trainer_container(template: dict[str, Any]) -> dict[str, Any]:
     """The container the operator injects its env into: `pytorch` (v1) or `node` (Trainer v2)."""
-    (container,) = [c for c in template["spec"]["containers"] if c["name"] in ("pytorch", "node")]
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] in {k.container for k in KINDS.values()}]
     return container
 
 
@@ -117,6 +118,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "enabled": True,
                 "labels": {"release": "kube-prometheus-stack"},
                 "checkpointMaxAgeSeconds": 3600,
+                "runbookUrl": "https://runbooks.example/ddpjob/operations.md",
             },
         },
     },
@@ -265,7 +267,7 @@ def test_strict_crd_schema_catches_unknown_fields(pytorchjob_schema: dict[str, A
 @pytest.mark.parametrize(("name", "spec"), PYTORCHJOB_SPECS, ids=[name for name, _ in PYTORCHJOB_SPECS])
 def test_pytorchjob_validates_against_the_real_crd(name: str, spec: JobSpec, pytorchjob_schema: dict[str, Any]) -> None:
     job = objects(spec)["PyTorchJob"]
-    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert (job["apiVersion"], job["kind"]) == (PYTORCHJOB.api_version, PYTORCHJOB.kind)
     jsonschema.validate(job, pytorchjob_schema, cls=jsonschema.Draft7Validator)
 
 
@@ -281,6 +283,8 @@ def test_prepare_job_is_the_training_pod_without_gpus_running_the_preparation() 
         "limits": {"cpu": "16", "memory": "8Gi"},
     }
     assert [p["name"] for p in container["ports"]] == ["metrics"]
+    # Labelled with the job's name as the training pods are (their operator's label): its series go with theirs.
+    assert job["spec"]["template"]["metadata"]["labels"][PYTORCHJOB.job_label] == "job"
     assert pod["nodeSelector"] == {"pool": "cpu"} and "schedulerName" not in pod and pod["restartPolicy"] == "Never"
     # Bad data is not retried: the Job fails on the preparation's bad-input exit code.
     (rule,) = job["spec"]["podFailurePolicy"]["rules"]
@@ -935,7 +939,7 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
     # ctl status/logs: pods, their logs and rank 0's metrics (pods/proxy), the operator's Services and events.
     assert readable - writable == {
-        ("kubeflow.org", "pytorchjobs/status"),
+        (PYTORCHJOB.group, f"{PYTORCHJOB.plural}/status"),
         ("", "pods"),
         ("", "pods/log"),
         ("", "pods/proxy"),
@@ -1023,8 +1027,8 @@ def test_every_pod_serves_metrics_on_the_port_named_metrics() -> None:
 def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
     by_kind = objects(spec_of(**VARIANTS[variant]))
     monitor = by_kind["PodMonitor"]["spec"]
-    assert monitor["jobLabel"] == "training.kubeflow.org/job-name"
-    assert monitor["podTargetLabels"] == ["training.kubeflow.org/replica-type", "training.kubeflow.org/replica-index"]
+    assert monitor["jobLabel"] == PYTORCHJOB.job_label
+    assert monitor["podTargetLabels"] == list(PYTORCHJOB.index_labels)
     assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
     for template in pod_templates(by_kind["PyTorchJob"]).values():
         assert monitor["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
@@ -1037,8 +1041,8 @@ def test_pod_monitor_selects_exactly_the_job_pods(variant: str) -> None:
 def test_prepare_job_series_get_the_job_label_of_the_training_pods(api_kind: str, tmp_path: Path) -> None:
     """The PodMonitor's rules, run by a real Prometheus on the pod labels Kubernetes' service discovery gives
     (what prometheus-operator generates for a PodMonitor: `job` = namespace/name, then the jobLabel's value,
-    then the endpoint's relabelings): the prepare Job's pod, which has no jobLabel, gets the same `job` as
-    the training pods, so the alert rules and the dashboard (`job="<name>"`) see its series."""
+    then the endpoint's relabelings): the prepare Job's pod, labelled with the job's name as the training pods
+    are, gets the same `job` as they do, so the alert rules and the dashboard (`job="<name>"`) see its series."""
     values = VARIANTS["prepare-job"] | {"metrics": {"podMonitor": {"enabled": True}}, "apiKind": api_kind}
     by_kind = objects(spec_of(**values))
     monitor = by_kind["PodMonitor"]
@@ -1103,12 +1107,13 @@ def test_alert_rules_pass_promtool(variant: str, tmp_path: Path) -> None:
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
     assert ("CheckpointTooOld" in alerts) == (variant == "monitoring")  # checkpointMaxAgeSeconds 0 disables it
     operations = (REPO / "docs" / "operations.md").read_text().lower()
+    runbook = VARIANTS[variant]["metrics"]["alerts"].get("runbookUrl")  # no default: no address is guessed
     for name, alert in alerts.items():
-        assert set(alert["annotations"]) == {"summary", "description", "runbook_url"}
+        assert set(alert["annotations"]) == {"summary", "description"} | ({"runbook_url"} if runbook else set())
         assert alert["labels"]["severity"] in ("critical", "warning")
         assert 'job="job"' in alert["expr"]  # scoped to this job's series
-        base, anchor = alert["annotations"]["runbook_url"].split("#")
-        assert base.endswith("/docs/operations.md") and anchor == name.lower()
+        if runbook:
+            assert alert["annotations"]["runbook_url"] == f"{runbook}#{name.lower()}"
         assert f"### {name.lower()}" in operations, f"docs/operations.md has no section for {name}"
     if variant == "monitoring":
         assert "> 3600" in alerts["CheckpointTooOld"]["expr"]

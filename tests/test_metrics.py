@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheu
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ctl.processes import free_port
 from ctl.render import render
 from ctl.spec import JobSpec
 from trainer.checkpoint import SaveStats
@@ -65,12 +65,6 @@ GAUGES = {
     "ddpjob_eval_loss",
     "ddpjob_eval_accuracy_ratio",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5) -> str:

@@ -1,13 +1,21 @@
-"""The env contract: what the training operator v1.9 or Trainer v2.3 injects into each pod (DESIGN.md)."""
+"""The env contract: what the training operator v1.9 or Trainer v2.3 injects into each pod (docs/internals.md,
+docs/trainer-v2.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import sys
 from pathlib import Path
 
+import pytest
 from conftest import tiny_spec
 
-from ctl.local import agent_env, local_job
+from ctl.console import Console
+from ctl.local import agent_env, start_agent
+from ctl.local_pods import local_job
 from ctl.operator_env import Replica, operator_env, replicas
+from ctl.processes import free_port
 from ctl.spec import JobSpec
 from trainer.names import SHUTDOWN_TIMEOUT_ENV
 
@@ -98,7 +106,7 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
 def test_trainjob_nodes_get_the_torch_plugin_env(corpus_file: Path) -> None:
     """Trainer v2.3's torch plugin: PET_* only (torchrun derives the rest), node rank = completion index."""
     spec = job(corpus_file, apiKind="TrainJob", nodes=3, procsPerNode=4)
-    assert replicas(spec) == [Replica("node", 0), Replica("node", 1), Replica("node", 2)]
+    assert [(r.type, r.index) for r in replicas(spec)] == [("node", 0), ("node", 1), ("node", 2)]
     assert [r.pod_name(spec.name) for r in replicas(spec)] == ["news-node-0-0", "news-node-0-1", "news-node-0-2"]
     for replica in replicas(spec):
         assert operator_env(spec, replica) == {
@@ -115,8 +123,27 @@ def test_local_trainjob_nodes_get_the_same_env_with_a_loopback_master(
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "16")
     spec = job(corpus_file, apiKind="TrainJob", nodes=2)
-    env = local_env(spec, Replica("node", 1), tmp_path)
-    assert env.items() >= operator_env(spec, Replica("node", 1), address="127.0.0.1", port=40123).items()
+    node_1 = replicas(spec)[1]
+    env = local_env(spec, node_1, tmp_path)
+    assert env.items() >= operator_env(spec, node_1, address="127.0.0.1", port=40123).items()
     assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"], env["PET_NODE_RANK"]) == ("127.0.0.1", "40123", "1")
     assert not {"MASTER_ADDR", "RANK", "WORLD_SIZE"} & set(env)  # Trainer v2 sets none of them
     assert env["PYTHONUNBUFFERED"] == "1"  # the chart's, on TrainJob pods (test_trainjob.py)
+
+
+def test_local_commands_expand_variable_references_as_the_kubelet_does(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`$(VAR)` in a pod's command and args is the pod's variable (the operator's too); `$$` escapes; a name the pod
+    does not define stays as written, even where this machine has it."""
+    monkeypatch.setenv("ONLY_ON_THIS_MACHINE", "x")
+    spec = job(corpus_file)
+    argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
+    argv += ["$(DDPJOB_JOB_NAME)-$(PET_NODE_RANK)", "$$(DDPJOB_JOB_NAME)", "$(ONLY_ON_THIS_MACHINE)"]
+    with local_job(spec) as pods:
+        (node,) = pods.nodes
+        node = dataclasses.replace(node, container=dataclasses.replace(node.container, command=argv))
+        console = Console(io.StringIO(), io.StringIO())
+        agent, _ = start_agent(spec, dataclasses.replace(pods, nodes=[node]), 0, free_port(), tmp_path, console, False)
+        out, _ = agent.process.communicate(timeout=60)
+    assert out.strip() == str(["news-0", "$(DDPJOB_JOB_NAME)", "$(ONLY_ON_THIS_MACHINE)"])

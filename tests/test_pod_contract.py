@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, run_ctl, tiny_spec
 
 import trainer.names as names
-from ctl.local import local_job, rendered_pods
+from ctl.local_pods import local_job, rendered_pods
 from ctl.render import CHART_ENV, render
 from ctl.spec import JobSpec
 
@@ -90,6 +90,7 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
     not_the_charts = {
         "METRICS_HOST_ENV",
         "SLOW_RANK_ENV",
+        "HEARTBEAT_DIR_ENV",  # the launcher's, for its workers
         "PROGRESS_URL_ENV",
         "PROGRESS_CA_CERT_ENV",
         "PROGRESS_TOKEN_ENV",
@@ -108,4 +109,4 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
             assert set(names.POD_TEMPLATE_ENV) <= set(node.container.env), node.replica
     # The trainer container has the name its controller requires, the name ctl reads logs and overrides from.
     for pod in rendered_pods(render(spec), spec).values():
-        assert names.TRAINER_CONTAINER[api_kind] in [c["name"] for c in pod["containers"]]
+        assert spec.kind.container in [c["name"] for c in pod["containers"]]

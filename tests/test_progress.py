@@ -28,16 +28,18 @@ from cryptography.x509.oid import NameOID
 from test_chart import crd_schema, go_module_dir
 from test_trainjob import CRDS, TRAINER
 
+from ctl.kinds import TRAINJOB
 from trainer.names import PROGRESS_CA_CERT_ENV, PROGRESS_TOKEN_ENV, PROGRESS_URL_ENV
 from trainer.progress import ProgressReporter, trainer_status
 
-STATUS_PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs/tiny/status"
+STATUS_PATH = TRAINJOB.path("default", "tiny") + "/status"
 
 
 @pytest.fixture(scope="module")
 def status_schema() -> dict[str, Any]:
     """The TrainJob's `status` schema from Trainer v2.3's own CRD (strict: unknown fields fail)."""
-    return crd_schema(TRAINER, CRDS.format("trainjobs"), "TrainJob", version="v1alpha1")["properties"]["status"]
+    schema = crd_schema(TRAINER, CRDS.format(TRAINJOB.plural), TRAINJOB.kind, version=TRAINJOB.version)
+    return schema["properties"]["status"]
 
 
 def check_body(body: dict[str, Any], status_schema: dict[str, Any]) -> None:

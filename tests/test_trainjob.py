@@ -13,21 +13,22 @@ import pytest
 from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
 from test_chart import ALL_SPECS, VARIANTS, crd_schema, objects, pod_templates, spec_of, trainer_container
 
+from ctl.kinds import TRAINJOB
+from ctl.kinds.trainjob import ANCESTOR_LABEL, NODE, RUNTIME_PLURAL
 from ctl.render import notes
 from ctl.spec import JobSpec, load_spec
 
 TRAINER = "github.com/kubeflow/trainer/v2@v2.3.0"
-CRDS = "manifests/base/crds/trainer.kubeflow.org_{}.yaml"
+CRDS = f"manifests/base/crds/{TRAINJOB.group}_{{}}.yaml"
 TRAINJOB_SPECS = [(name, spec) for name, spec in ALL_SPECS if spec.api_kind == "TrainJob"]
-ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 
 
 @pytest.fixture(scope="session")
 def trainer_schemas() -> dict[str, dict[str, Any]]:
     """kind -> strict schema, from the Trainer v2.3.0 Go module's own CRDs."""
     return {
-        kind: crd_schema(TRAINER, CRDS.format(plural), kind, version="v1alpha1")
-        for kind, plural in (("TrainJob", "trainjobs"), ("TrainingRuntime", "trainingruntimes"))
+        kind: crd_schema(TRAINER, CRDS.format(plural), kind, version=TRAINJOB.version)
+        for kind, plural in ((TRAINJOB.kind, TRAINJOB.plural), ("TrainingRuntime", RUNTIME_PLURAL))
     }
 
 
@@ -42,7 +43,7 @@ def test_trainjob_and_runtime_validate_against_the_real_crds(
     by_kind = objects(spec)
     assert "PyTorchJob" not in by_kind
     for kind in ("TrainJob", "TrainingRuntime"):
-        assert by_kind[kind]["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+        assert by_kind[kind]["apiVersion"] == TRAINJOB.api_version
         jsonschema.Draft7Validator(trainer_schemas[kind]).validate(by_kind[kind])
 
 
@@ -64,16 +65,16 @@ def test_runtime_is_what_the_webhook_and_torch_plugin_expect() -> None:
     assert runtime["spec"]["mlPolicy"] == {"numNodes": 4, "torch": {}}
     (replicated,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
     # The webhook: an ancestor-labelled replicated job has replicas 1 and, for the trainer, a container `node`.
-    assert replicated["name"] == "node" and replicated["replicas"] == 1
-    assert replicated["template"]["metadata"]["labels"][ANCESTOR] == "trainer"
+    assert replicated["name"] == NODE and replicated["replicas"] == 1
+    assert replicated["template"]["metadata"]["labels"][ANCESTOR_LABEL] == "trainer"
     template = replicated["template"]["spec"]["template"]
     container = trainer_container(template)
-    assert container["name"] == "node"
-    assert template["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == "node"
+    assert container["name"] == TRAINJOB.container
+    assert template["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == TRAINJOB.container
     assert template["spec"]["restartPolicy"] == "OnFailure"  # a Job's pods: OnFailure or Never
     # No v1 rendezvous port: the torch plugin adds 29500 itself.
     assert [p["name"] for p in container["ports"]] == ["metrics"]
-    assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime", "name": "job"}
+    assert job["spec"]["runtimeRef"] == {"apiGroup": TRAINJOB.group, "kind": "TrainingRuntime", "name": "job"}
     trainer = job["spec"]["trainer"]
     # The torch plugin's numProcPerNode default is "auto" (GPUs, else CPUs): the spec's count instead.
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 8)
@@ -102,8 +103,8 @@ def test_both_apis_run_the_same_pod_template(variant: str) -> None:
     values = VARIANTS[variant] | {"runPolicy": {}, "restartPolicy": "OnFailure", "nodes": 2}
     v1 = pod_templates(objects(spec_of(**values))["PyTorchJob"])
     v2 = pod_templates(objects(spec_of(**values, apiKind="TrainJob"))["TrainingRuntime"])
-    assert list(v2) == ["node"]
-    assert without_api_differences(v2["node"]) == without_api_differences(v1["Master"])
+    assert list(v2) == [NODE]
+    assert without_api_differences(v2[NODE]) == without_api_differences(v1["Master"])
 
 
 def test_exit_code_policy_fails_the_job_on_errors_and_retries_signals() -> None:
@@ -112,7 +113,7 @@ def test_exit_code_policy_fails_the_job_on_errors_and_retries_signals() -> None:
     job = replicated["template"]["spec"]
     assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
     (rule,) = job["podFailurePolicy"]["rules"]
-    assert rule["action"] == "FailJob" and rule["onExitCodes"]["containerName"] == "node"
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["containerName"] == TRAINJOB.container
     assert rule["onExitCodes"]["operator"] == "In" and rule["onExitCodes"]["values"] == list(range(1, 128))
 
 
@@ -139,8 +140,8 @@ def test_gang_scheduling_and_kueue() -> None:
 
 def test_pod_monitor_names_jobs_and_nodes_by_jobset_labels() -> None:
     monitor = objects(spec_of(**VARIANTS["trainjob-everything"]))["PodMonitor"]["spec"]
-    assert monitor["jobLabel"] == "jobset.sigs.k8s.io/jobset-name"
-    assert monitor["podTargetLabels"] == ["batch.kubernetes.io/job-completion-index"]
+    assert monitor["jobLabel"] == TRAINJOB.job_label
+    assert monitor["podTargetLabels"] == list(TRAINJOB.index_labels)
 
 
 def test_the_migration_is_one_key(tmp_path: Path) -> None:

@@ -57,12 +57,12 @@ def write_beat(directory: Path, beat: Beat) -> None:
     os.replace(staging, beat_path(directory, beat.pid))
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+def parent_pid(pid: int | str) -> int | None:
+    """The parent of process `pid`, from /proc; None once it has ended (or where there is no /proc)."""
+    try:  # after the command name, which may hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
 
 
 class FrozenRanks:

@@ -40,7 +40,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from trainer.checkpoint import SaveStats
 from trainer.dist import Dist, barrier
-from trainer.names import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, METRICS_PREFIX
+from trainer.names import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_HOST_ENV, METRICS_PORT_ENV, METRICS_PREFIX, Metric
 from trainer.spec import SpecError, TrainingSpec
 
 PREFIX = METRICS_PREFIX
@@ -137,11 +137,13 @@ class TrainingMetrics:
             time.time()
         )
         self.steps = self.counter("steps", "Optimizer steps completed by this rank (this process).")
-        self.step = self.gauge("step", "Optimizer step of the run this rank has finished (continues after a resume).")
+        self.step = self.gauge(
+            Metric.STEP, "Optimizer step of the run this rank has finished (continues after a resume)."
+        )
         self.step = self.step.labels(self.rank)
-        self.gauge("planned_steps", "Optimizer steps the run will have done when it ends (ddpjob_step's goal).").labels(
-            self.rank
-        ).set(planned_steps)
+        self.gauge(
+            Metric.PLANNED_STEPS, "Optimizer steps the run will have done when it ends (ddpjob_step's goal)."
+        ).labels(self.rank).set(planned_steps)
         self.samples = self.counter("samples", "Training examples (sequences) this rank processed.")
         self.tokens = self.counter("tokens", "Training tokens this rank processed (padding included).")
         self.step_duration = self.histogram(
@@ -150,13 +152,13 @@ class TrainingMetrics:
         self.data_wait = self.histogram(
             "data_wait_seconds", "Time one step waited for its batches (next() on the data stream).", DATA_WAIT_BUCKETS
         ).labels(self.rank)
-        self.train_loss = self.gauge("train_loss", "Mean training loss of all ranks over the last log interval.")
+        self.train_loss = self.gauge(Metric.TRAIN_LOSS, "Mean training loss of all ranks over the last log interval.")
         self.learning_rate = self.gauge("learning_rate", "Learning rate at the last log step.")
         self.grad_norm = self.gauge("grad_norm", "Global gradient norm before clipping, at the last log step.")
         self.tokens_per_second = self.gauge(
-            "tokens_per_second", "Training tokens per second of the whole job over the last log interval."
+            Metric.TOKENS_PER_SECOND, "Training tokens per second of the whole job over the last log interval."
         )
-        self.eval_loss = self.gauge("eval_loss", "Validation loss at the last evaluation.")
+        self.eval_loss = self.gauge(Metric.EVAL_LOSS, "Validation loss at the last evaluation.")
         self.eval_accuracy = self.gauge(
             "eval_accuracy_ratio", "Validation accuracy (tokens or examples), last evaluation."
         )
@@ -176,19 +178,19 @@ class TrainingMetrics:
             "checkpoint_save_duration_seconds", "Time to write one checkpoint.", CHECKPOINT_BUCKETS
         )
         self.checkpoint_size = self.gauge("checkpoint_size_bytes", "Size of the last checkpoint.")
-        self.checkpoint_time = self.gauge(
-            "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint was committed."
-        )
-        self.checkpoint_step = self.gauge("checkpoint_step", "Step of the last committed checkpoint (step-N).")
+        self.checkpoint_time = self.gauge(Metric.CHECKPOINT_TIME, "Unix time the last checkpoint was committed.")
+        self.checkpoint_step = self.gauge(Metric.CHECKPOINT_STEP, "Step of the last committed checkpoint (step-N).")
         # From the watchdog thread (trainer.watchdog), once every rank has stepped: stragglers.
         self.step_time_ratio_gauge = self.gauge(
             "step_time_ratio_to_median",
             "This rank's busy time per step (step time less the wait for the other ranks' gradients) over the"
             " median of all ranks; 1: typical, 2: twice as slow as most (a straggler everyone waits for).",
         ).labels(self.rank)
-        self.slowest_rank_gauge = self.gauge("slowest_rank", "Rank 0 only: the rank with the highest step time ratio.")
+        self.slowest_rank_gauge = self.gauge(
+            Metric.SLOWEST_RANK, "Rank 0 only: the rank with the highest step time ratio."
+        )
         self.slowest_ratio_gauge = self.gauge(
-            "slowest_rank_step_time_ratio_to_median", "Rank 0 only: the step time ratio of the slowest rank."
+            Metric.SLOWEST_RANK_RATIO, "Rank 0 only: the step time ratio of the slowest rank."
         )
         self.reported_save: SaveStats | None = None
         self._step_data_wait = 0.0

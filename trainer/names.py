@@ -45,12 +45,24 @@ PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/prepare.py)
+
+
+class Metric:
+    """Metrics that trainer/metrics.py defines and `ctl status` reads off rank 0's endpoint (less METRICS_PREFIX)."""
+
+    STEP = "step"
+    PLANNED_STEPS = "planned_steps"
+    TRAIN_LOSS = "train_loss"
+    EVAL_LOSS = "eval_loss"
+    TOKENS_PER_SECOND = "tokens_per_second"
+    CHECKPOINT_TIME = "checkpoint_last_success_timestamp_seconds"
+    CHECKPOINT_STEP = "checkpoint_step"
+    SLOWEST_RANK = "slowest_rank"
+    SLOWEST_RANK_RATIO = "slowest_rank_step_time_ratio_to_median"
+
+
 # The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);
 # tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
 # `ctl run` (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
 # Trainer v2's controller, HEARTBEAT_DIR_ENV by the launcher.
 POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)
-# The trainer container's name in the pods of each kind, as its controller requires it: the operator v1 reads
-# `pytorch`; Trainer v2's torch plugin and the TrainJob's trainer overrides go to `node` (the chart's
-# ddpjob.containerName says the same).
-TRAINER_CONTAINER = {"PyTorchJob": "pytorch", "TrainJob": "node"}

@@ -54,10 +54,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
-from local_processes import LOOPBACK, free_port, start_process, terminate_group, wait_until
+from local_processes import LOOPBACK, start_process, terminate_group, wait_until
 from oci import busybox_image
 
 from ctl.cluster import Target, apply
+from ctl.processes import free_port
 
 ADMIN_USER = "ddpjob-e2e-admin"
 # The controller-manager's own identity, bound by the API server's bootstrap RBAC policy (role and binding

@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -15,12 +14,6 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_GRACE_S = 10
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> None:

@@ -38,8 +38,11 @@ from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 
-from ctl.local import parent_pid
+from ctl import kinds as job_kinds
+from ctl.kinds import JobKind
+from ctl.kinds.pytorchjob import REPLICA_TYPE_LABEL
 from ctl.operator_env import Replica, operator_env, replicas
+from ctl.processes import parent_pid
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
 from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
@@ -71,32 +74,30 @@ class Kind:
     """What a user sees differ between the two job APIs: the resource, the pods' names within the job (node 0
     first), the replicas' names, and what `ctl delete` removes with the job."""
 
-    api_kind: str
-    group: str
-    version: str
-    plural: str
+    api: JobKind  # the resource (ctl/kinds)
     nodes: tuple[str, str]
     replicas: frozenset[str]
     rendered: tuple[str, ...]  # of `{name}`
 
     @property
     def resource(self) -> str:
-        return f"{self.api_kind.lower()}.{self.group}"
+        return f"{self.api.kind.lower()}.{self.api.group}"
 
     def get(self, cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
         api = kubernetes.client.CustomObjectsApi(cluster.client())
-        return api.get_namespaced_custom_object(self.group, self.version, namespace, self.plural, name)
+        return api.get_namespaced_custom_object(self.api.group, self.api.version, namespace, self.api.plural, name)
 
 
 PYTORCHJOB = Kind(
-    "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", ("master-0", "worker-0"), frozenset({"Master", "Worker"}),
+    job_kinds.PYTORCHJOB, ("master-0", "worker-0"), frozenset({"Master", "Worker"}),
     ("configmap/{name}-training",),
 )  # fmt: skip
 TRAINJOB = Kind(
-    "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", ("node-0", "node-1"), frozenset({"node"}),
+    job_kinds.TRAINJOB, ("node-0", "node-1"), frozenset({"node"}),
     ("configmap/{name}-training", "trainingruntime/{name}"),
 )  # fmt: skip
 KINDS = [pytest.param(PYTORCHJOB, id="PyTorchJob"), pytest.param(TRAINJOB, id="TrainJob")]
+V1 = job_kinds.PYTORCHJOB  # what the tests of the operator v1 alone use
 
 
 # Module scope: the control plane stops when this tier is done, not at the end of the whole suite.
@@ -206,7 +207,7 @@ def wait_for_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     api = kubernetes.client.CustomObjectsApi(cluster.client())
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
-        job = api.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
+        job = api.get_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural, name)
         conditions = {c["type"]: c for c in job.get("status", {}).get("conditions", []) if c["status"] == "True"}
         if "Succeeded" in conditions or "Failed" in conditions:
             return job
@@ -264,12 +265,12 @@ def client_dict(obj: Any) -> dict[str, Any]:
 
 
 def container_env(pod: kubernetes.client.V1Pod) -> dict[str, str]:
-    (container,) = [c for c in pod.spec.containers if c.name == "pytorch"]
+    (container,) = [c for c in pod.spec.containers if c.name == V1.container]
     return {e.name: e.value for e in container.env or [] if e.value is not None}
 
 
 def terminated(pod: kubernetes.client.V1Pod) -> kubernetes.client.V1ContainerStateTerminated:
-    (status,) = [s for s in pod.status.container_statuses if s.name == "pytorch"]
+    (status,) = [s for s in pod.status.container_statuses if s.name == V1.container]
     return status.state.terminated
 
 
@@ -287,9 +288,10 @@ def test_rendered_examples_are_accepted_by_the_api_server(cluster: Cluster, name
         controlplane.server_side_apply(client, runtime)
     applied = [controlplane.server_side_apply(client, obj, dry_run=True) for obj in manifests if obj not in runtimes]
     kinds = {obj["kind"] for obj in applied}
-    assert kind.api_kind in kinds and "ConfigMap" in kinds
+    assert kind.api.kind in kinds and "ConfigMap" in kinds
     jobs = kubernetes.client.CustomObjectsApi(client)
-    assert jobs.list_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural)["items"] == []
+    listed = jobs.list_namespaced_custom_object(kind.api.group, kind.api.version, namespace, kind.api.plural)
+    assert listed["items"] == []
 
 
 def test_kubectl_server_side_apply_accepts_the_rendered_examples(
@@ -353,7 +355,7 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_names
     assert sorted(pods) == sorted(r.pod_name(spec.name) for r in replicas(spec))
     for replica in replicas(spec):
         pod = pods[replica.pod_name(spec.name)]
-        assert pod.metadata.labels["training.kubeflow.org/replica-type"] == replica.type
+        assert pod.metadata.labels[REPLICA_TYPE_LABEL] == replica.type
         assert container_env(pod).items() >= operator_env(spec, replica).items()
         assert pod.status.phase == "Succeeded" and terminated(pod).exit_code == 0
         assert violations(client_dict(pod.spec)) == []
@@ -526,7 +528,7 @@ def test_pod_logs_and_proxy_through_the_api_server(cluster: Cluster, namespace: 
         assert pod.spec.node_name and (cluster.plane is None or pod.spec.node_name == NODE_NAME)
 
     def read_log(**options: Any) -> str:
-        return core.read_namespaced_pod_log(master, namespace, container="pytorch", **options)
+        return core.read_namespaced_pod_log(master, namespace, container=V1.container, **options)
 
     log = read_log()
     lines = log.removesuffix("\n").split("\n")  # not splitlines(): the sampled text may hold \r or \f
@@ -568,7 +570,7 @@ def wait_for_log(cluster: Cluster, namespace: str, pod: str, text: str, **option
     log, error = "", None
     while time.monotonic() < deadline:
         try:
-            log = core.read_namespaced_pod_log(pod, namespace, container="pytorch", **options)
+            log = core.read_namespaced_pod_log(pod, namespace, container=V1.container, **options)
             if text in log:
                 return log
         except kubernetes.client.ApiException as refused:
@@ -583,7 +585,12 @@ def follow_log(cluster: Cluster, namespace: str, pod: str) -> Callable[[], str]:
     """Follows the pod's log (pods/log, follow=true) in a thread; the function returned waits for the stream to
     end by itself (a minute at most, once the job is done) and returns what it carried."""
     response = kubernetes.client.CoreV1Api(cluster.client()).read_namespaced_pod_log(
-        pod, namespace, container="pytorch", follow=True, _preload_content=False, _request_timeout=(10, JOB_TIMEOUT_S)
+        pod,
+        namespace,
+        container=V1.container,
+        follow=True,
+        _preload_content=False,
+        _request_timeout=(10, JOB_TIMEOUT_S),
     )
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(response.stream(4096)), daemon=True)
@@ -646,7 +653,7 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
             time.sleep(0.5)
     # The garbage collector removes the deleted job's pods, which ends their processes.
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
-        "kubeflow.org", "v1", namespace, "pytorchjobs", spec.name
+        V1.group, V1.version, namespace, V1.plural, spec.name
     )
     wait_for_deletion(cluster, namespace, spec.name)
     assert_no_process_left(cluster, marker)
@@ -678,16 +685,16 @@ def test_deleted_jobs_and_namespaces_are_garbage_collected(cluster: Cluster, nam
     core = kubernetes.client.CoreV1Api(cluster.client())
 
     start_running_job(cluster, namespace, spec)
-    jobs.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", spec.name)
+    jobs.delete_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural, spec.name)
     wait_for_deletion(cluster, namespace, spec.name)
     assert services_of(cluster, namespace, spec.name) == []
     assert_no_process_left(cluster, marker)
 
     start_running_job(cluster, namespace, spec)
     options = {"propagationPolicy": "Foreground"}
-    jobs.delete_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", spec.name, body=options)
+    jobs.delete_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural, spec.name, body=options)
     deadline = time.monotonic() + 120
-    while jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"]:
+    while jobs.list_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural)["items"]:
         assert time.monotonic() < deadline, "the job deleted in the foreground is still there"
         time.sleep(0.5)
     assert pods_of(cluster, namespace, spec.name) == {}
@@ -794,7 +801,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     name = f"rt-{marker[:6]}"
     # Long enough (a few seconds of steps) for its progress to be read while it runs.
     training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
-    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api_kind))
+    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api.kind))
     master, worker = kind.nodes
 
     # As a user with only k8s/rbac.yaml's Role: it is all ctl needs (pods/log, pods/proxy included).
@@ -817,7 +824,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     follower = start_ctl_on(kubeconfig, "logs", name, "--all", "-f", "-n", namespace, cwd=tmp_path)
     watcher = start_ctl_on(kubeconfig, "status", name, "-w", "-n", namespace, cwd=tmp_path)
     again = ctl("submit", str(spec))
-    assert again.returncode == 1 and f"{kind.api_kind.lower()} {name} already exists in namespace {namespace}" in (
+    assert again.returncode == 1 and f"{kind.api.kind.lower()} {name} already exists in namespace {namespace}" in (
         again.stderr
     )
     assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
@@ -836,7 +843,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert (status["name"], status["namespace"], status["kind"], status["state"], status["progress"]) == (
         name,
         namespace,
-        kind.api_kind,
+        kind.api.kind,
         "Succeeded",
         None,
     )
@@ -902,7 +909,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert row | {"ageSeconds": 0} == {
         "name": name,
         "namespace": namespace,
-        "kind": kind.api_kind,
+        "kind": kind.api.kind,
         "state": "Succeeded",
         "nodes": 2,
         "procsPerNode": "1",
@@ -911,7 +918,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     }
     table = ctl("list").stdout.splitlines()
     assert table[0].split()[:4] == ["NAMESPACE", "NAME", "KIND", "STATE"]
-    assert [namespace, name, kind.api_kind, "Succeeded"] in [line.split()[:4] for line in table[1:]]
+    assert [namespace, name, kind.api.kind, "Succeeded"] in [line.split()[:4] for line in table[1:]]
     every_namespace = run_ctl_on(cluster.kubeconfig, "list", "-A", "-o", "json", cwd=tmp_path)  # cluster-wide: admin
     assert name in {r["name"] for r in json.loads(every_namespace.stdout)}
 
@@ -919,7 +926,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert refused.returncode == 2 and "--yes" in refused.stderr  # no terminal to ask on
     deleted = ctl("delete", name, "-y")
     assert deleted.returncode == 0, deleted.stderr
-    removed = [f"{kind.api_kind.lower()}/{name}", *(item.format(name=name) for item in kind.rendered)]
+    removed = [f"{kind.api.kind.lower()}/{name}", *(item.format(name=name) for item in kind.rendered)]
     assert deleted.stdout.splitlines() == [f"{item} deleted" for item in removed]
     assert ctl("status", name).returncode == EXIT_NOT_FOUND
     assert ctl("delete", name, "-y").returncode == EXIT_NOT_FOUND
@@ -959,7 +966,7 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     missing_data = ["/nonexistent/ddpjob-e2e/train.txt"]
     restart_policy = "Never" if kind is PYTORCHJOB else "ExitCode"
     spec = spec_file(
-        tmp_path, job_spec(marker, missing_data, name=name, restartPolicy=restart_policy, apiKind=kind.api_kind)
+        tmp_path, job_spec(marker, missing_data, name=name, restartPolicy=restart_policy, apiKind=kind.api.kind)
     )
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
@@ -1020,7 +1027,7 @@ def test_ctl_submit_refuses_read_write_many_from_a_block_storage_class(
         mine = f"app.kubernetes.io/instance=rwx-{marker[:6]}"
         assert core.list_namespaced_config_map(namespace, label_selector=mine).items == []
         jobs = kubernetes.client.CustomObjectsApi(cluster.client())
-        assert jobs.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"] == []
+        assert jobs.list_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural)["items"] == []
         single = ctl("submit", str(spec), "--set", "nodes=1", "--dry-run=server")
         assert single.returncode == 0, single.stderr
     finally:

@@ -35,7 +35,7 @@ from test_control_plane import (
     spec_file,
 )
 
-from ctl.local import parent_pid
+from ctl.processes import parent_pid
 from ctl.spec import StorageSpec
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
@@ -135,7 +135,7 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     name = f"prep-{marker[:6]}"
     corpus = sorted((STDLIB / "json").glob("*.py"))
     claim = put_on_claim(cluster, namespace, name, {path.name: path.read_bytes() for path in corpus})
-    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, apiKind=kind.api_kind))
+    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, apiKind=kind.api.kind))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)

@@ -11,11 +11,19 @@ True (non-empty) when the job is a Trainer v2 TrainJob.
 {{- end }}
 
 {{/*
+This kind's names (its entry of the generated _names.tpl, from ctl/kinds) as JSON: read them as
+`(include "ddpjob.kindNames" . | fromJson).container`.
+*/}}
+{{- define "ddpjob.kindNames" -}}
+{{- index (include "ddpjob.names" . | fromJson) "kinds" .Values.apiKind | toJson -}}
+{{- end }}
+
+{{/*
 The trainer container's name: the operator v1 needs `pytorch`; Trainer v2's torch plugin injects its env
 into the container named `node` of the replicated job labelled as the trainer.
 */}}
 {{- define "ddpjob.containerName" -}}
-{{- ternary "node" "pytorch" (eq .Values.apiKind "TrainJob") -}}
+{{- (include "ddpjob.kindNames" . | fromJson).container -}}
 {{- end }}
 
 {{/*
@@ -25,11 +33,12 @@ the JobSet's replicated job `node`.
 */}}
 {{- define "ddpjob.longestPodName" -}}
 {{- $name := .Values.name -}}
+{{- $pods := (include "ddpjob.kindNames" . | fromJson).podNames -}}
 {{- if include "ddpjob.isTrainJob" . -}}
-{{- printf "%s-node-0-%d" $name (sub (int .Values.nodes) 1) -}}
+{{- printf "%s-%s-%d" $name $pods.node (sub (int .Values.nodes) 1) -}}
 {{- else -}}
 {{- $workers := ternary (int .Values.elastic.maxNodes) (sub (int .Values.nodes) 1) .Values.elastic.enabled -}}
-{{- ternary (printf "%s-worker-%d" $name (sub $workers 1)) (printf "%s-master-0" $name) (gt $workers 0) -}}
+{{- ternary (printf "%s-%s-%d" $name $pods.worker (sub $workers 1)) (printf "%s-%s-0" $name $pods.master) (gt $workers 0) -}}
 {{- end -}}
 {{- end }}
 
@@ -37,19 +46,14 @@ the JobSet's replicated job `node`.
 The pod label naming the job (the PodMonitor's jobLabel: Prometheus' `job` label is the job's name).
 */}}
 {{- define "ddpjob.jobNameLabel" -}}
-{{- ternary "jobset.sigs.k8s.io/jobset-name" "training.kubeflow.org/job-name" (eq .Values.apiKind "TrainJob") -}}
+{{- (include "ddpjob.kindNames" . | fromJson).jobLabel -}}
 {{- end }}
 
 {{/*
 Pod labels telling a job's pods apart (the PodMonitor's podTargetLabels).
 */}}
 {{- define "ddpjob.podIndexLabels" -}}
-{{- if include "ddpjob.isTrainJob" . }}
-- batch.kubernetes.io/job-completion-index
-{{- else }}
-- training.kubeflow.org/replica-type
-- training.kubeflow.org/replica-index
-{{- end }}
+{{- toYaml (include "ddpjob.kindNames" . | fromJson).indexLabels -}}
 {{- end }}
 
 {{/*
@@ -78,7 +82,7 @@ TrainJob, Never where Job's podFailurePolicy must see every exit code (restartPo
 kubectl's kind name of the job object (kubectl get/describe).
 */}}
 {{- define "ddpjob.kubectlKind" -}}
-{{- ternary "trainjob" "pytorchjob" (eq .Values.apiKind "TrainJob") -}}
+{{- (include "ddpjob.kindNames" . | fromJson).kubectlKind -}}
 {{- end }}
 
 {{/*
@@ -87,9 +91,11 @@ TrainJob (whose names end in a random suffix), a label selector.
 */}}
 {{- define "ddpjob.nodeZeroLogArgs" -}}
 {{- $name := include "ddpjob.fullname" . -}}
+{{- $kind := include "ddpjob.kindNames" . | fromJson -}}
 {{- if include "ddpjob.isTrainJob" . -}}
-{{- printf "-l jobset.sigs.k8s.io/jobset-name=%s,batch.kubernetes.io/job-completion-index=0 -c node" $name -}}
+{{- printf "-l %s=%s,%s=0 -c %s" $kind.jobLabel $name (first $kind.indexLabels) $kind.container -}}
 {{- else -}}
-{{- printf "%s-%s-0 -c pytorch" $name (ternary "worker" "master" .Values.elastic.enabled) -}}
+{{- $first := ternary $kind.podNames.worker $kind.podNames.master .Values.elastic.enabled -}}
+{{- printf "%s-%s-0 -c %s" $name $first $kind.container -}}
 {{- end -}}
 {{- end }}

@@ -2,7 +2,7 @@
 The chart name.
 */}}
 {{- define "ddpjob.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- .Chart.Name | trunc (int (include "ddpjob.names" . | fromJson).dnsLabelMax) | trimSuffix "-" }}
 {{- end }}
 
 {{/*
@@ -13,8 +13,9 @@ model keeps those pod names within 63 characters; this check covers `helm instal
 {{- define "ddpjob.fullname" -}}
 {{- $name := required "name is required: the job's name (a DNS-1035 label)" .Values.name -}}
 {{- $longest := include "ddpjob.longestPodName" . -}}
-{{- if gt (len $longest) 63 -}}
-{{- fail (printf "name: too long: pod name %q would have %d characters (at most 63)" $longest (len $longest)) -}}
+{{- $max := int (include "ddpjob.names" . | fromJson).dnsLabelMax -}}
+{{- if gt (len $longest) $max -}}
+{{- fail (printf "name: too long: pod name %q would have %d characters (at most %d)" $longest (len $longest) $max) -}}
 {{- end -}}
 {{- $name -}}
 {{- end }}
@@ -23,7 +24,7 @@ model keeps those pod names within 63 characters; this check covers `helm instal
 Chart name and version, for the helm.sh/chart label.
 */}}
 {{- define "ddpjob.chart" -}}
-{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc (int (include "ddpjob.names" . | fromJson).dnsLabelMax) | trimSuffix "-" }}
 {{- end }}
 
 {{/*
@@ -42,7 +43,8 @@ Selector labels: stable for the life of a release.
 */}}
 {{- define "ddpjob.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ddpjob.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- $names := include "ddpjob.names" . | fromJson }}
+{{ $names.instanceLabel }}: {{ .Release.Name | trunc (int $names.dnsLabelMax) | trimSuffix "-" }}
 {{- end }}
 
 {{/*
@@ -96,8 +98,9 @@ Where the trainer processes of a pod keep their metric files (prometheus_client'
 Labels of the job's pods (selectorLabels + component): the PodMonitor selects pods by them.
 */}}
 {{- define "ddpjob.podSelectorLabels" -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
 {{ include "ddpjob.selectorLabels" . }}
-app.kubernetes.io/component: trainer
+{{ $names.componentLabel }}: {{ $names.trainerComponent }}
 {{- end }}
 
 {{/*
@@ -148,10 +151,11 @@ GPUs (extended resources require limit = request); no CPU limit, whose throttlin
 {{- define "ddpjob.resources" -}}
 {{- $r := .Values.resources -}}
 {{- $procs := int .Values.procsPerNode -}}
-{{- $trainer := mul 4096 $procs -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
+{{- $trainer := mul (int $names.memoryMiPerProcess) $procs -}}
 {{- with $r.memory }}{{ $trainer = include "ddpjob.mebibytes" . | int64 }}{{ end -}}
 {{- $memory := printf "%dMi" (add $trainer (include "ddpjob.mebibytes" $r.shm | int64)) -}}
-{{- $requests := dict "cpu" (default (toString (mul 2 $procs)) $r.cpu) "memory" $memory "ephemeral-storage" $r.cache -}}
+{{- $requests := dict "cpu" (default (toString (mul (int $names.cpuPerProcess) $procs)) $r.cpu) "memory" $memory "ephemeral-storage" $r.cache -}}
 {{- $limits := dict "memory" $memory -}}
 {{- if gt (int $r.gpu) 0 }}
 {{- $_ := set $requests "nvidia.com/gpu" (int $r.gpu) -}}
@@ -213,6 +217,7 @@ The pod template shared by Master and Worker replicas (PyTorchJob) and by the Tr
 job `node` (TrainJob); what differs between the two APIs comes from _apikind.tpl.
 */}}
 {{- define "ddpjob.podTemplate" -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
 metadata:
   labels:
     {{- include "ddpjob.podSelectorLabels" . | nindent 4 }}
@@ -285,15 +290,15 @@ spec:
           protocol: TCP
         {{- end }}
         # Local rank 0 serves the metrics of all the pod's processes here.
-        - name: metrics
+        - name: {{ $names.metricsPort }}
           containerPort: {{ int .Values.metrics.port }}
           protocol: TCP
       env:
-        - name: DDPJOB_JOB_NAME
+        - name: {{ $names.env.jobName }}
           value: {{ include "ddpjob.fullname" . | quote }}
-        - name: DDPJOB_METRICS_PORT
+        - name: {{ $names.env.metricsPort }}
           value: {{ .Values.metrics.port | int | toString | quote }}
-        - name: PROMETHEUS_MULTIPROC_DIR
+        - name: {{ $names.env.metricsDir }}
           value: {{ include "ddpjob.metricsDir" . | quote }}
         # The root filesystem is read-only: every cache goes to the bounded scratch volume.
         - name: HOME
@@ -310,7 +315,7 @@ spec:
           value: /tmp
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
-        - name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+        - name: {{ $names.env.shutdownTimeout }}
           value: {{ max 0 (sub (int .Values.terminationGracePeriodSeconds) 5) | toString | quote }}
         {{- if include "ddpjob.isTrainJob" . }}
         # The operator v1 sets it; Trainer v2 does not, and a piped stdout would show the log in blocks.
@@ -319,13 +324,13 @@ spec:
         {{- end }}
         {{- if .Values.prepare.enabled }}
         # The prepare Job (named here) tokenizes the data: the trainer waits for its manifest instead of preparing.
-        - name: DDPJOB_PREPARED_BY_JOB
+        - name: {{ $names.env.preparedByJob }}
           value: {{ include "ddpjob.prepareJobName" . }}
         {{- end }}
         {{- if .Values.elastic.enabled }}
         # A fresh rendezvous store every round: torchrun's shared store keeps the keys of the
         # previous round, and restarted workers can wait forever on peers that are gone.
-        - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+        - name: {{ $names.env.freshRendezvousStore }}
           value: "1"
         {{- end }}
         {{- with include "ddpjob.ncclEnv" . | trim }}

@@ -1,0 +1,54 @@
+"""`ctl run`'s terminal: the trainers' lines as they come, ctl's own notes, and each agent's torchrun output."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+from typing import TextIO
+
+
+class Console:
+    """The terminal: trainers' lines on stdout as they come, ctl's on stderr. ctl's start-up notes are held
+    until the first trainer line, so that a run that fails before training prints its one line and nothing else."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self.out, self.err = out, err
+        self.held: list[str] = []
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        """Print the held notes (once)."""
+        with self.lock:
+            for note in self.held:
+                print(note, file=self.err, flush=True)
+            self.held = []
+
+    def trainer_line(self, line: str, stream: TextIO | None = None) -> None:
+        self.release()
+        with self.lock:
+            (stream or self.out).write(line)
+            (stream or self.out).flush()
+
+    def note(self, message: str) -> None:
+        with self.lock:
+            print(message, file=self.err, flush=True)
+
+
+def pump_stdout(process: subprocess.Popen, console: Console) -> None:
+    """An agent's stdout: the ranks' lines torchrun shows (prefixed with their rank)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        console.trainer_line(line)
+
+
+def pump_stderr(process: subprocess.Popen, node: int, log: Path, console: Console | None) -> None:
+    """An agent's stderr (torchrun's own messages and reports) into the node's log; to the terminal with
+    --verbose."""
+    assert process.stderr is not None
+    with log.open("w", encoding="utf-8") as file:
+        for line in process.stderr:
+            file.write(line)
+            file.flush()
+            if console is not None:
+                console.trainer_line(f"[node {node}] {line}", console.err)

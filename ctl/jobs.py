@@ -1,0 +1,186 @@
+"""Submitting and deleting a job: the rendered objects applied in install order once the cluster can run them (the
+operator installed, a claim its storage class can give), the prepare Job an earlier submit left, and everything
+rendered with the job on deletion."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ctl import storage
+from ctl.cluster import ClusterError, JobNotFound, NotFound, Target, apply, find_job, get_job, require_operator
+from ctl.kinds import DEFAULT_KIND, KINDS, TRAINJOB, JobKind, State, kind_of
+from ctl.kinds.trainjob import RUNTIME_PLURAL
+from ctl.names import COMPONENT_LABEL, INSTANCE_LABEL, PREPARE_COMPONENT
+
+# Longer than the chart's default terminationGracePeriodSeconds (120 s): a foreground deletion outlasts the pods'.
+DELETE_WAIT_S = 300
+# The training objects rendered with a TrainJob, deleted with it (selected by the chart's instance label).
+TRAINING_RUNTIMES = (f"/apis/{TRAINJOB.api_version}", RUNTIME_PLURAL)
+
+
+def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind = DEFAULT_KIND) -> None:
+    """Delete the job and wait until it is gone. In the background (the default) the cluster's garbage
+    collector removes its pods and Services afterwards; in the foreground the job object goes only once the
+    collector has removed them, so a job recreated under its name never meets the old pods. A TrainJob is deleted
+    in the background even so, and then its pods awaited: Trainer v2.3 recreates the JobSet of a TrainJob that a
+    foreground deletion holds, again and again until the collector wins the race."""
+    policy = "Foreground" if foreground and api.foreground_deletion else "Background"
+    target.call(api.path(target.namespace, name), "DELETE", body={"propagationPolicy": policy})
+    deadline = time.monotonic() + DELETE_WAIT_S
+    pods = f"/api/v1/namespaces/{target.namespace}/pods"
+    while time.monotonic() < deadline:
+        try:
+            get_job(target, name, api)
+        except JobNotFound:
+            selector = [("labelSelector", f"{api.job_label}={name}")]
+            if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
+                return
+        time.sleep(0.5)
+    left = " (its pods and Services are still being removed)" if foreground else ""
+    raise ClusterError(f"{api.kind.lower()} {name} still exists {DELETE_WAIT_S} s after its deletion{left}")
+
+
+def submit(
+    target: Target,
+    objects: list[dict[str, Any]],
+    dry_run: bool,
+    replace: bool,
+    note: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Apply the rendered objects in install order (volume claim, config and a TrainJob's runtime before the job),
+    once the cluster is known to run them: the operator installed, a claim its storage class can give
+    (ctl.storage)."""
+    (job,) = [obj for obj in objects if obj["kind"] in KINDS]
+    api = kind_of(job)
+    require_operator(target, api)
+    if (message := check_claim(target, objects)) and note:
+        note(message)
+    name = job["metadata"]["name"]
+    try:
+        get_job(target, name, api)
+        exists = True
+    except JobNotFound:
+        exists = False
+    if exists and not replace:
+        raise ClusterError(
+            f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
+            " --replace deletes and recreates it (the run directory and its checkpoints stay)"
+        )
+    if exists and not dry_run:
+        delete_job(target, name, foreground=True, api=api)
+    if not dry_run and any(obj["kind"] == "Job" for obj in objects):  # prepare.enabled
+        clear_prepare_job(target, name, replace)
+    for obj in objects:
+        if obj is not job:
+            apply(target, obj, dry_run=dry_run)
+    if dry_run and (runtime := api.runtime_name(job)) and not runtime_exists(target, runtime):
+        if note:
+            note(
+                "note: Trainer v2's webhook checks a TrainJob against its TrainingRuntime, which a dry run does not"
+                " create: the runtime and the other objects passed the server dry run, the TrainJob was not sent"
+            )
+        return job
+    return apply(target, job, dry_run=dry_run)
+
+
+def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
+    """The prepare Job an earlier submit of this name left: a finished Job never runs again (nor can its pod template
+    change), so the new one would never prepare; it goes first, and so does a running one that --replace replaces."""
+    for job in prepare_jobs(target, name):
+        if not (replace or prepare_state(job).terminal):
+            continue
+        path = f"/apis/batch/v1/namespaces/{target.namespace}/jobs/{job['metadata']['name']}"
+        target.call(path, "DELETE", body={"propagationPolicy": "Background"})
+        deadline = time.monotonic() + DELETE_WAIT_S
+        with contextlib.suppress(NotFound):
+            while time.monotonic() < deadline:
+                target.call(path)
+                time.sleep(0.5)
+            raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
+
+
+def prepare_jobs(target: Target, name: str) -> list[dict[str, Any]]:
+    """The job's prepare Job, by the labels helm/ddpjob/templates/prepare-job.yaml gives it (none, or one)."""
+    selector = f"{INSTANCE_LABEL}={name},{COMPONENT_LABEL}={PREPARE_COMPONENT}"
+    jobs = f"/apis/batch/v1/namespaces/{target.namespace}/jobs"
+    return target.call(jobs, query_params=[("labelSelector", selector)])["items"]
+
+
+def prepare_state(job: dict[str, Any]) -> State:
+    """A batch Job's state in ctl's words: Pending, Running, Succeeded (Complete) or Failed."""
+    status = job.get("status") or {}
+    true = {c["type"] for c in status.get("conditions") or [] if c.get("status") == "True"}
+    state = State.RUNNING if status.get("active") else State.PENDING
+    return State.SUCCEEDED if "Complete" in true else State.FAILED if "Failed" in true else state
+
+
+def runtime_exists(target: Target, name: str) -> bool:
+    base, plural = TRAINING_RUNTIMES
+    try:
+        target.call(f"{base}/namespaces/{target.namespace}/{plural}/{name}")
+    except NotFound:
+        return False
+    return True
+
+
+class StorageMismatch(ClusterError):
+    """The claim asks an access mode its storage class cannot give: bad input (exit 2), nothing created."""
+
+
+def check_claim(target: Target, objects: list[dict[str, Any]]) -> str | None:
+    """Raise StorageMismatch when the rendered claim asks ReadWriteMany of a class (named, or the cluster's default)
+    whose provisioner cannot give it. Returns a note when the check could not be made (StorageClasses are
+    cluster-scoped: k8s/rbac.yaml does not let users read them)."""
+    claim = storage.rwx_claim(objects)
+    if claim is None:
+        return None
+    name = claim["spec"].get("storageClassName")
+    try:
+        if name:
+            storage_class = target.call(f"/apis/storage.k8s.io/v1/storageclasses/{name}")
+        else:
+            classes = target.call("/apis/storage.k8s.io/v1/storageclasses")["items"]
+            annotation = storage.DEFAULT_CLASS_ANNOTATION
+            defaults = [c for c in classes if (c["metadata"].get("annotations") or {}).get(annotation) == "true"]
+            if not defaults:
+                return None
+            # Of several defaults, the API server gives a new claim the newest.
+            storage_class = max(defaults, key=lambda c: c["metadata"]["creationTimestamp"])
+    except NotFound:
+        return None  # a class of statically provisioned volumes need not exist as an object
+    except ClusterError as error:
+        return f"note: the claim's storage class was not checked: {error}"
+    problem = storage.mismatch(claim, storage_class, default=not name)
+    if problem:
+        raise StorageMismatch(problem)
+    return None
+
+
+def delete(target: Target, name: str, purge: bool) -> list[str]:
+    """The job, and the objects rendered with it (config, monitoring, a TrainJob's runtime); its claim only with
+    `purge`."""
+    api = kind_of(find_job(target, name))
+    delete_job(target, name, api=api)
+    removed = [f"{api.kind.lower()}/{name}"]
+    selector = f"{INSTANCE_LABEL}={name}"
+    kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
+    kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
+    kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))
+    kinds.append(("/apis/batch/v1", "jobs"))  # prepare.enabled: the prepare Job
+    kinds.append(TRAINING_RUNTIMES)
+    if purge:
+        kinds.append(("/api/v1", "persistentvolumeclaims"))
+    for base, plural in kinds:
+        collection = f"{base}/namespaces/{target.namespace}/{plural}"
+        try:
+            items = target.call(collection, query_params=[("labelSelector", selector)])["items"]
+        except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
+            continue
+        for item in items:
+            target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
+            singular = plural.removesuffix("ies") + "y" if plural.endswith("ies") else plural.removesuffix("s")
+            removed.append(f"{singular}/{item['metadata']['name']}")
+    return removed

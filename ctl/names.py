@@ -1,0 +1,27 @@
+"""Names that ctl and the chart share. The chart reads them from templates/_names.tpl, which `python -m ctl.schema`
+generates from this module, ctl/kinds and trainer/names.py (a test fails when it drifts)."""
+
+from __future__ import annotations
+
+from trainer.names import METRICS_DIR_ENV, PREPARED_BY_JOB_ENV, SHUTDOWN_TIMEOUT_ENV
+
+# Kubernetes object names (and so pod hostnames) are DNS labels.
+DNS_LABEL_MAX = 63
+METRICS_PORT_NAME = "metrics"  # the trainer's container port of its Prometheus endpoint
+# The chart's labels on everything it renders, and the component of the job's pods and of the prepare Job.
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+TRAINER_COMPONENT = "trainer"
+PREPARE_COMPONENT = "prepare"
+# torch's: a fresh rendezvous store every round of an elastic job (the chart sets it on elastic pods).
+FRESH_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The training pods' variables that the prepare Job's pod (the same template) must not get: it has no torchrun, no
+# rendezvous and no shared metrics directory, and it is the job the others wait for.
+PREPARE_DENIED_ENV = (SHUTDOWN_TIMEOUT_ENV, FRESH_RDZV_STORE_ENV, METRICS_DIR_ENV, PREPARED_BY_JOB_ENV)
+# What a pod gets per torchrun process when the spec leaves resources.cpu/memory unset.
+CPU_PER_PROCESS = 2
+MEMORY_MIB_PER_PROCESS = 4096
+# `ctl wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
+EXIT_JOB_FAILED = 100
+EXIT_NOT_FINISHED = 101
+EXIT_NOT_FOUND = 102

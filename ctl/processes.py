@@ -1,0 +1,68 @@
+"""Processes of a local run: free ports, and stopping whole process trees (torchrun starts its workers in sessions
+of their own, so a process group alone does not reach them)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from trainer.frozen import parent_pid
+
+LOCAL_ADDRESS = "127.0.0.1"
+STOP_GRACE_SECONDS = 15
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind((LOCAL_ADDRESS, 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pids: list[int]) -> set[int]:
+    """Every process below `pids`, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        if (parent := parent_pid(entry.name)) is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    pending = list(pids)
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM every process's group (torchrun passes it on to its workers, which save and exit), then SIGKILL
+    what is left after the grace period: the groups and their workers, which torchrun starts in sessions of their
+    own (killing an agent alone would orphan them)."""
+    workers: set[int] = set()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        workers |= descendants([process.pid for process in processes])
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        if sig == signal.SIGKILL:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def join(threads: list[threading.Thread]) -> None:
+    """Let the output threads print what is left (an agent's children may keep a pipe open: not forever)."""
+    for thread in threads:
+        if thread.ident is not None:
+            thread.join(timeout=5)

@@ -1,0 +1,284 @@
+"""A job's state in training terms, for both kinds (ctl/kinds): `ctl status`, `list` and `wait`.
+
+One typed status (a State, dataclasses for the job, its pods, its prepare Job and rank 0's progress) with one
+JSON form, `json_form`, that `-o json` and `-o yaml` print: camelCase keys, states as their words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from ctl.cluster import JobNotFound, NotFound, Target, find_job, require_operator, serves
+from ctl.jobs import prepare_jobs, prepare_state
+from ctl.kinds import KINDS, JobKind, State, kind_of
+from ctl.names import EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND
+from ctl.progress import Progress, progress
+
+BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
+EVENTS_SHOWN = 10
+# `wait --for`: the states that count as reached.
+AWAITED = {
+    "succeeded": {State.SUCCEEDED},
+    "failed": {State.FAILED},
+    "running": {State.RUNNING, State.SUCCEEDED},
+}
+
+
+@dataclass(frozen=True)
+class PodStatus:
+    """One pod: its node (`master-0`, `node-1`), phase, restarts, and how its trainer container last ended."""
+
+    name: str
+    node: str
+    replica_type: str
+    phase: str
+    restarts: int
+    exit_code: int | None
+    reason: str | None
+    message: str | None  # the root cause of a failure (termination_cause)
+
+
+@dataclass(frozen=True)
+class PrepareStatus:
+    """The job's prepare Job (prepare.enabled), which its training pods wait for."""
+
+    name: str
+    state: State
+    reason: str | None  # of its Failed condition
+    message: str | None
+    pod: PodStatus | None  # its newest pod
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    name: str
+    namespace: str
+    kind: str
+    state: State
+    progress: Progress | None  # rank 0's, while the job runs
+    trainer_status: dict[str, Any] | None  # a TrainJob's status.trainerStatus, as Trainer v2 has it
+    prepare: PrepareStatus | None
+    conditions: list[dict[str, Any]]
+    replicas: dict[str, Any]
+    pods: list[PodStatus]
+    events: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One job of `ctl list`."""
+
+    name: str
+    namespace: str
+    kind: str
+    state: State
+    nodes: int
+    procs_per_node: str  # a number, or `auto`, `gpu`... (each node decides)
+    age_seconds: int
+    progress: Progress | None
+
+
+def json_form(value: Any) -> Any:
+    """The JSON form of a status (or of a list of them): camelCase keys, states as their words."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {camel_case(f.name): json_form(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list):
+        return [json_form(item) for item in value]
+    if isinstance(value, dict):
+        return {key: json_form(item) for key, item in value.items()}
+    return value
+
+
+def camel_case(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
+
+
+def finished(job: dict[str, Any]) -> bool:
+    return kind_of(job).state(job).terminal
+
+
+def wait(target: Target, name: str, state: str, timeout: float, progress: Callable[[str], None] | None = None) -> int:
+    """Block until the job reaches `state` (succeeded, failed or running); the exit code for `ctl wait`."""
+    deadline = time.monotonic() + timeout
+    last: State | None = None
+    while True:
+        try:
+            job = find_job(target, name)
+        except JobNotFound:
+            return EXIT_NOT_FOUND
+        current = kind_of(job).state(job)
+        if current != last and progress:
+            progress(current.value)
+        last = current
+        if current in AWAITED[state]:
+            return 0
+        if current == State.FAILED:
+            return EXIT_JOB_FAILED
+        if current.terminal:  # finished otherwise than awaited (--for failed): it never will be
+            return EXIT_NOT_FINISHED
+        if time.monotonic() >= deadline:
+            return EXIT_NOT_FINISHED
+        time.sleep(1)
+
+
+def job_pods(target: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's pods in node-rank order (master-0, worker-0, worker-1...; node-0, node-1...), oldest first
+    among a node's pods (a Job replaces a failed pod by a new one)."""
+    kind = kind_of(job)
+    # Labelled with their replica by the job's controller: not the prepare Job's pod, which has the job label too.
+    selector = f"{kind.job_label}={job['metadata']['name']},{kind.replica_label}"
+    pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
+    ranks = {label: rank for rank, label in enumerate(kind.node_labels(job))}
+    return sorted(
+        pods["items"],
+        key=lambda p: (ranks.get(kind.pod_label(p), len(ranks)), p["metadata"].get("creationTimestamp", "")),
+    )
+
+
+def procs_per_node(job: dict[str, Any]) -> int | None:
+    """Processes per pod when the job fixes the number (`auto`, `gpu`... leave it to each node)."""
+    value = kind_of(job).procs_value(job)
+    return int(value) if value.isdigit() else None
+
+
+def trainer_status(pod: dict[str, Any], container: str) -> dict[str, Any]:
+    """The status of the pod's trainer container ({} before it has one)."""
+    statuses = pod.get("status", {}).get("containerStatuses") or []
+    return next((s for s in statuses if s["name"] == container), {})
+
+
+def pod_status(pod: dict[str, Any], kind: JobKind, container: str) -> PodStatus:
+    """A pod of a job of `kind` (or of its prepare Job); `container` is the one it reports."""
+    trainer = trainer_status(pod, container)
+    terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+    return PodStatus(
+        name=pod["metadata"]["name"],
+        node=kind.pod_label(pod),
+        replica_type=kind.pod_replica_type(pod),
+        phase=pod.get("status", {}).get("phase", "Unknown"),
+        restarts=trainer.get("restartCount", 0),
+        exit_code=terminated.get("exitCode") if terminated else None,
+        reason=(terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
+        message=termination_cause(terminated),
+    )
+
+
+def termination_cause(terminated: dict[str, Any] | None) -> str | None:
+    """A failed container's root cause: the last line of its termination message (the chart's containers fall back
+    to their log's tail, whose last line trainer.launch and trainer.prepare make the one-line root cause). None for
+    a container killed by SIGKILL (the OOM killer's): its last line was not its last word."""
+    if not terminated or terminated.get("exitCode") == SIGKILL_EXIT_CODE:
+        return None
+    lines = (terminated.get("message") or "").strip().splitlines()
+    return lines[-1] if lines else None
+
+
+def status(target: Target, name: str) -> JobStatus:
+    """The job in one stable shape, for both kinds: state, training progress (rank 0's metrics while it runs;
+    for a TrainJob also what its trainer reported to Trainer v2, `trainerStatus`), conditions, replica counts,
+    pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
+    job = find_job(target, name)
+    kind = kind_of(job)
+    pods = job_pods(target, job)
+    prepare = prepare_status(target, name, kind)
+    involved = {name} | {pod["metadata"]["name"] for pod in pods} | ({prepare.name} if prepare else set())
+    involved |= {(pod["metadata"].get("labels") or {}).get(BATCH_JOB_NAME_LABEL) for pod in pods}
+    events = [
+        e
+        for e in target.call(f"/api/v1/namespaces/{target.namespace}/events")["items"]
+        if e["involvedObject"].get("name") in involved
+    ]
+    return JobStatus(
+        name=name,
+        namespace=target.namespace,
+        kind=job["kind"],
+        state=kind.state(job),
+        progress=rank0_progress(target, job, pods),
+        trainer_status=(job.get("status") or {}).get("trainerStatus"),
+        prepare=prepare,
+        conditions=[
+            {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
+            for c in job.get("status", {}).get("conditions") or []
+        ],
+        replicas=kind.replica_counts(job),
+        pods=[pod_status(pod, kind, kind.container) for pod in pods],
+        events=[
+            {"object": f"{e['involvedObject'].get('kind', '').lower()}/{e['involvedObject'].get('name')}"}
+            | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
+            for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-EVENTS_SHOWN:]
+        ],
+    )
+
+
+def prepare_status(target: Target, name: str, kind: JobKind) -> PrepareStatus | None:
+    """The job's prepare Job: Pending, Running, Succeeded or Failed, why it failed (its Failed condition) and its
+    newest pod (exit code 137: killed, as by the OOM killer; 2: bad data, its message the line naming the file).
+    None without one."""
+    jobs = prepare_jobs(target, name)
+    if not jobs:
+        return None
+    job = jobs[0]
+    conditions = (job.get("status") or {}).get("conditions") or []
+    failed = next((c for c in conditions if c["type"] == "Failed" and c.get("status") == "True"), {})
+    selector = f"{BATCH_JOB_NAME_LABEL}={job['metadata']['name']}"
+    pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
+    newest = max(pods["items"], key=lambda p: p["metadata"].get("creationTimestamp", ""), default=None)
+    (container,) = job["spec"]["template"]["spec"]["containers"]  # the chart's one container
+    return PrepareStatus(
+        name=job["metadata"]["name"],
+        state=prepare_state(job),
+        reason=failed.get("reason"),
+        message=failed.get("message"),
+        pod=None if newest is None else pod_status(newest, kind, container["name"]),
+    )
+
+
+def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> Progress | None:
+    """Progress from node 0's pod (where rank 0 runs; its newest) while the job runs."""
+    kind = kind_of(job)
+    labels = kind.node_labels(job)
+    rank0 = [p for p in pods if labels and kind.pod_label(p) == labels[0]]
+    return progress(target, rank0[-1]) if rank0 and not finished(job) else None
+
+
+def list_jobs(target: Target, all_namespaces: bool) -> list[JobRow]:
+    """The jobs of both kinds the cluster serves (an error naming the install when it serves neither)."""
+    items = []
+    for api in KINDS.values():
+        scope = "" if all_namespaces else f"namespaces/{target.namespace}/"
+        try:
+            items += target.call(f"/apis/{api.api_version}/{scope}{api.plural}")["items"]
+        except NotFound:  # this kind is not served here
+            continue
+    if not items and not any(serves(target, api) for api in KINDS.values()):
+        require_operator(target)
+    rows = []
+    for job in sorted(items, key=lambda j: (j["metadata"]["namespace"], j["metadata"]["name"], j["kind"])):
+        in_namespace = Target(target.api, job["metadata"]["namespace"])
+        kind, state = kind_of(job), kind_of(job).state(job)
+        running = state in (State.RUNNING, State.RESTARTING)
+        created = datetime.fromisoformat(job["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        rows.append(
+            JobRow(
+                name=job["metadata"]["name"],
+                namespace=job["metadata"]["namespace"],
+                kind=job["kind"],
+                state=state,
+                nodes=kind.nodes(job),
+                procs_per_node=kind.procs_value(job),
+                age_seconds=int((datetime.now(timezone.utc) - created).total_seconds()),
+                progress=rank0_progress(in_namespace, job, job_pods(in_namespace, job)) if running else None,
+            )
+        )
+    return rows

@@ -1,0 +1,85 @@
+"""The tables and lines `ctl status` and `ctl list` print for people (`-o json|yaml` print the JSON form)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # ctl.status imports the Kubernetes client: not for `ctl --help`
+    from ctl.progress import Progress
+    from ctl.status import JobRow, JobStatus, PrepareStatus
+
+
+def status_table(status: JobStatus) -> str:
+    lines = [f"{status.name} ({status.namespace}): {status.state.value}"]
+    if status.progress:
+        lines.append(f"  progress: {progress_text(status.progress)}")
+    if status.trainer_status:
+        lines.append(f"  trainer status: {trainer_status_text(status.trainer_status)}")
+    if status.prepare:
+        lines.append(f"  prepare: {prepare_text(status.prepare)}")
+    lines += [
+        f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in status.conditions
+    ]
+    lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
+    lines += [
+        f"  {p.name:<32} {p.phase:<10} {p.restarts:>8} {'' if p.exit_code is None else p.exit_code:>5}"
+        f"  {p.reason or ''}"
+        for p in status.pods
+    ]
+    lines += [f"  {p.name}: {p.message}" for p in status.pods if p.exit_code and p.message]
+    lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in status.events]
+    return "\n".join(lines)
+
+
+def status_line(status: JobStatus) -> str:
+    """`ctl status -w`'s line: state, progress and the pods."""
+    pods = ", ".join(
+        f"{p.node} {p.phase}"  # master-0, worker-0; node-0, node-1
+        + (f" ({p.restarts} restarts)" if p.restarts else "")
+        for p in status.pods
+    )
+    progress = status.progress and progress_text(status.progress)
+    return " | ".join(filter(None, [status.state.value, progress, pods]))
+
+
+def progress_text(progress: Progress) -> str:
+    step = f"step {progress.step}" + (f"/{progress.planned_steps}" if progress.planned_steps else "")
+    parts = [step]
+    parts += [f"loss {progress.train_loss:.4f}"] if progress.train_loss is not None else []
+    parts += [f"val loss {progress.eval_loss:.4f}"] if progress.eval_loss is not None else []
+    parts += [f"{progress.tokens_per_second:,.0f} tok/s"] if progress.tokens_per_second is not None else []
+    checkpoint = progress.checkpoint
+    parts += [f"checkpoint step-{checkpoint.step} at {checkpoint.time}"] if checkpoint else []
+    slowest = progress.slowest_rank
+    if slowest:
+        parts.append(f"slowest rank {slowest.rank} ({slowest.step_time_ratio_to_median:.2f}x the median)")
+    return ", ".join(parts)
+
+
+def prepare_text(prepare: PrepareStatus) -> str:
+    """The prepare Job in one line: `job/NAME Failed (exit code 137; BackoffLimitExceeded: ...)`."""
+    why = [f"exit code {prepare.pod.exit_code}"] if prepare.pod and prepare.pod.exit_code else []
+    why += [f"{prepare.reason}: {prepare.message}"] if prepare.reason else []
+    return f"job/{prepare.name} {prepare.state.value}" + (f" ({'; '.join(why)})" if why else "")
+
+
+def trainer_status_text(status: dict[str, Any]) -> str:
+    """A TrainJob's `.status.trainerStatus` (what its trainer reported to Trainer v2) in one line."""
+    parts = [f"{status['progressPercentage']}%"] if status.get("progressPercentage") is not None else []
+    if status.get("estimatedRemainingSeconds") is not None:
+        parts.append(f"about {status['estimatedRemainingSeconds']} s left")
+    parts += [f"{m['name']} {m['value']}" for m in status.get("metrics") or []]
+    if status.get("lastUpdatedTime"):
+        parts.append(f"at {status['lastUpdatedTime']}")
+    return ", ".join(parts)
+
+
+def list_table(rows: list[JobRow]) -> str:
+    lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'KIND':<10} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
+    lines += [
+        f"{r.namespace:<20} {r.name:<32} {r.kind:<10} {r.state.value:<11}"
+        f" {r.nodes} x {r.procs_per_node:<10} {str(r.age_seconds) + 's':<8}"
+        f" {progress_text(r.progress) if r.progress else ''}"
+        for r in rows
+    ]
+    return "\n".join(lines)
