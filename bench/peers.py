@@ -55,6 +55,7 @@ def gpt2(settings: dict) -> transformers.GPT2LMHeadModel:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        activation_function="gelu_pytorch_tanh",  # the trainer's (trainer/models.py)
     )
     return transformers.GPT2LMHeadModel(config)
 
