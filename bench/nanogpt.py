@@ -9,8 +9,9 @@ spec with `ctl run`. Both train a character-level 4-layer, 4-head, 128-wide mode
 cosine to 1e-4 at the last step, clip 1.0, an evaluation every 250 steps, on ~1 MB of the standard
 library's sources (90/10 split). The reference follows nanoGPT's loop: random-offset batches, an estimate
 of the train and val loss from `eval_iters` batches at step 0 and every evaluation (rank 0 alone), a
-checkpoint when it improves. Both end with the validation loss of the final model over the whole
-validation split in the same non-overlapping blocks (the reference's over its ranks, as ddpjob's).
+checkpoint when it improves; ddpjob's periodic evaluations score as many batches (`evalBatches`). Both
+end with the validation loss of the final model over the whole validation split in the same
+non-overlapping blocks (the reference's over its ranks, as ddpjob's).
 
 The data is prepared once (`ctl prepare`) before anything is timed and both read the same token file:
 preparation is excluded on both sides. Runs are interleaved, ddpjob then the reference, round after round,
@@ -254,6 +255,7 @@ def job_spec(workdir: Path, size: str, procs: int, compile_: bool, steps: int) -
             "batchSize": GLOBAL_BATCH // procs,
             "gradClip": OPTIMIZER["clip"],
             "evalEvery": lengths["eval_every"],
+            "evalBatches": lengths["eval_iters"],  # nanoGPT's estimate; the final evaluation is whole either way
             "logEvery": lengths["log_every"],
             "seed": SEED,
             # nanoGPT keeps the best checkpoint, written at an evaluation that improved; its script samples nothing.
@@ -312,6 +314,12 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default 2000)")
     parser.add_argument("--rounds", type=int, help="ddpjob/reference rounds per configuration (default 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="OMP_NUM_THREADS of every process (default: each runner's choice; 1 with --toy, which then takes"
+        " seconds even on a loaded machine)",
+    )
     parser.add_argument("--target-loss", type=float, help="validation loss to time (default: see above)")
     args = parser.parse_args()
     if args.worker:
@@ -320,6 +328,7 @@ def main() -> None:
     size = "toy" if args.toy else "full"
     lengths = LENGTHS[size]
     steps, rounds = args.steps or lengths["steps"], args.rounds or lengths["rounds"]
+    threads = 1 if args.toy else args.threads
     compiles = [args.compile] if args.compile is not None else [False] if args.toy else [False, True]
     results, retried = [], []
     with tempfile.TemporaryDirectory(prefix="ddpjob-nanogpt-") as tmp:
@@ -338,8 +347,6 @@ def main() -> None:
                 for round_number in range(1, rounds + 1):
                     for runner, command in commands(workdir, name, procs, settings).items():
                         warmup = lengths["log_every"]
-                        # The toy's one thread a process: seconds even on a loaded machine (tests).
-                        threads = 1 if args.toy else None
                         run = measure_with_retry(
                             runner, command, workdir, warmup, steps, round_number, retried, threads
                         )
