@@ -251,7 +251,7 @@ def prepare(
     """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer.
 
     `size`: a key of SHAPES and CORPORA. `fast`: bf16 autocast and torch.compile for all three; AdamW is
-    fused on a GPU (as the trainer does).
+    fused for all three (as the trainer does).
     """
     shape = SHAPES[size]
     corpus = CORPORA[size]
@@ -275,7 +275,6 @@ def prepare(
         "seed": 1337,
         "bf16": fast,
         "compile": fast,
-        "fused_adamw": device == "cuda",
     }
     (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
     spec = {

@@ -130,7 +130,7 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class OptimizerSpec(SpecModel):
-    """AdamW (fused on CUDA)."""
+    """AdamW (fused)."""
 
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay on matrices (not on biases/norms).")
