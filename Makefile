@@ -77,12 +77,14 @@ e2e: dev e2e-binaries image
 	$(BIN)/python -m pytest -m e2e tests/e2e
 
 # Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
-# transformers' Trainer), checkpoint stalls (sync vs async), ctl start-up, metrics cost per step, and data
+# transformers' Trainer), wall time and loss on nanoGPT's baby GPT (vs a nanoGPT-style reference),
+# checkpoint stalls (sync vs async), ctl start-up, metrics cost per step, and data
 # preparation at real size (vs a nanoGPT-style prepare).
 bench: $(BIN)/uv
 	$(INSTALL) -e '.[bench]'
 	$(COMPILE)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/nanogpt.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/cli.py
 	$(BIN)/python bench/metrics_overhead.py

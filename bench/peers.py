@@ -55,6 +55,7 @@ def gpt2(settings: dict) -> transformers.GPT2LMHeadModel:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        activation_function="gelu_pytorch_tanh",  # the trainer's (trainer/models.py)
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -74,7 +75,10 @@ def reference(settings: dict) -> None:
     forward = torch.compile(model) if settings["compile"] else model
     ddp = DDP(forward, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings["lr"], weight_decay=0.0, fused=settings["fused_adamw"]
+        model.parameters(),
+        lr=settings["lr"],
+        weight_decay=0.0,
+        fused=True,  # as the trainer's
     )
     sampler = DistributedSampler(blocks, shuffle=True, seed=settings["seed"], drop_last=True)
     loader = DataLoader(blocks, batch_size=settings["batch"], sampler=sampler, drop_last=True, pin_memory=cuda)
@@ -142,7 +146,7 @@ def hf_trainer(settings: dict, workdir: Path) -> None:
         max_grad_norm=1.0,
         lr_scheduler_type="cosine",
         warmup_steps=settings["warmup"],
-        optim="adamw_torch_fused" if settings["fused_adamw"] else "adamw_torch",
+        optim="adamw_torch_fused",  # its default
         bf16=settings["bf16"],
         torch_compile=settings["compile"],
         use_cpu=not cuda,

@@ -89,6 +89,8 @@ LENGTHS = {
 STEP_LINE = re.compile(r"^(?:\[rank 0\] )?step (\d+)\b")
 # All three print it on a GPU: the trainer in its summary, the peers when they are done.
 PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
+# An evaluation's line, periodic or final (bench/nanogpt.py times them).
+VAL_LOSS_LINE = re.compile(r"\bval loss ([\d.]+|nan|inf)")
 # A failed worker in torchrun's closing report: its rank, then its exit code (negative: the signal that ended it).
 WORKER_EXIT = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)")
 
@@ -108,6 +110,7 @@ class Run:
     wall: float = 0.0
     peak_rss: int = 0
     peak_gpu_memory_gib: float | None = None
+    val_losses: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, loss), in order
     output: list[str] = field(default_factory=list)
 
     def tokens_per_second(self, tokens_per_step: int, warmup: int) -> float:
@@ -175,9 +178,13 @@ def usage_of_marked_processes(marker: bytes) -> Usage:
     return Usage(ticks / os.sysconf("SC_CLK_TCK"), faults)
 
 
-def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: int) -> Run:
+def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: int, threads: int | None = 1) -> Run:
+    """Run `command`, timestamping its step and evaluation lines. `threads`: OMP_NUM_THREADS of every process, or
+    None to leave it to the runner (torchrun and `ctl run` each pick one per process)."""
     marker = f"DDPJOB_BENCH={uuid.uuid4().hex}"
     env = os.environ | {"PYTHONPATH": str(REPO), "DDPJOB_BENCH": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
+    if threads is None:
+        del env["OMP_NUM_THREADS"]
     run = Run(runner)
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -192,7 +199,10 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
     assert process.stdout is not None
     for line in process.stdout:
         run.output.append(line)
-        if match := STEP_LINE.match(line):
+        if match := VAL_LOSS_LINE.search(line):
+            run.val_losses.append((time.perf_counter() - started, float(match.group(1))))
+        if (match := STEP_LINE.match(line)) and int(match.group(1)) not in run.step_times:
+            # The first line of a step is when it was done (an evaluation's line at that step comes later).
             step = int(match.group(1))
             run.step_times[step] = time.perf_counter() - started
             if step == last_step or (step > warmup and not run.usage):
@@ -209,12 +219,19 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
 
 
 def measure_with_retry(
-    runner: str, command: list[str], cwd: Path, warmup: int, last_step: int, round_number: int, retried: list[dict]
+    runner: str,
+    command: list[str],
+    cwd: Path,
+    warmup: int,
+    last_step: int,
+    round_number: int,
+    retried: list[dict],
+    threads: int | None = 1,
 ) -> Run:
     """measure(); a peer's run that fails is run once more, noted in `retried` and on stderr with its last lines.
     A peer's failure is not what is measured; ddpjob's is a bug to see, never retried."""
     try:
-        return measure(runner, command, cwd, warmup, last_step)
+        return measure(runner, command, cwd, warmup, last_step, threads)
     except RunFailed as failure:
         if runner == "ddpjob":
             raise
@@ -225,7 +242,7 @@ def measure_with_retry(
             flush=True,
         )
         retried.append({"round": round_number, "runner": runner, "failure": failure.how})
-    return measure(runner, command, cwd, warmup, last_step)
+    return measure(runner, command, cwd, warmup, last_step, threads)
 
 
 def prepare(
@@ -234,7 +251,7 @@ def prepare(
     """The tokenizer (trained here, once), the peers' settings and the job spec of the trainer.
 
     `size`: a key of SHAPES and CORPORA. `fast`: bf16 autocast and torch.compile for all three; AdamW is
-    fused on a GPU (as the trainer does).
+    fused for all three (as the trainer does).
     """
     shape = SHAPES[size]
     corpus = CORPORA[size]
@@ -258,7 +275,6 @@ def prepare(
         "seed": 1337,
         "bf16": fast,
         "compile": fast,
-        "fused_adamw": device == "cuda",
     }
     (workdir / "settings.json").write_text(json.dumps(settings, indent=2))
     spec = {

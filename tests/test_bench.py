@@ -58,6 +58,14 @@ def test_throughput_runs_ddpjob_and_both_peers() -> None:
     assert result["retried"] == []
 
 
+def test_nanogpt_bench_runs_ddpjob_and_the_reference_at_1_and_2_processes() -> None:
+    result = run_bench("nanogpt.py", "--toy")
+    assert [r["configuration"] for r in result["results"]] == ["p1-eager", "p2-eager"]
+    for configuration in result["results"]:
+        assert_finite(configuration, "wall_seconds_ratio", "final_val_loss_ratio", "cpu_seconds_per_step_ratio")
+    assert result["retried"] == []
+
+
 def test_checkpoint_bench_saves_sync_and_async() -> None:
     assert_finite(run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1"), "async_stall_ratio")
 

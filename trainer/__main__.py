@@ -71,7 +71,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     if result.preempted:
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
-    report = task.final_report(spec, dist, work, log) | {
+    report = task.final_report(spec, dist, work, log, result.final_eval) | {
         "train_loss": result.train_loss,
         "steps": result.steps,
         "epochs": result.epochs,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, default_collate
 
 from trainer.dist import Dist
 from trainer.spec import SpecError
@@ -257,6 +257,13 @@ class TrainBatches:
                 batch = self.collate([self.dataset[i] for i in indices])
                 yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
             self.epoch, self.position = self.epoch + 1, 0
+
+
+def evenly_spaced(dataset: Dataset, count: int) -> Dataset:
+    """`count` examples spread evenly over `dataset`, or all of it when it holds no more."""
+    if count >= len(dataset):
+        return dataset
+    return Subset(dataset, [i * len(dataset) // count for i in range(count)])
 
 
 def eval_loader(dataset: Dataset, dist: Dist, batch_size: int, collate: Collate | None) -> DataLoader:

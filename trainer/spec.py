@@ -130,7 +130,7 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class OptimizerSpec(SpecModel):
-    """AdamW (fused on CUDA)."""
+    """AdamW (fused)."""
 
     lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay on matrices (not on biases/norms).")
@@ -226,6 +226,13 @@ class TrainingSpec(SpecModel):
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm; 0 disables clipping.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0: only at the end.")
+    eval_batches: int = Field(
+        0,
+        ge=0,
+        description="Global batches (world size x batchSize examples) a periodic evaluation (evalEvery, an epoch's"
+        " end, a checkpoint's keepBest) scores, spread evenly over the validation split: an estimate, like"
+        " nanoGPT's eval_iters; 0: the whole split. The final evaluation always scores the whole split.",
+    )
     log_every: int = Field(10, ge=1, description="Rank 0 logs a line every N steps.")
     seed: int = Field(1337, description="Seed for init, data order and sampling.")
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(

@@ -2,7 +2,9 @@
 
     load(spec, dist, run_dir) -> Workload        its prepared data (from the cache, or prepared now),
                                                  datasets and model
-    final_report(spec, dist, work, log) -> dict  the final evaluation, as report.json holds it
+    final_report(spec, dist, work, log, evaluated)
+                  -> dict                        the final evaluation, as report.json holds it (`evaluated`:
+                                                 the loop's of the final model on the whole validation split)
     sample(spec, work, log) -> None              rank 0, after the export: text from the final model
 
 `trainer.__main__` runs any task the same way: load, train, report, export, sample.

@@ -12,7 +12,7 @@ import numpy as np
 from trainer import stdlib_docstrings
 from trainer.data import LabelledExamples, PadCollator, check_enough_samples, eval_loader
 from trainer.dist import Dist
-from trainer.loop import autocast_dtype, evaluate, gather_predictions
+from trainer.loop import Evaluation, autocast_dtype, evaluate, gather_predictions
 from trainer.models import build_classifier
 from trainer.prepare import TOKENIZER_DIR
 from trainer.report import classification_report, format_report
@@ -71,9 +71,16 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> ClassificationWorkloa
 
 
 def final_report(
-    spec: TrainingSpec, dist: Dist, work: ClassificationWorkload, log: Callable[[str], None]
+    spec: TrainingSpec,
+    dist: Dist,
+    work: ClassificationWorkload,
+    log: Callable[[str], None],
+    evaluated: Evaluation | None,
 ) -> dict[str, Any]:
-    """Loss, accuracy and per-class precision/recall/F1 on the test split (else val): the same for any world size."""
+    """Loss, accuracy and per-class precision/recall/F1 on the test split (else val): the same for any world size.
+
+    Evaluated here whatever `evaluated` holds: the report needs every example's prediction, which the training
+    loop's evaluation does not gather."""
     split, dataset = ("test", work.test) if work.test is not None else ("val", work.val)
     pairs: list[tuple[int, int]] = []
     loader = eval_loader(dataset, dist, spec.batch_size, work.collate)

@@ -1,0 +1,46 @@
+"""Periodic evaluations on a budget (`evalBatches`), the final one exact."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_ctl, tensorboard_scalars, tiny_spec
+
+PERIODIC = re.compile(r"step 3/6 \| val loss (\S+)")
+FINAL = re.compile(r"step 6/6 \(final\) \| val loss (\S+)")
+
+
+def run(workdir: Path, corpus: Path, name: str, procs: int, **training) -> tuple[str, dict, Path]:
+    """(rank 0's output, report.json, run directory) of a 6-step run evaluated at step 3 and at the end."""
+    spec = tiny_spec(corpus, maxSteps=6, evalEvery=3, batchSize=4 // procs, sample={"maxNewTokens": 0}, **training)
+    spec_file = workdir / f"{name}.yaml"
+    spec_file.write_text(yaml.safe_dump(spec | {"name": name, "procsPerNode": procs}))
+    result = run_ctl("run", str(spec_file), cwd=workdir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = workdir / "runs" / name
+    return result.stdout, json.loads((run_dir / "report.json").read_text()), run_dir
+
+
+def test_periodic_evaluations_estimate_and_the_final_one_is_exact(tmp_path, corpus_file) -> None:
+    whole, whole_report, _ = run(tmp_path, corpus_file, "whole", 1)
+    budget, budget_report, budget_dir = run(tmp_path, corpus_file, "budget", 1, evalBatches=2)
+    _, ddp_report, ddp_dir = run(tmp_path, corpus_file, "budget-ddp", 2, evalBatches=2)
+
+    # Step 3's evaluation scored 2 global batches (8 blocks) spread over the split, not all of it.
+    assert PERIODIC.search(budget)[1] != PERIODIC.search(whole)[1]
+    # The final evaluation is exact whatever the budget: the same loss over the same tokens.
+    assert budget_report["eval_loss"] == pytest.approx(whole_report["eval_loss"], abs=1e-6)
+    assert budget_report["eval_tokens"] == whole_report["eval_tokens"]
+    # The final checkpoint's keepBest evaluation is that exact one too (the report reuses it).
+    assert float(FINAL.search(budget)[1]) == pytest.approx(budget_report["eval_loss"], abs=5e-5)
+
+    # The estimate scores the same examples on any world size: 2 processes give 1 process's values.
+    steps, estimates = zip(*tensorboard_scalars(budget_dir)["eval/loss"], strict=True)
+    ddp_steps, ddp_estimates = zip(*tensorboard_scalars(ddp_dir)["eval/loss"], strict=True)
+    assert ddp_steps == steps == (3, 6)
+    assert ddp_estimates == pytest.approx(estimates, abs=1e-5)
+    assert ddp_report["eval_loss"] == pytest.approx(budget_report["eval_loss"], abs=1e-5)
