@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,3 +127,15 @@ def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, 
         _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == 130 and "ctl: interrupted (SIGINT): stopped" in stderr
     assert processes_with_marker(marker) == []
+
+
+def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path, corpus_file: Path) -> None:
+    """`python -m trainer` alone (no process group, so no store and no watchdog threads) finishes a run."""
+    training = tiny_spec(corpus_file, checkpoint={"dir": str(tmp_path / "run")})["training"]
+    config = tmp_path / "training.yaml"
+    config.write_text(yaml.safe_dump(training), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "--config", str(config)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "final" / "config.json").is_file()

@@ -133,7 +133,8 @@ class Watchdog:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self.stopped.set()
-        self.threads[0].join()  # the heartbeat thread may be inside a store call: it ends with the process
+        if self.threads[0].is_alive():  # started only with a store: not in a single process without torchrun
+            self.threads[0].join()  # the heartbeat thread may be inside a store call: it ends with the process
         if self.beats is not None:  # what follows the loop (the final save) is not watched
             beat_path(self.beats, os.getpid()).unlink(missing_ok=True)
         # A collective that failed because a peer found the job hung and exited: this rank is hung too.
