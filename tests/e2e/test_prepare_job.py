@@ -304,6 +304,8 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     (claim / "corpus" / "latin1.py").write_text("café = 1\n", encoding="utf-8")
     replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
     assert replaced.returncode == 0, replaced.stderr + pod_logs(cluster, namespace)
+    # The ranks go on once the manifest is written: the Job's pod may still be exiting when training is done.
+    assert job_finished(finished_batch_job(cluster, namespace, f"{name}-prepare")) == "Complete"
     assert json.loads(ctl("status", name, "-o", "json").stdout)["prepare"]["state"] == "Succeeded"
     assert len(list((claim / "_datasets").glob(f"causal-lm-*/{MANIFEST}"))) == 1
     assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
