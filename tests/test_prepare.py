@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 from trainer import prepare
 from trainer.data import CharVocab
 from trainer.dist import Dist
-from trainer.names import PREPARED_BY_JOB_ENV
+from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
 from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
@@ -352,3 +352,32 @@ def test_a_prepare_job_showing_progress_is_waited_for_past_the_bound(tmp_path, m
         job.join()
     assert manifest == json.loads(plan.manifest_path.read_text())
     assert not plan.progress_path.exists() and not plan.error_path.exists()
+
+
+def test_ranks_waiting_for_a_prepare_job_that_crashes_exit_at_once_with_its_cause(tmp_path, monkeypatch) -> None:
+    """The prepare Job's command fails for a reason that is not the data (its metrics port is taken): the waiting
+    rank fails with that line at once, not after `longWorkSeconds` without progress."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to prepare\n" * 100)
+    # Without the record, the rank would give up after this bound with another line.
+    plan = make_plan(with_wait_bound(training("char-gpt", [str(corpus)], tmp_path), 30), tmp_path / "run", None)
+    config = tmp_path / "training.yaml"
+    data = {"train": [str(corpus)], "prepareWorkers": 1, "cacheDir": str(tmp_path / "cache")}
+    config.write_text(yaml.safe_dump({"task": "char-gpt", "data": data, "checkpoint": {"dir": str(tmp_path / "run")}}))
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "news-prepare")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = os.environ | {METRICS_PORT_ENV: str(port), METRICS_HOST_ENV: "127.0.0.1"}
+        command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+        job = subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        with pytest.raises(PreparationFailed) as failed:
+            wait_for(plan, waiting_rank())
+        assert job.wait(timeout=60) == 1, job.stderr.read()
+    (line,) = str(failed.value).splitlines()
+    assert line == (
+        f"the prepare Job news-prepare failed to prepare {plan.entry}: RuntimeError: metrics: cannot serve on"
+        f" 127.0.0.1:{port}: [Errno 98] Address already in use"
+    )
+    assert not plan.entry.exists() and not plan.progress_path.exists()

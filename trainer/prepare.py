@@ -137,7 +137,7 @@ class Plan:
 
     @property
     def error_path(self) -> Path:
-        """Where the prepare Job leaves its one-line bad-data error for the training pods waiting on it."""
+        """Where the prepare Job leaves its failure's line (failure_record) for the ranks waiting on it."""
         return self.entry.with_name(f".{self.entry.name}.error")
 
     @property
@@ -893,7 +893,7 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     """`ctl prepare` and the chart's prepare Job: the spec's dataset in its cache, prepared unless already there.
 
     `for_job`: the prepare Job's, which training pods wait for: its progress (Plan.progress_path) shows them it is
-    alive, and a bad-data error (Plan.error_path) is what they exit with.
+    alive, and its failure's line (Plan.error_path) is what they exit with: 2 for bad data, else 1.
     """
     builtin = None
     if spec.data.builtin:
@@ -914,21 +914,30 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     heartbeat = plan.progress_path if for_job else None
     if heartbeat is not None:
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
+    plan.error_path.unlink(missing_ok=True)  # a previous attempt's: this one's outcome is not known yet
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
             manifest = Builder(plan, tokenizer, workers, log, metrics, heartbeat).build()
-    except SpecError as exc:
-        if for_job:
-            plan.error_path.write_text(f"error {exc}", encoding="utf-8")
+    except Exception as exc:
+        if for_job:  # the waiting ranks fail at once with this line instead of waiting for progress that never comes
+            plan.error_path.write_text(failure_record(exc), encoding="utf-8")
         raise
     finally:
         if heartbeat is not None:
             heartbeat.unlink(missing_ok=True)
-    plan.error_path.unlink(missing_ok=True)
     splits = manifest["splits"].items()
     counts = ", ".join(f"{split} {c['tokens']:,} tokens / {c['documents']:,} docs" for split, c in splits)
     log(f"prepared {plan.entry} in {manifest['seconds']:.1f} s: {counts} ({manifest['dtype']})")
     return plan
+
+
+def failure_record(exc: Exception) -> str:
+    """The prepare Job's outcome as trainer.workloads.wait_for reads it: `error <line>` for bad data, else
+    `failed <exception>: <its first line>`."""
+    if isinstance(exc, SpecError):
+        return f"error {exc}"
+    lines = str(exc).splitlines()
+    return f"failed {type(exc).__name__}: {lines[0]}" if lines else f"failed {type(exc).__name__}"
 
 
 def main(argv: list[str] | None = None) -> None:
