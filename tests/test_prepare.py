@@ -246,7 +246,8 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     assert f"rank 0: prepared data {entry}" in rank_0.read_text() and "preparing" not in run.stdout
 
     corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data
-    resumed = run_ctl("run", "spec.yaml", "--set", "training.maxSteps=4", cwd=tmp_path)
+    # The same settings: changed ones would be refused first, before the data is looked at.
+    resumed = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     (failure,) = resumed.stderr.splitlines()
     assert failure.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), failure
