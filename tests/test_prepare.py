@@ -28,11 +28,11 @@ from conftest import run_ctl, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from trainer import prepare
 from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
-from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
+from trainer.preparation import build, encode
+from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec, read_texts
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
 from trainer.workloads import PreparationFailed, wait_for
@@ -92,23 +92,24 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
 ) -> None:
     files, documents = mixed_inputs
     # Long documents are encoded in pieces (the tokenizer's memory): here every document of over 2,000 characters.
-    monkeypatch.setattr(prepare, "ENCODE_BATCH_BYTES", 2000)
-    assert sum(len(prepare.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
+    for module in (encode, build):  # the batches a process encodes; the pieces the builder asks for
+        monkeypatch.setattr(module, "ENCODE_BATCH_BYTES", 2000)
+    assert sum(len(encode.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
     backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
-    assert prepare.cuts_within_documents(backend.to_str())
+    assert encode.cuts_within_documents(backend.to_str())
     # A whitespace run is one token (" \n\n", "   "): a cut inside one would split it, so none is made there. A
     # document of one line (minified text) is cut before spaces.
     for tricky in ("x = 1 \n\n y = 2\n" * 300, "x = f(1)    'y'\t z9 = [2,   3]; " * 300):
-        whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges runs
+        whole = encode.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges runs
         cut = replace(whole, cut=50)
-        assert len(prepare.pieces_of(tricky, 50)) > 1
+        assert len(encode.pieces_of(tricky, 50)) > 1
         assert np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
-    assert prepare.pieces_of("a" * 500 + "   b", 50) == ["a" * 500, "   b"], "cut before a run, not inside"
+    assert encode.pieces_of("a" * 500 + "   b", 50) == ["a" * 500, "   b"], "cut before a run, not inside"
     spaced = AutoTokenizer.from_pretrained(tokenizer_dir)
     spaced.add_tokens(["end of text"])  # an added token with a space: a cut could fall inside it
-    assert not prepare.cuts_within_documents(spaced.backend_tokenizer.to_str())
+    assert not encode.cuts_within_documents(spaced.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "\n..." would become " \n..."
-    assert not prepare.cuts_within_documents(backend.to_str())
+    assert not encode.cuts_within_documents(backend.to_str())
     spec = training(
         "causal-lm",
         [str(f) for f in files],
@@ -134,21 +135,21 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
 def test_read_texts_reads_every_document_from_the_text_field_it_is_given(tmp_path, mixed_inputs) -> None:
     """The benches' reader: the same documents as preparation reads, in order, from the field named."""
     files, documents = mixed_inputs
-    assert list(prepare.read_texts(files, "text", "data.train")) == documents
+    assert list(read_texts(files, "text", "data.train")) == documents
     body = tmp_path / "body.jsonl"
     body.write_text("".join(json.dumps({"body": t, "text": ""}) + "\n" for t in documents[:3]), encoding="utf-8")
-    assert list(prepare.read_texts([body], "body", "data.train")) == documents[:3]
+    assert list(read_texts([body], "body", "data.train")) == documents[:3]
 
 
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
-    """jemalloc where installed (prepare.fast_malloc); the mechanism with a library no worker loads by itself."""
+    """jemalloc where installed (encode.fast_malloc); the mechanism with a library no worker loads by itself."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison
-    encoder = prepare.Encoder("uint16", chars="\nab")
+    encoder = encode.Encoder("uint16", chars="\nab")
     libraries = {}
     for allocator in (None, "libresolv.so.2"):
-        with prepare.encoding_pool(encoder, 2, allocator) as pool:
+        with encode.encoding_pool(encoder, 2, allocator) as pool:
             libraries[allocator] = pool.apply(Path.read_text, (Path("/proc/self/maps"),))
-            assert pool.apply(prepare._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
+            assert pool.apply(encode._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
     assert "libresolv" not in libraries[None] and "libresolv" in libraries["libresolv.so.2"]
     assert "LD_PRELOAD" not in os.environ, "this process's environment is left as it was"
 
