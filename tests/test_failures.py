@@ -51,6 +51,16 @@ def workdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return tmp_path, os.environ | {"TMPDIR": str(tmp_path / TMP)}
 
 
+def exact_tree(path: Path) -> dict[str, tuple[int, int, bytes | None]]:
+    """Every entry under `path` and `path` itself: (modification time, inode, a file's content). A refused
+    run leaves them all as they were, folders' times included (nothing created and removed again)."""
+    return {
+        str(entry.relative_to(path)): (info.st_mtime_ns, info.st_ino, entry.read_bytes() if entry.is_file() else None)
+        for entry in (path, *sorted(path.rglob("*")))
+        if (info := entry.lstat())
+    }
+
+
 def assert_one_line(result: subprocess.CompletedProcess, code: int, expected: str) -> None:
     lines = terminal(result)
     assert result.returncode == code, "\n".join(lines)
@@ -180,11 +190,12 @@ def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpu
     path, env = workdir
     (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0})))
     assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
-    before = tree(path)
+    before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
     flags = ["--set", "training.optimizer.lr=0.01"]
     expected = "error: checkpoint: step-00000002 was written with different settings (changed: optimizer.lr);"
     assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
     assert tree(path) == before
+    assert exact_tree(path / "runs" / "tiny") == run_before
     # --verbose: every rank's own output and torchrun's, on the terminal.
     verbose = run_ctl("run", "spec.yaml", *flags, "--verbose", cwd=path, env=env)
     assert verbose.returncode == EXIT_BAD_INPUT

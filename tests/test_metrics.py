@@ -50,7 +50,7 @@ CHECKPOINT = "ddpjob_checkpoint_"  # exported once a checkpoint has been saved
 # From the watchdog thread, once every rank has reported its step time (the slowest rank: rank 0 only).
 STRAGGLERS = ("ddpjob_step_time_ratio_to_median", "ddpjob_slowest_rank")
 COUNTERS = {"ddpjob_steps", "ddpjob_samples", "ddpjob_tokens"}
-PREPARE = "ddpjob_prepare_"  # data preparation's series (trainer/prepare.py)
+PREPARE = "ddpjob_prepare_"  # data preparation's series (trainer/preparation/progress.py)
 HISTOGRAMS = {"ddpjob_step_duration_seconds", "ddpjob_data_wait_seconds"}
 GAUGES = {
     "ddpjob_info",

@@ -28,11 +28,11 @@ from conftest import run_ctl, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from trainer import prepare
 from trainer.data import CharVocab
 from trainer.dist import Dist
-from trainer.names import PREPARED_BY_JOB_ENV
-from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec
+from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
+from trainer.preparation import build, encode
+from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec, read_texts
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
 from trainer.workloads import PreparationFailed, wait_for
@@ -92,23 +92,24 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
 ) -> None:
     files, documents = mixed_inputs
     # Long documents are encoded in pieces (the tokenizer's memory): here every document of over 2,000 characters.
-    monkeypatch.setattr(prepare, "ENCODE_BATCH_BYTES", 2000)
-    assert sum(len(prepare.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
+    for module in (encode, build):  # the batches a process encodes; the pieces the builder asks for
+        monkeypatch.setattr(module, "ENCODE_BATCH_BYTES", 2000)
+    assert sum(len(encode.pieces_of(text, 2000)) > 1 for text in documents) > len(documents) // 2
     backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
-    assert prepare.cuts_within_documents(backend.to_str())
+    assert encode.cuts_within_documents(backend.to_str())
     # A whitespace run is one token (" \n\n", "   "): a cut inside one would split it, so none is made there. A
     # document of one line (minified text) is cut before spaces.
     for tricky in ("x = 1 \n\n y = 2\n" * 300, "x = f(1)    'y'\t z9 = [2,   3]; " * 300):
-        whole = prepare.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges runs
+        whole = encode.Encoder("uint16", train_tokenizer([tricky], 300).backend_tokenizer.to_str())  # merges runs
         cut = replace(whole, cut=50)
-        assert len(prepare.pieces_of(tricky, 50)) > 1
+        assert len(encode.pieces_of(tricky, 50)) > 1
         assert np.array_equal(cut.encode([tricky])[0], whole.encode([tricky])[0])
-    assert prepare.pieces_of("a" * 500 + "   b", 50) == ["a" * 500, "   b"], "cut before a run, not inside"
+    assert encode.pieces_of("a" * 500 + "   b", 50) == ["a" * 500, "   b"], "cut before a run, not inside"
     spaced = AutoTokenizer.from_pretrained(tokenizer_dir)
     spaced.add_tokens(["end of text"])  # an added token with a space: a cut could fall inside it
-    assert not prepare.cuts_within_documents(spaced.backend_tokenizer.to_str())
+    assert not encode.cuts_within_documents(spaced.backend_tokenizer.to_str())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # "\n..." would become " \n..."
-    assert not prepare.cuts_within_documents(backend.to_str())
+    assert not encode.cuts_within_documents(backend.to_str())
     spec = training(
         "causal-lm",
         [str(f) for f in files],
@@ -134,21 +135,21 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
 def test_read_texts_reads_every_document_from_the_text_field_it_is_given(tmp_path, mixed_inputs) -> None:
     """The benches' reader: the same documents as preparation reads, in order, from the field named."""
     files, documents = mixed_inputs
-    assert list(prepare.read_texts(files, "text", "data.train")) == documents
+    assert list(read_texts(files, "text", "data.train")) == documents
     body = tmp_path / "body.jsonl"
     body.write_text("".join(json.dumps({"body": t, "text": ""}) + "\n" for t in documents[:3]), encoding="utf-8")
-    assert list(prepare.read_texts([body], "body", "data.train")) == documents[:3]
+    assert list(read_texts([body], "body", "data.train")) == documents[:3]
 
 
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
-    """jemalloc where installed (prepare.fast_malloc); the mechanism with a library no worker loads by itself."""
+    """jemalloc where installed (encode.fast_malloc); the mechanism with a library no worker loads by itself."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison
-    encoder = prepare.Encoder("uint16", chars="\nab")
+    encoder = encode.Encoder("uint16", chars="\nab")
     libraries = {}
     for allocator in (None, "libresolv.so.2"):
-        with prepare.encoding_pool(encoder, 2, allocator) as pool:
+        with encode.encoding_pool(encoder, 2, allocator) as pool:
             libraries[allocator] = pool.apply(Path.read_text, (Path("/proc/self/maps"),))
-            assert pool.apply(prepare._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
+            assert pool.apply(encode._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
     assert "libresolv" not in libraries[None] and "libresolv" in libraries["libresolv.so.2"]
     assert "LD_PRELOAD" not in os.environ, "this process's environment is left as it was"
 
@@ -246,7 +247,8 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     assert f"rank 0: prepared data {entry}" in rank_0.read_text() and "preparing" not in run.stdout
 
     corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data
-    resumed = run_ctl("run", "spec.yaml", "--set", "training.maxSteps=4", cwd=tmp_path)
+    # The same settings: changed ones would be refused first, before the data is looked at.
+    resumed = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     (failure,) = resumed.stderr.splitlines()
     assert failure.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), failure
@@ -352,3 +354,32 @@ def test_a_prepare_job_showing_progress_is_waited_for_past_the_bound(tmp_path, m
         job.join()
     assert manifest == json.loads(plan.manifest_path.read_text())
     assert not plan.progress_path.exists() and not plan.error_path.exists()
+
+
+def test_ranks_waiting_for_a_prepare_job_that_crashes_exit_at_once_with_its_cause(tmp_path, monkeypatch) -> None:
+    """The prepare Job's command fails for a reason that is not the data (its metrics port is taken): the waiting
+    rank fails with that line at once, not after `longWorkSeconds` without progress."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to prepare\n" * 100)
+    # Without the record, the rank would give up after this bound with another line.
+    plan = make_plan(with_wait_bound(training("char-gpt", [str(corpus)], tmp_path), 30), tmp_path / "run", None)
+    config = tmp_path / "training.yaml"
+    data = {"train": [str(corpus)], "prepareWorkers": 1, "cacheDir": str(tmp_path / "cache")}
+    config.write_text(yaml.safe_dump({"task": "char-gpt", "data": data, "checkpoint": {"dir": str(tmp_path / "run")}}))
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "news-prepare")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = os.environ | {METRICS_PORT_ENV: str(port), METRICS_HOST_ENV: "127.0.0.1"}
+        command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+        job = subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        with pytest.raises(PreparationFailed) as failed:
+            wait_for(plan, waiting_rank())
+        assert job.wait(timeout=60) == 1, job.stderr.read()
+    (line,) = str(failed.value).splitlines()
+    assert line == (
+        f"the prepare Job news-prepare failed to prepare {plan.entry}: RuntimeError: metrics: cannot serve on"
+        f" 127.0.0.1:{port}: [Errno 98] Address already in use"
+    )
+    assert not plan.entry.exists() and not plan.progress_path.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -143,6 +144,30 @@ def test_mlflow_gets_every_logged_value_and_a_resume_goes_on_in_the_same_run(
     for name, points in expected.items():
         history = sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, name))
         assert [(step, value) for step, _, value in history] == [(s, pytest.approx(v, rel=1e-6)) for s, v in points]
+
+
+def test_a_tracker_that_cannot_end_its_run_is_a_warning_and_the_run_still_succeeds(
+    tmp_path: Path, write_spec, corpus_file: Path, mlflow_env: dict[str, str]
+) -> None:
+    """The MLflow run is gone from its store once training is done (report.json written, the sample still being
+    generated): MLflow's own error at the end is one warning line naming the tracker; `ctl run` exits 0."""
+    spec = tiny_spec(corpus_file, maxSteps=2, reportTo=["tensorboard", "mlflow"], sample={"maxNewTokens": 3000})
+    ctl = start_ctl("run", str(write_spec(spec)), "--verbose", cwd=tmp_path, env=os.environ | mlflow_env)
+    run_dir = tmp_path / "runs" / "tiny"
+    deadline = time.monotonic() + 240
+    while not (run_dir / "report.json").exists():
+        assert ctl.poll() is None and time.monotonic() < deadline, ctl.communicate()[0]
+        time.sleep(0.01)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["mlflow"]
+    (stored,) = (tmp_path / "mlruns").glob(f"*/{run_id}")
+    shutil.rmtree(stored)
+    output, _ = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, output
+    assert "Traceback" not in output, output
+    (warning,) = [line for line in output.splitlines() if "warning: mlflow" in line]
+    assert (
+        warning == f"[node 0] [rank 0] warning: mlflow: cannot end its run: MlflowException: Run '{run_id}' not found"
+    ), output
 
 
 def venv_without(root: Path, distribution: str) -> Path:

@@ -53,6 +53,9 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
+    checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
+    # Before anything touches the run directory (the write test, the dataset record): a refusal leaves it as it was.
+    checkpoints.check_settings()
     created = [path for path in (run_dir, *run_dir.parents) if not path.exists()] if dist.is_main else []
     if dist.is_main:
         prepare_run_dir(run_dir)
@@ -62,8 +65,6 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     except SpecError:
         remove_if_empty(created)  # bad data: leave nothing behind
         raise
-    checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
-    checkpoints.check_settings()
     checkpoints.clean()
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")

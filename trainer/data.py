@@ -1,6 +1,6 @@
 """Prepared token files in, batches out: memory-mapped datasets, the char-gpt vocabulary and the samplers.
 
-Every dataset reads its split through `numpy.memmap` (trainer/prepare.py writes the files): a
+Every dataset reads its split through `numpy.memmap` (trainer/preparation/build.py writes the files): a
 rank's memory does not grow with the corpus, and the ranks of a node share the pages.
 
 Training walks one global shuffled order per epoch (`EpochOrder`, computed per position,

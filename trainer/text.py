@@ -1,4 +1,4 @@
-"""Finding data files and getting a tokenizer for them (trainer/prepare.py reads the files).
+"""Finding data files and getting a tokenizer for them (trainer/preparation/readers.py reads the files).
 
 Every problem is a SpecError naming the spec key: the trainer turns it into one line and exit code 2.
 """

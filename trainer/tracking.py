@@ -22,6 +22,7 @@ import atexit
 import importlib.util
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def check_installed(spec: TrainingSpec) -> None:
 
 
 class TensorBoard:
+    name = "tensorboard"
+
     def __init__(self, run_dir: Path, resumed_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -64,6 +67,8 @@ class TensorBoard:
 
 
 class MLflow:
+    name = "mlflow"
+
     def __init__(self, name: str, run_id: str | None) -> None:
         import mlflow
 
@@ -82,6 +87,8 @@ class MLflow:
 
 
 class WandB:
+    name = "wandb"
+
     def __init__(self, name: str, run_id: str | None, run_dir: Path) -> None:
         import wandb
 
@@ -154,6 +161,11 @@ class Tracker:
         self.log(save.step, {"checkpoint/save_seconds": save.seconds, "checkpoint/size_bytes": save.size_bytes})
 
     def close(self, exit_code: int) -> None:
+        """Close every tracker; one that fails to (its server gone) is a warning: the run's outcome stands."""
         for tracker in self.trackers:
-            tracker.close(exit_code)
+            try:
+                tracker.close(exit_code)
+            except Exception as exc:
+                reason = next(iter(str(exc).splitlines()), "")
+                print(f"warning: {tracker.name}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
         self.trackers = []

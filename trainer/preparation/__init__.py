@@ -1,0 +1,1 @@
+"""The parts of data preparation (trainer.prepare is its entry): plan, readers, encode, progress, build."""

@@ -1,0 +1,230 @@
+"""Building a prepared dataset: every split's token files written in a staging directory, the manifest last,
+then renamed into place."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.preparation.encode import (
+    ENCODE_BATCH_BYTES,
+    Encoder,
+    cuts_within_documents,
+    encoded,
+    encoding_pool,
+    fast_malloc,
+)
+from trainer.preparation.plan import MANIFEST, TOKENIZER_DIR, Plan, stat_sources, tokenizer_hash
+from trainer.preparation.progress import PrepareMetrics, Progress
+from trainer.preparation.readers import SKIPPED_SHOWN, Document, Skipped, documents, find_label
+from trainer.spec import DataSpec, SpecError
+from trainer.text import load_tokenizer, train_tokenizer
+
+
+class SplitWriter:
+    """Appends one split's tokens (and, for classification, document ends and label ids) to its files."""
+
+    def __init__(self, directory: Path, split: str, labelled: bool) -> None:
+        self.tokens_file = (directory / f"{split}.bin").open("wb")
+        self.ends_file = (directory / f"{split}.idx").open("wb") if labelled else None
+        self.labels_file = (directory / f"{split}.labels").open("wb") if labelled else None
+        self.tokens = self.documents = 0
+        self.has_text = False
+
+    def write(self, tokens: np.ndarray, lengths: np.ndarray, label_ids: list[int] | None) -> None:
+        self.tokens_file.write(tokens.tobytes())
+        if self.ends_file is not None:
+            self.ends_file.write((self.tokens + np.cumsum(lengths)).astype(np.int64).tobytes())
+            self.labels_file.write(np.array(label_ids, dtype=np.int32).tobytes())
+        self.tokens += len(tokens)
+        self.documents += len(lengths)
+
+    def close(self) -> dict[str, int]:
+        for file in (self.tokens_file, self.ends_file, self.labels_file):
+            if file is not None:
+                file.flush()
+                os.fsync(file.fileno())
+                file.close()
+        return {"tokens": self.tokens, "documents": self.documents}
+
+
+@dataclass
+class Builder:
+    """Prepares `plan` into a staging directory, then renames it into place (the manifest inside, written last)."""
+
+    plan: Plan
+    tokenizer: Any  # the spec's tokenizer; None: char-gpt, or train one here
+    workers: int
+    log: Callable[[str], None]
+    metrics: PrepareMetrics | None = None
+    heartbeat: Path | None = None  # the prepare Job's: Plan.progress_path
+    skipped: Skipped = field(default_factory=Skipped)
+
+    @property
+    def data(self) -> DataSpec:
+        return self.plan.spec.data
+
+    @property
+    def labelled(self) -> bool:
+        return self.plan.spec.task == "classification"
+
+    def docs(self, split: str) -> Iterator[Document]:
+        return documents(self.plan.files[split], self.data, self.labelled, f"data.{split}", self.skipped)
+
+    def input_bytes(self, splits: list[str]) -> int:
+        return sum(s.size for split in splits for s in self.plan.sources[split])
+
+    def pass_over(self, label: str, splits: list[str]) -> Iterator[Document]:
+        """The documents of `splits` with a progress display of their own."""
+        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics, heartbeat=self.heartbeat)
+        for split in splits:
+            for doc in self.docs(split):
+                progress.advance(doc.size, 1, 0)
+                yield doc
+        progress.finish()
+
+    def build(self) -> dict[str, Any]:
+        plan = self.plan
+        cache = plan.entry.parent
+        created = [p for p in (cache, *cache.parents) if not p.exists()]
+        staging = cache / f".{plan.entry.name}.tmp-{os.getpid()}"
+        started = time.monotonic()
+        try:
+            staging.mkdir(parents=True)
+            manifest = self.write(staging)
+            manifest["seconds"] = round(time.monotonic() - started, 3)
+            self.check_unchanged()
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+            with contextlib.suppress(FileExistsError, OSError):
+                os.rename(staging, plan.entry)  # a concurrent preparation of the same fingerprint may have won
+            if not plan.manifest_path.exists():
+                raise OSError(f"cannot move {staging} to {plan.entry}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            for path in created:  # nothing left behind on bad data
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        if self.skipped.files:
+            self.log(self.skipped.summary())
+        return manifest
+
+    def write(self, staging: Path) -> dict[str, Any]:
+        spec, splits = self.plan.spec, list(self.plan.files)
+        manifest: dict[str, Any] = self.plan.key | {"task": spec.task, "fingerprint": self.plan.fingerprint}
+        if spec.task == "char-gpt":
+            chars: set[str] = set()
+            for doc in self.pass_over("reading the character vocabulary", splits):
+                chars.update(doc.text)
+            joined = "".join(sorted(chars | {"\n"}))  # "\n" joins the documents
+            vocab_size = len(joined) + 1
+            encoder = Encoder(dtype_for(vocab_size), chars=joined)
+            manifest["chars"] = joined
+        else:
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                texts = (doc.text for doc in self.pass_over("training the tokenizer", ["train"]))
+                train_tokenizer(texts, spec.tokenizer.vocab_size).save_pretrained(staging / TOKENIZER_DIR)
+                tokenizer = load_tokenizer(str(staging / TOKENIZER_DIR), "tokenizer")
+                manifest["tokenizerSha256"] = tokenizer_hash(tokenizer)
+            vocab_size = len(tokenizer)
+            tokenizer_json = tokenizer.backend_tokenizer.to_str()
+            encoder = Encoder(
+                dtype_for(vocab_size),
+                tokenizer_json=tokenizer_json,
+                eos_id=None if self.labelled else tokenizer.eos_token_id,
+                max_length=spec.model.block_size if self.labelled else None,
+                # Pieces would each get the special tokens that classification adds.
+                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_within_documents(tokenizer_json) else None,
+            )
+        manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
+        label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
+        seen: dict[str, set[str]] = {}
+        with encoding_pool(encoder, self.workers, fast_malloc()) as pool:
+            for split in splits:
+                seen[split] = set()
+                manifest["splits"][split] = self.write_split(staging, split, encoder, pool, label_ids, seen[split])
+        if self.labelled:
+            manifest["labels"] = self.finish_labels(staging, label_ids, seen)
+        manifest["skipped"] = {"count": len(self.skipped.files), "files": self.skipped.files[:SKIPPED_SHOWN]}
+        return manifest
+
+    def write_split(
+        self, staging: Path, split: str, encoder: Encoder, pool: Any, label_ids: dict[str, int], seen: set[str]
+    ) -> dict[str, int]:
+        """One split's files; `label_ids` gets each new label an id in order of appearance, `seen` the split's."""
+        writer = SplitWriter(staging, split, self.labelled)
+        progress = Progress(
+            f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
+        )
+        separator = None if encoder.chars is None else np.array([encoder.chars.index("\n")], dtype=encoder.dtype)
+        for chunk, tokens, lengths in encoded(encoder, self.docs(split), pool, self.workers, self.buffer_bytes):
+            progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
+            ids = None
+            if self.labelled:
+                ids = [label_ids.setdefault(d.label, len(label_ids)) for d in chunk]
+                seen.update(d.label for d in chunk)
+            if separator is not None and writer.tokens:
+                writer.write(separator, np.zeros(0, np.int64), None)
+            writer.has_text = writer.has_text or any(d.text.strip() for d in chunk)
+            writer.write(tokens, lengths, ids)
+        counts = writer.close()
+        progress.finish()
+        if not writer.documents or not writer.has_text:
+            what = "examples" if self.labelled and not writer.documents else "text"
+            raise SpecError(f"data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
+        return counts
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.data.prepare_buffer_mib * 2**20
+
+    def finish_labels(self, staging: Path, label_ids: dict[str, int], seen: dict[str, set[str]]) -> list[str]:
+        """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
+        labels = self.data.labels or sorted(seen["train"])
+        known = set(labels)
+        for split, split_labels in seen.items():
+            unseen = sorted(split_labels - known)
+            if unseen:
+                where = "data.labels" if self.data.labels else "training data"
+                more = f"{len(unseen)} such label(s)"
+                row = find_label(self.plan.files[split], self.data.label_field, unseen[0], f"data.{split}")
+                raise SpecError(f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
+        if len(labels) < 2:
+            raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
+        final = {label: i for i, label in enumerate(labels)}
+        remap = np.zeros(max(len(label_ids), 1), dtype=np.int32)
+        for label, first_seen in label_ids.items():
+            remap[first_seen] = final[label]
+        for split in seen:
+            path = staging / f"{split}.labels"
+            ids = np.fromfile(path, dtype=np.int32)
+            remap[ids].tofile(path)  # one int32 per document: small next to the tokens
+        return labels
+
+    def check_unchanged(self) -> None:
+        """A source written to while it was read would leave tokens matching neither version."""
+        for split, paths in self.plan.files.items():
+            for path, before in zip(paths, self.plan.sources[split], strict=True):
+                now = stat_sources([path], f"data.{split}")[0]
+                if (now.size, now.mtime_ns) != (before.size, before.mtime_ns):
+                    raise SpecError(f"data.{split}: {path} changed while it was being prepared; prepare again")
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def worker_count(data: DataSpec) -> int:
+    """`data.prepareWorkers`, else every core this process may run on."""
+    if data.prepare_workers:
+        return data.prepare_workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

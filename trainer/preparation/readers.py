@@ -1,0 +1,161 @@
+"""Reading documents as a stream: plain text files, JSONL, CSV and Parquet rows, one row in memory at a time;
+bad input is one SpecError naming the key, the file and the row."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.spec import DataSpec, SpecError
+from trainer.text import RECORD_SUFFIXES
+
+PARQUET_SUFFIX = ".parquet"
+SKIPPED_SHOWN = 5  # names of skipped files a log line shows
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    label: str | None
+    size: int  # bytes of input it stands for, for progress
+
+
+def _text_file(path: Path, key: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{key}: {path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+
+
+def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
+    value = record.get(name)
+    if value is None or value == "":
+        raise SpecError(f"{key}: {where}: no {name!r} field")
+    return str(value)
+
+
+def _lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 file, read incrementally; an undecodable line names its number."""
+    try:
+        with path.open("rb") as file:
+            for number, raw in enumerate(file, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise SpecError(f"{key}: {path}:{number}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+
+
+def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) for each row of a JSONL, CSV or Parquet file, one row in memory at a time."""
+    if path.suffix == PARQUET_SUFFIX:
+        yield from _parquet_records(path, fields, key)
+    elif path.suffix == ".csv":
+        lines = (line for _, line in _lines(path, key))
+        reader = csv.DictReader(lines)
+        try:
+            for row in reader:
+                yield f"{path}:{reader.line_num}", row
+        except csv.Error as exc:
+            raise SpecError(f"{key}: {path}:{reader.line_num}: invalid CSV: {exc}") from None
+    else:
+        for number, line in _lines(path, key):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SpecError(f"{key}: {path}:{number}: invalid JSON: {exc.msg}") from None
+            if not isinstance(record, dict):
+                raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
+            yield f"{path}:{number}", record
+
+
+def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise SpecError(f"{key}: {path}: not a readable Parquet file: {str(exc).splitlines()[0]}") from None
+    missing = [name for name in fields if name not in parquet.schema_arrow.names]
+    if missing:
+        raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
+    row = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=1024, columns=fields):
+            for record in batch.to_pylist():
+                row += 1
+                yield f"{path}: row {row}", record
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise SpecError(f"{key}: {path}: row {row + 1}: unreadable: {str(exc).splitlines()[0]}") from None
+
+
+def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str:
+    """Where the first row labelled `label` is (`file:line`, `file: row N`), for a message: read only then."""
+    for path in paths:
+        for where, record in _records(path, [label_field], key):
+            if str(record.get(label_field)) == label:
+                return where
+    return ", ".join(map(str, paths))
+
+
+def _file_documents(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
+    if path.suffix not in (*RECORD_SUFFIXES, PARQUET_SUFFIX):
+        if labelled:
+            raise SpecError(f"{key}: {path}: expected a .jsonl, .csv or .parquet file of text/label rows")
+        text = _text_file(path, key)
+        yield Document(text, None, len(text))
+        return
+    fields = [data.text_field, data.label_field] if labelled else [data.text_field]
+    for where, record in _records(path, fields, key):
+        text = _value(record, data.text_field, where, key)
+        label = _value(record, data.label_field, where, key) if labelled else None
+        yield Document(text, label, len(text))
+
+
+@dataclass
+class Skipped:
+    """Files left out under `data.onBadFile: skip`, with the first reasons."""
+
+    files: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        shown = ", ".join(self.files[:SKIPPED_SHOWN]) + (", ..." if len(self.files) > SKIPPED_SHOWN else "")
+        return f"skipped {len(self.files)} bad file(s) (data.onBadFile: skip): {shown}; first: {self.reasons[0]}"
+
+
+def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipped: Skipped) -> Iterator[Document]:
+    """Every document of `paths`, in order. With onBadFile skip, a file that fails is left out whole:
+    a text file is read once (it is one document); a row file is checked in a first pass."""
+    for path in paths:
+        if data.on_bad_file == "skip":
+            try:
+                if path.suffix in (*RECORD_SUFFIXES, PARQUET_SUFFIX):
+                    for _ in _file_documents(path, data, labelled, key):
+                        pass
+                else:
+                    yield from list(_file_documents(path, data, labelled, key))
+                    continue
+            except SpecError as exc:
+                if str(path) not in skipped.files:  # each pass over the data meets it again
+                    skipped.files.append(str(path))
+                    skipped.reasons.append(str(exc))
+                continue
+        yield from _file_documents(path, data, labelled, key)
+
+
+def read_texts(paths: list[Path], text_field: str, key: str) -> Iterator[str]:
+    """The text of every document of `paths` (a plain text file is one; each JSONL/CSV/Parquet row is one)."""
+    # The spec models take their camelCase keys only (as a job spec spells them).
+    data = DataSpec.model_validate({"train": [str(p) for p in paths], "textField": text_field})
+    return (doc.text for doc in documents(paths, data, False, key, Skipped()))
