@@ -48,8 +48,6 @@ def check_installed(spec: TrainingSpec) -> None:
 
 
 class TensorBoard:
-    name = "tensorboard"
-
     def __init__(self, run_dir: Path, resumed_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -67,8 +65,6 @@ class TensorBoard:
 
 
 class MLflow:
-    name = "mlflow"
-
     def __init__(self, name: str, run_id: str | None) -> None:
         import mlflow
 
@@ -87,8 +83,6 @@ class MLflow:
 
 
 class WandB:
-    name = "wandb"
-
     def __init__(self, name: str, run_id: str | None, run_dir: Path) -> None:
         import wandb
 
@@ -128,20 +122,20 @@ class Tracker:
     """Rank 0's trackers; on every other rank `log` does nothing. Closed by `finish`, or as failed at exit."""
 
     def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path, resumed_step: int | None) -> None:
-        self.trackers: list[TensorBoard | MLflow | WandB] = []
+        self.trackers: dict[str, TensorBoard | MLflow | WandB] = {}  # by their names in reportTo
         self.reported_save: SaveStats | None = None
         if not is_main:
             return
         name = os.environ.get(JOB_NAME_ENV) or run_dir.name
         ids_file = run_dir / RUN_IDS
         ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
-        for kind in spec.report_to:
+        for kind in dict.fromkeys(spec.report_to):  # once each, if named twice
             if kind == "tensorboard":
-                self.trackers.append(TensorBoard(run_dir, resumed_step))
+                self.trackers[kind] = TensorBoard(run_dir, resumed_step)
                 continue
             service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
             ids[kind] = service.run_id
-            self.trackers.append(service)
+            self.trackers[kind] = service
         if ids:
             ids_file.write_text(json.dumps(ids))
         open_trackers.append(self)
@@ -150,7 +144,7 @@ class Tracker:
     def log(self, step: int, values: dict[str, float | None]) -> None:
         """Scalars of one step, by name (`train/loss`, `eval/accuracy`...); None values are left out."""
         present = {key: float(value) for key, value in values.items() if value is not None}
-        for tracker in self.trackers:
+        for tracker in self.trackers.values():
             tracker.log(step, present)
 
     def checkpoint_saved(self, save: SaveStats | None) -> None:
@@ -162,10 +156,10 @@ class Tracker:
 
     def close(self, exit_code: int) -> None:
         """Close every tracker; one that fails to (its server gone) is a warning: the run's outcome stands."""
-        for tracker in self.trackers:
+        for kind, tracker in self.trackers.items():
             try:
                 tracker.close(exit_code)
             except Exception as exc:
                 reason = next(iter(str(exc).splitlines()), "")
-                print(f"warning: {tracker.name}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
-        self.trackers = []
+                print(f"warning: {kind}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
+        self.trackers = {}
