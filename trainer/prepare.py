@@ -30,6 +30,7 @@ __all__ = [
     "Builder",
     "Plan",
     "PrepareMetrics",
+    "failure_record",
     "fast_malloc",
     "make_plan",
     "prepare_spec",
@@ -81,9 +82,9 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     return plan
 
 
-def failure_record(exc: Exception) -> str:
-    """The prepare Job's outcome as trainer.workloads.wait_for reads it: `error <line>` for bad data, else
-    `failed <exception>: <its first line>`."""
+def failure_record(exc: BaseException) -> str:
+    """A failed preparation's outcome as trainer.workloads.wait_for reads it (from the prepare Job's error file, or
+    from rank 0 through the store): `error <line>` for bad data, else `failed <exception>: <its first line>`."""
     if isinstance(exc, SpecError):
         return f"error {exc}"
     lines = str(exc).splitlines()

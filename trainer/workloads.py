@@ -28,7 +28,7 @@ from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV
-from trainer.prepare import Builder, Plan, PrepareMetrics, make_plan, read_manifest, worker_count
+from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import load_tokenizer
 
@@ -139,13 +139,9 @@ def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory) as metrics:
             manifest = Builder(plan, tokenizer, workers, say, metrics).build()
-    except SpecError as exc:
-        if store is not None:
-            store.set(outcome_key(plan), f"error {exc}")
-        raise
     except BaseException as exc:
         if store is not None:
-            store.set(outcome_key(plan), f"failed {type(exc).__name__}: {exc}")
+            store.set(outcome_key(plan), failure_record(exc))
         raise
     if store is not None:
         store.set(outcome_key(plan), "ok")
