@@ -326,6 +326,8 @@ def main() -> None:
     if args.worker:
         reference(json.loads(args.worker.read_text()))
         return
+    # nanoGPT's CPU benchmark: both on the CPU, also on a machine with a GPU, where the trainer would take it.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     size = "toy" if args.toy else "full"
     lengths = LENGTHS[size]
     steps, rounds = args.steps or lengths["steps"], args.rounds or lengths["rounds"]

@@ -86,7 +86,8 @@ LENGTHS = {
     "cuda": {"steps": 120, "warmup": 30, "rounds": 3},
     "toy": {"steps": 6, "warmup": 2, "rounds": 1},
 }
-STEP_LINE = re.compile(r"^(?:\[rank 0\] )?step (\d+)\b")
+# Rank 0's line under `ctl run`'s prefix, or torchrun's default one (a torch that ignores the prefix template).
+STEP_LINE = re.compile(r"^(?:\[rank 0\] |\[default0\]:)?step (\d+)\b")
 # All three print it on a GPU: the trainer in its summary, the peers when they are done.
 PEAK_GPU_MEMORY_LINE = re.compile(r"peak GPU memory ([\d.]+) GiB")
 # An evaluation's line, periodic or final (bench/nanogpt.py times them).
@@ -182,7 +183,9 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
     """Run `command`, timestamping its step and evaluation lines. `threads`: OMP_NUM_THREADS of every process, or
     None to leave it to the runner (torchrun and `ctl run` each pick one per process)."""
     marker = f"DDPJOB_BENCH={uuid.uuid4().hex}"
-    env = os.environ | {"PYTHONPATH": str(REPO), "DDPJOB_BENCH": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
+    # The repository first, then the caller's own path (where a device machine's missing packages lie).
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"PYTHONPATH": python_path, "DDPJOB_BENCH": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
     if threads is None:
         del env["OMP_NUM_THREADS"]
     run = Run(runner)

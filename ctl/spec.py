@@ -54,7 +54,11 @@ class ImageSpec(SpecModel):
 class ResourcesSpec(SpecModel):
     """Per-pod resources."""
 
-    gpu: int = Field(0, ge=0, description="nvidia.com/gpu per pod (request and limit); usually equal to procsPerNode.")
+    gpu: int = Field(
+        0,
+        ge=0,
+        description="nvidia.com/gpu per pod (request and limit): 0, or at least procsPerNode (one per process).",
+    )
     cpu: str | None = Field(
         None,
         pattern=CPU_QUANTITY,
@@ -408,6 +412,11 @@ class JobSpec(SpecModel):
             raise ValueError(
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
+            )
+        if 0 < self.resources.gpu < self.procs_per_node:
+            raise ValueError(
+                f"resources.gpu: {self.resources.gpu} GPU(s) per pod for procsPerNode {self.procs_per_node}:"
+                " each process needs a GPU of its own"
             )
         if self.metrics.port == self.rendezvous_port:
             port = self.kind.rendezvous_port_name

@@ -720,6 +720,7 @@ BAD = [
     ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
     ("serviceAccount.craete=true", "serviceAccount.craete: unknown key"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
+    ("resources.gpu=1", "resources.gpu: 1 GPU(s) per pod for procsPerNode 2: each process needs a GPU of its own"),
     ("resources.memory=lots", "resources.memory: String should match pattern"),
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),

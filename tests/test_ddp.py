@@ -10,6 +10,9 @@ import yaml
 from conftest import run_ctl, tiny_spec
 from safetensors.torch import load_file
 
+from trainer.dist import cuda_device
+from trainer.spec import SpecError
+
 STEPS = 6
 
 
@@ -80,3 +83,12 @@ def test_bf16_compiled_ddp_stays_close_to_fp32(tmp_path, corpus_file, single_pro
     largest = max((weights[key] - single_process[key]).abs().max().item() for key in weights)
     # Above: autocast took effect. Below: 6 AdamW steps at lr 1e-3 move a weight by about 6e-3 at most.
     assert 1e-4 < largest < 6e-3, largest
+
+
+def test_a_node_with_fewer_gpus_than_processes_is_bad_input_naming_procs_per_node(monkeypatch) -> None:
+    """Each process takes the GPU of its local rank (NCCL cannot share one): a second process on a one-GPU node is
+    refused by name, not CUDA's "invalid device ordinal" (what `ctl run` of 2 processes on one H100 printed)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cuda_device(0, 1) == torch.device("cuda", 0)
+    with pytest.raises(SpecError, match=r"^procsPerNode: 2 processes on this node, but 1 GPU\(s\) visible to it"):
+        cuda_device(1, 1)

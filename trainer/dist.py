@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 
 from trainer.names import SHUTDOWN_TIMEOUT_ENV
-from trainer.spec import TimeoutsSpec
+from trainer.spec import SpecError, TimeoutsSpec
 
 # Public (and _set_pg_timeout deprecated) in newer torch releases than the oldest one supported.
 set_timeout = getattr(torch_dist, "set_timeout", _set_pg_timeout)
@@ -53,13 +53,24 @@ class Dist:
         return torch_dist.is_available() and torch_dist.is_initialized()
 
 
+def cuda_device(local_rank: int, visible: int) -> torch.device:
+    """This process's GPU. NCCL needs one per process: a node's processes must not outnumber its GPUs."""
+    if local_rank >= visible:
+        processes = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
+        raise SpecError(
+            f"procsPerNode: {processes} processes on this node, but {visible} GPU(s) visible to it (the pod's"
+            " nvidia.com/gpu, CUDA_VISIBLE_DEVICES): each process needs a GPU of its own"
+        )
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(timeouts: TimeoutsSpec) -> Dist:
     """Join the process group torchrun describes: NCCL on CUDA, gloo on CPU."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = cuda_device(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
