@@ -108,6 +108,7 @@ class Builder:
                 os.rename(staging, plan.entry)  # a concurrent preparation of the same fingerprint may have won
             if not plan.manifest_path.exists():
                 raise OSError(f"cannot move {staging} to {plan.entry}")
+            plan.error_path.unlink(missing_ok=True)  # a failure recorded for this dataset (trainer.prepare) is over
         finally:
             shutil.rmtree(staging, ignore_errors=True)
             for path in created:  # nothing left behind on bad data
