@@ -25,7 +25,6 @@ EXIT_CODES = (
 
 app = typer.Typer(
     name="ctl",
-    help="Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob or TrainJob.",
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
