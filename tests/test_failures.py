@@ -212,9 +212,10 @@ def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_f
     assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
     with corpus.open("a") as file:  # the resume would train on other data
         file.write("\nmore text\n")
-    run_before = exact_tree(path / "runs" / "tiny")
+    before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
     expected = f"error: data.train: {corpus} changed since this run's checkpoints were written"
     assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path) == before
     assert exact_tree(path / "runs" / "tiny") == run_before
 
 
