@@ -55,8 +55,9 @@ def the_container(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def expand_references(text: str, variables: Mapping[str, str]) -> str:
-    """`$(VAR)` in a container's command or args, as the kubelet expands it: the container's variable (the
-    operator's included); `$$` is a literal `$`; a name the container does not define stays as written."""
+    """`$(VAR)` in a container's command, args or env value, as the kubelet expands it: the variable of `variables`
+    (for the command: the container's, the operator's included; for a value: those listed before it); `$$` is a
+    literal `$`; a name not there stays as written."""
 
     def replace(match: re.Match[str]) -> str:
         return "$" if match.group(1) == "$" else variables.get(match.group(2), match.group(0))
@@ -70,7 +71,7 @@ def container_env(container: Mapping[str, Any], fields: Mapping[str, str], refer
     for var in container.get("env") or []:
         source = var.get("valueFrom")
         if source is None:
-            env[var["name"]] = var.get("value") or ""
+            env[var["name"]] = expand_references(var.get("value") or "", env)  # the kubelet's order: earlier only
             continue
         field_path = (source.get("fieldRef") or {}).get("fieldPath")
         value = fields[field_path] if field_path in fields else reference(var["name"], source)

@@ -204,6 +204,21 @@ def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpu
     )
 
 
+def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_file: Path) -> None:
+    path, env = workdir
+    corpus = path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus, maxSteps=2, sample={"maxNewTokens": 0})))
+    assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
+    with corpus.open("a") as file:  # the resume would train on other data
+        file.write("\nmore text\n")
+    before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
+    expected = f"error: data.train: {corpus} changed since this run's checkpoints were written"
+    assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path) == before
+    assert exact_tree(path / "runs" / "tiny") == run_before
+
+
 # -- the root cause, and where the rest is --------------------------------------------------------------------
 
 

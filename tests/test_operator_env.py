@@ -147,3 +147,20 @@ def test_local_commands_expand_variable_references_as_the_kubelet_does(
         agent, _ = start_agent(spec, dataclasses.replace(pods, nodes=[node]), 0, free_port(), tmp_path, console, False)
         out, _ = agent.process.communicate(timeout=60)
     assert out.strip() == str(["news-0", "$(DDPJOB_JOB_NAME)", "$(ONLY_ON_THIS_MACHINE)"])
+
+
+def test_local_env_values_expand_earlier_variables_as_the_kubelet_does(
+    corpus_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`$(VAR)` in an env value is a variable listed before it (the chart's own among them); a later one, or one
+    only this machine has, stays as written; `$$` escapes."""
+    monkeypatch.setenv("ONLY_ON_THIS_MACHINE", "x")
+    env = [
+        {"name": "RUN_TAG", "value": "$(DDPJOB_JOB_NAME)-run"},
+        {"name": "NESTED", "value": "$(RUN_TAG)/$(LATER)/$$(RUN_TAG)/$(ONLY_ON_THIS_MACHINE)"},
+        {"name": "LATER", "value": "late"},
+    ]
+    with local_job(job(corpus_file, env=env)) as pods:
+        (node,) = pods.nodes
+    assert node.container.env["RUN_TAG"] == "news-run"
+    assert node.container.env["NESTED"] == "news-run/$(LATER)/$(RUN_TAG)/$(ONLY_ON_THIS_MACHINE)"

@@ -32,10 +32,10 @@ from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
 from trainer.preparation import build, encode
-from trainer.prepare import MANIFEST, Builder, PrepareMetrics, make_plan, prepare_spec, read_texts
+from trainer.prepare import MANIFEST, Builder, Plan, PrepareMetrics, make_plan, prepare_spec, read_texts
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
-from trainer.workloads import PreparationFailed, wait_for
+from trainer.workloads import PreparationFailed, prepare_now, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB of real text in ~30 files, some empty
@@ -383,3 +383,73 @@ def test_ranks_waiting_for_a_prepare_job_that_crashes_exit_at_once_with_its_caus
         f" 127.0.0.1:{port}: [Errno 98] Address already in use"
     )
     assert not plan.entry.exists() and not plan.progress_path.exists()
+
+
+def prepare_job(config: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The chart's prepare Job: its command, on `config` (the mounted training.yaml)."""
+    command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def prepare_job_config(tmp_path: Path, corpus: Path) -> Path:
+    config = tmp_path / "training.yaml"
+    data = {"train": [str(corpus)], "prepareWorkers": 1, "cacheDir": str(tmp_path / "cache")}
+    config.write_text(yaml.safe_dump({"task": "char-gpt", "data": data, "checkpoint": {"dir": str(tmp_path / "run")}}))
+    return config
+
+
+def test_a_resubmission_after_fixing_the_data_waits_for_its_own_prepare_job(tmp_path, monkeypatch) -> None:
+    """The prepare Job's failure on bad data stays on the volume (the cache's `.<entry>.error`); the data fixed, the
+    next submission's ranks, up before its prepare Job, wait for that Job instead of failing with the old line."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n \n")
+    config = prepare_job_config(tmp_path, corpus)
+    failed = prepare_job(config, tmp_path)
+    assert failed.returncode == 2 and f"error: data.train: no text in {corpus}" in failed.stderr, failed.stderr
+    spec = with_wait_bound(training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1), 30)
+    assert make_plan(spec, tmp_path / "run", None).error_path.exists()
+
+    corpus.write_text("some text to prepare\n" * 100)
+    plan = make_plan(spec, tmp_path / "run", None)  # the resubmission's ranks
+    monkeypatch.setenv(PREPARED_BY_JOB_ENV, "news-prepare")
+    outcome: list[object] = []
+    waiter = threading.Thread(target=lambda: outcome.append(wait_or_failure(plan)), daemon=True)
+    waiter.start()
+    waiter.join(timeout=3)  # several polls of the volume, before the resubmission's prepare Job has started
+    assert waiter.is_alive() and not outcome, outcome
+    assert prepare_job(config, tmp_path).returncode == 0
+    waiter.join(timeout=60)
+    assert outcome == [json.loads(plan.manifest_path.read_text())]
+
+
+def wait_or_failure(plan: Plan) -> object:
+    try:
+        return wait_for(plan, waiting_rank())
+    except Exception as exc:
+        return exc
+
+
+def test_a_prepared_dataset_clears_the_failure_recorded_for_it(tmp_path, monkeypatch) -> None:
+    """A prepare Job's failure that is not the data's (its metrics port taken) stays on the volume under the same
+    fingerprint; once the dataset is prepared (by rank 0 here, or found prepared by the next prepare Job), it is gone:
+    emptying the cache (`rm -rf cache/*` keeps dot files) cannot bring it back to fail the next submission."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to prepare\n" * 100)
+    config = prepare_job_config(tmp_path, corpus)
+    plan = make_plan(training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1), tmp_path / "run", None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = os.environ | {METRICS_PORT_ENV: str(taken.getsockname()[1]), METRICS_HOST_ENV: "127.0.0.1"}
+        assert prepare_job(config, tmp_path, env).returncode == 1
+    record = plan.error_path.read_text()
+    assert record.startswith("failed RuntimeError: metrics: cannot serve on"), record
+
+    monkeypatch.setenv(METRICS_PORT_ENV, "0")  # rank 0 prepares, without a prepare Job
+    prepare_now(plan, None)
+    assert plan.manifest_path.exists() and not plan.error_path.exists()
+
+    plan.error_path.write_text(record)  # as an attempt that failed beside a successful one would leave it
+    done = prepare_job(config, tmp_path)
+    assert done.returncode == 0 and "already prepared" in done.stderr, done.stderr
+    assert not plan.error_path.exists()

@@ -34,7 +34,7 @@ from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.tasks import load
 from trainer.tracking import check_installed, finish
-from trainer.workloads import PreparationFailed
+from trainer.workloads import PreparationFailed, check_resumed_data
 
 
 def run(spec: TrainingSpec, dist: Dist) -> int:
@@ -56,6 +56,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
     # Before anything touches the run directory (the write test, the dataset record): a refusal leaves it as it was.
     checkpoints.check_settings()
+    check_resumed_data(spec, run_dir)
     created = [path for path in (run_dir, *run_dir.parents) if not path.exists()] if dist.is_main else []
     if dist.is_main:
         prepare_run_dir(run_dir)

@@ -55,6 +55,8 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
     tokenizer = load_tokenizer(source, key) if source else None
     plan = make_plan(spec, run_dir, tokenizer, builtin)
+    # A previous attempt's (or submission's) failure: this one's outcome is not known yet, or the data is prepared.
+    plan.error_path.unlink(missing_ok=True)
     manifest = read_manifest(plan)
     if manifest is not None:
         log(f"already prepared: {plan.entry}")
@@ -65,7 +67,6 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
     heartbeat = plan.progress_path if for_job else None
     if heartbeat is not None:
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
-    plan.error_path.unlink(missing_ok=True)  # a previous attempt's: this one's outcome is not known yet
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0") as metrics:
             manifest = Builder(plan, tokenizer, workers, log, metrics, heartbeat).build()

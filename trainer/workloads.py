@@ -28,6 +28,7 @@ from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV
+from trainer.preparation.plan import Source, split_files, stat_sources
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import load_tokenizer
@@ -81,17 +82,18 @@ def given_tokenizer(spec: TrainingSpec, dist: Dist) -> Any:
     return main_rank_first(dist, lambda: load_tokenizer(source, key))
 
 
-def check_same_sources(plan: Plan, run_dir: Path) -> None:
-    """A run resuming from checkpoints must read the data they were trained on, or the resume is not a resume."""
+def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], dict[str, list[Source]]]) -> None:
+    """A run resuming from checkpoints must read the data they were trained on, or the resume is not a resume.
+
+    `sources`: the data files as they are now, stated only when the run resumes.
+    """
     recorded = run_dir / RUN_DATASET
-    if plan.spec.checkpoint.allow_config_change or not (run_dir / LATEST_CHECKPOINT).exists() or not recorded.exists():
+    if spec.checkpoint.allow_config_change or not (run_dir / LATEST_CHECKPOINT).exists() or not recorded.exists():
         return
     before = json.loads(recorded.read_text(encoding="utf-8"))
-    if before["fingerprint"] == plan.fingerprint:
-        return
-    for split, sources in plan.key["sources"].items():
+    for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
-        for source in sources:
+        for source in (s.to_json() for s in now):
             previous = old.get(source["path"])
             if previous is None:
                 raise SpecError(f"data.{split}: {source['path']} is new since this run's checkpoints were written")
@@ -100,9 +102,20 @@ def check_same_sources(plan: Plan, run_dir: Path) -> None:
                     f"data.{split}: {source['path']} changed since this run's checkpoints were written"
                     f" (size {previous['size']} -> {source['size']}); restore it, or start a new checkpoint.dir"
                 )
-        gone = sorted(set(old) - {s["path"] for s in sources})
+        gone = sorted(set(old) - {s.path for s in now})
         if gone:
             raise SpecError(f"data.{split}: {gone[0]} is gone since this run's checkpoints were written")
+
+
+def check_resumed_data(spec: TrainingSpec, run_dir: Path) -> None:
+    """check_same_sources before anything touches the run directory, so that a refusal leaves it as it was. A
+    built-in set is built into the run directory by the task: `prepared` checks it once built."""
+    if not spec.data.builtin:
+        check_same_sources(spec, run_dir, lambda: spec_sources(spec))
+
+
+def spec_sources(spec: TrainingSpec) -> dict[str, list[Source]]:
+    return {split: stat_sources(paths, f"data.{split}") for split, paths in split_files(spec, None).items()}
 
 
 def rendezvous_store() -> Any:
@@ -114,7 +127,7 @@ def prepared(
 ) -> tuple[Plan, dict[str, Any]]:
     """The dataset's plan and manifest: from the cache, else prepared by rank 0 (or the chart's prepare Job)."""
     plan = make_plan(spec, run_dir, tokenizer, builtin)
-    check_same_sources(plan, run_dir)
+    check_same_sources(spec, run_dir, lambda: plan.sources)
     manifest = read_manifest(plan)
     if manifest is None:
         prepares = dist.is_main and not os.environ.get(PREPARED_BY_JOB_ENV)

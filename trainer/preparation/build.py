@@ -58,6 +58,78 @@ class SplitWriter:
 
 
 @dataclass
+class Labels:
+    """Classification's labels while the splits are written: an id for each new label in order of appearance, the
+    labels each split has; `finish` settles the label set and rewrites the files' ids to it."""
+
+    data: DataSpec
+    files: dict[str, list[Path]]  # the plan's, to name a row with an unknown label
+    ids: dict[str, int] = field(init=False)
+    seen: dict[str, set[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ids = {label: i for i, label in enumerate(self.data.labels or [])}
+
+    def add(self, split: str, chunk: list[Document]) -> list[int]:
+        """The documents' label ids, in the order of appearance."""
+        self.seen.setdefault(split, set()).update(d.label for d in chunk)
+        return [self.ids.setdefault(d.label, len(self.ids)) for d in chunk]
+
+    def finish(self, staging: Path) -> list[str]:
+        """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
+        labels = self.data.labels or sorted(self.seen["train"])
+        known = set(labels)
+        for split, split_labels in self.seen.items():
+            unseen = sorted(split_labels - known)
+            if unseen:
+                where = "data.labels" if self.data.labels else "training data"
+                more = f"{len(unseen)} such label(s)"
+                row = find_label(self.files[split], self.data.label_field, unseen[0], f"data.{split}")
+                raise SpecError(f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
+        if len(labels) < 2:
+            raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
+        final = {label: i for i, label in enumerate(labels)}
+        remap = np.zeros(max(len(self.ids), 1), dtype=np.int32)
+        for label, first_seen in self.ids.items():
+            remap[first_seen] = final[label]
+        for split in self.seen:
+            path = staging / f"{split}.labels"
+            ids = np.fromfile(path, dtype=np.int32)
+            remap[ids].tofile(path)  # one int32 per document: small next to the tokens
+        return labels
+
+
+@contextlib.contextmanager
+def staged(entry: Path) -> Iterator[Path]:
+    """A staging directory beside `entry`, renamed to it once the body has written it (its manifest last). Nothing
+    else is left behind, whatever happens: neither the staging directory nor the folders made for it."""
+    cache = entry.parent
+    created = [p for p in (cache, *cache.parents) if not p.exists()]
+    staging = cache / f".{entry.name}.tmp-{os.getpid()}"
+    try:
+        staging.mkdir(parents=True)
+        yield staging
+        with contextlib.suppress(FileExistsError, OSError):
+            os.rename(staging, entry)  # a concurrent preparation of the same fingerprint may have won
+        if not (entry / MANIFEST).exists():
+            raise OSError(f"cannot move {staging} to {entry}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        for path in created:  # nothing left behind on bad data
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def check_unchanged(plan: Plan) -> None:
+    """A source written to while it was read would leave tokens matching neither version."""
+    for split, paths in plan.files.items():
+        for path, before in zip(paths, plan.sources[split], strict=True):
+            now = stat_sources([path], f"data.{split}")[0]
+            if (now.size, now.mtime_ns) != (before.size, before.mtime_ns):
+                raise SpecError(f"data.{split}: {path} changed while it was being prepared; prepare again")
+
+
+@dataclass
 class Builder:
     """Prepares `plan` into a staging directory, then renames it into place (the manifest inside, written last)."""
 
@@ -80,12 +152,14 @@ class Builder:
     def docs(self, split: str) -> Iterator[Document]:
         return documents(self.plan.files[split], self.data, self.labelled, f"data.{split}", self.skipped)
 
-    def input_bytes(self, splits: list[str]) -> int:
-        return sum(s.size for split in splits for s in self.plan.sources[split])
+    def progress(self, label: str, splits: list[str]) -> Progress:
+        """A progress display over the input bytes of `splits`."""
+        size = sum(s.size for split in splits for s in self.plan.sources[split])
+        return Progress(label, size, metrics=self.metrics, heartbeat=self.heartbeat)
 
     def pass_over(self, label: str, splits: list[str]) -> Iterator[Document]:
         """The documents of `splits` with a progress display of their own."""
-        progress = Progress(label, self.input_bytes(splits), metrics=self.metrics, heartbeat=self.heartbeat)
+        progress = self.progress(label, splits)
         for split in splits:
             for doc in self.docs(split):
                 progress.advance(doc.size, 1, 0)
@@ -93,89 +167,77 @@ class Builder:
         progress.finish()
 
     def build(self) -> dict[str, Any]:
-        plan = self.plan
-        cache = plan.entry.parent
-        created = [p for p in (cache, *cache.parents) if not p.exists()]
-        staging = cache / f".{plan.entry.name}.tmp-{os.getpid()}"
         started = time.monotonic()
-        try:
-            staging.mkdir(parents=True)
+        with staged(self.plan.entry) as staging:
             manifest = self.write(staging)
             manifest["seconds"] = round(time.monotonic() - started, 3)
-            self.check_unchanged()
+            check_unchanged(self.plan)
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-            with contextlib.suppress(FileExistsError, OSError):
-                os.rename(staging, plan.entry)  # a concurrent preparation of the same fingerprint may have won
-            if not plan.manifest_path.exists():
-                raise OSError(f"cannot move {staging} to {plan.entry}")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            for path in created:  # nothing left behind on bad data
-                with contextlib.suppress(OSError):
-                    path.rmdir()
+        self.plan.error_path.unlink(missing_ok=True)  # a failure recorded for this dataset (trainer.prepare) is over
         if self.skipped.files:
             self.log(self.skipped.summary())
         return manifest
 
     def write(self, staging: Path) -> dict[str, Any]:
+        """Every split's files in `staging`; the manifest's content."""
         spec, splits = self.plan.spec, list(self.plan.files)
         manifest: dict[str, Any] = self.plan.key | {"task": spec.task, "fingerprint": self.plan.fingerprint}
-        if spec.task == "char-gpt":
-            chars: set[str] = set()
-            for doc in self.pass_over("reading the character vocabulary", splits):
-                chars.update(doc.text)
-            joined = "".join(sorted(chars | {"\n"}))  # "\n" joins the documents
-            vocab_size = len(joined) + 1
-            encoder = Encoder(dtype_for(vocab_size), chars=joined)
-            manifest["chars"] = joined
-        else:
-            tokenizer = self.tokenizer
-            if tokenizer is None:
-                texts = (doc.text for doc in self.pass_over("training the tokenizer", ["train"]))
-                train_tokenizer(texts, spec.tokenizer.vocab_size).save_pretrained(staging / TOKENIZER_DIR)
-                tokenizer = load_tokenizer(str(staging / TOKENIZER_DIR), "tokenizer")
-                manifest["tokenizerSha256"] = tokenizer_hash(tokenizer)
-            vocab_size = len(tokenizer)
-            tokenizer_json = tokenizer.backend_tokenizer.to_str()
-            encoder = Encoder(
-                dtype_for(vocab_size),
-                tokenizer_json=tokenizer_json,
-                eos_id=None if self.labelled else tokenizer.eos_token_id,
-                max_length=spec.model.block_size if self.labelled else None,
-                # Pieces would each get the special tokens that classification adds.
-                cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_within_documents(tokenizer_json) else None,
-            )
-        manifest |= {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
-        label_ids: dict[str, int] = {label: i for i, label in enumerate(self.data.labels or [])}
-        seen: dict[str, set[str]] = {}
+        char = spec.task == "char-gpt"
+        encoder, vocab_size, known = self.char_encoder(splits) if char else self.token_encoder(staging)
+        manifest |= known | {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
+        labels = Labels(self.data, self.plan.files) if self.labelled else None
         with encoding_pool(encoder, self.workers, fast_malloc()) as pool:
             for split in splits:
-                seen[split] = set()
-                manifest["splits"][split] = self.write_split(staging, split, encoder, pool, label_ids, seen[split])
-        if self.labelled:
-            manifest["labels"] = self.finish_labels(staging, label_ids, seen)
+                manifest["splits"][split] = self.write_split(staging, split, encoder, pool, labels)
+        if labels is not None:
+            manifest["labels"] = labels.finish(staging)
         manifest["skipped"] = {"count": len(self.skipped.files), "files": self.skipped.files[:SKIPPED_SHOWN]}
         return manifest
 
-    def write_split(
-        self, staging: Path, split: str, encoder: Encoder, pool: Any, label_ids: dict[str, int], seen: set[str]
-    ) -> dict[str, int]:
-        """One split's files; `label_ids` gets each new label an id in order of appearance, `seen` the split's."""
-        writer = SplitWriter(staging, split, self.labelled)
-        progress = Progress(
-            f"tokenizing {split}", self.input_bytes([split]), metrics=self.metrics, heartbeat=self.heartbeat
+    def char_encoder(self, splits: list[str]) -> tuple[Encoder, int, dict[str, Any]]:
+        """char-gpt's: every character of the data (a pass of its own, recorded in the manifest); the vocabulary
+        size."""
+        chars: set[str] = set()
+        for doc in self.pass_over("reading the character vocabulary", splits):
+            chars.update(doc.text)
+        joined = "".join(sorted(chars | {"\n"}))  # "\n" joins the documents
+        vocab_size = len(joined) + 1
+        return Encoder(dtype_for(vocab_size), chars=joined), vocab_size, {"chars": joined}
+
+    def token_encoder(self, staging: Path) -> tuple[Encoder, int, dict[str, Any]]:
+        """The spec's tokenizer, else one trained here on the training split (saved with the data, its hash in the
+        manifest); its vocabulary size."""
+        tokenizer, known = self.tokenizer, {}
+        if tokenizer is None:
+            texts = (doc.text for doc in self.pass_over("training the tokenizer", ["train"]))
+            train_tokenizer(texts, self.plan.spec.tokenizer.vocab_size).save_pretrained(staging / TOKENIZER_DIR)
+            tokenizer = load_tokenizer(str(staging / TOKENIZER_DIR), "tokenizer")
+            known = {"tokenizerSha256": tokenizer_hash(tokenizer)}
+        vocab_size = len(tokenizer)
+        tokenizer_json = tokenizer.backend_tokenizer.to_str()
+        encoder = Encoder(
+            dtype_for(vocab_size),
+            tokenizer_json=tokenizer_json,
+            eos_id=None if self.labelled else tokenizer.eos_token_id,
+            max_length=self.plan.spec.model.block_size if self.labelled else None,
+            # Pieces would each get the special tokens that classification adds.
+            cut=ENCODE_BATCH_BYTES if not self.labelled and cuts_within_documents(tokenizer_json) else None,
         )
+        return encoder, vocab_size, known
+
+    def write_split(
+        self, staging: Path, split: str, encoder: Encoder, pool: Any, labels: Labels | None
+    ) -> dict[str, int]:
+        """One split's files; its token and document counts."""
+        writer = SplitWriter(staging, split, self.labelled)
+        progress = self.progress(f"tokenizing {split}", [split])
         separator = None if encoder.chars is None else np.array([encoder.chars.index("\n")], dtype=encoder.dtype)
         for chunk, tokens, lengths in encoded(encoder, self.docs(split), pool, self.workers, self.buffer_bytes):
             progress.advance(sum(d.size for d in chunk), len(chunk), len(tokens))
-            ids = None
-            if self.labelled:
-                ids = [label_ids.setdefault(d.label, len(label_ids)) for d in chunk]
-                seen.update(d.label for d in chunk)
             if separator is not None and writer.tokens:
                 writer.write(separator, np.zeros(0, np.int64), None)
             writer.has_text = writer.has_text or any(d.text.strip() for d in chunk)
-            writer.write(tokens, lengths, ids)
+            writer.write(tokens, lengths, None if labels is None else labels.add(split, chunk))
         counts = writer.close()
         progress.finish()
         if not writer.documents or not writer.has_text:
@@ -186,37 +248,6 @@ class Builder:
     @property
     def buffer_bytes(self) -> int:
         return self.data.prepare_buffer_mib * 2**20
-
-    def finish_labels(self, staging: Path, label_ids: dict[str, int], seen: dict[str, set[str]]) -> list[str]:
-        """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
-        labels = self.data.labels or sorted(seen["train"])
-        known = set(labels)
-        for split, split_labels in seen.items():
-            unseen = sorted(split_labels - known)
-            if unseen:
-                where = "data.labels" if self.data.labels else "training data"
-                more = f"{len(unseen)} such label(s)"
-                row = find_label(self.plan.files[split], self.data.label_field, unseen[0], f"data.{split}")
-                raise SpecError(f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
-        if len(labels) < 2:
-            raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
-        final = {label: i for i, label in enumerate(labels)}
-        remap = np.zeros(max(len(label_ids), 1), dtype=np.int32)
-        for label, first_seen in label_ids.items():
-            remap[first_seen] = final[label]
-        for split in seen:
-            path = staging / f"{split}.labels"
-            ids = np.fromfile(path, dtype=np.int32)
-            remap[ids].tofile(path)  # one int32 per document: small next to the tokens
-        return labels
-
-    def check_unchanged(self) -> None:
-        """A source written to while it was read would leave tokens matching neither version."""
-        for split, paths in self.plan.files.items():
-            for path, before in zip(paths, self.plan.sources[split], strict=True):
-                now = stat_sources([path], f"data.{split}")[0]
-                if (now.size, now.mtime_ns) != (before.size, before.mtime_ns):
-                    raise SpecError(f"data.{split}: {path} changed while it was being prepared; prepare again")
 
 
 def dtype_for(vocab_size: int) -> str:

@@ -1,0 +1,1 @@
+"""ctl's commands, one module per group; ctl.cli assembles them into the `ctl` command."""

@@ -1,0 +1,120 @@
+"""What every command shares: the one place where errors become exit codes and one-line messages, the cluster
+commands' --kubeconfig, --context and -n (defined once), the spec's argument and --set, progress notes."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ctl.names import EXIT_NOT_FOUND
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
+
+if TYPE_CHECKING:
+    from ctl.cluster import Target
+    from ctl.spec import JobSpec
+
+SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm chart's values).", show_default=False)]
+SetOpt = Annotated[
+    list[str],
+    typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
+]
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+# The one place where ctl's errors become exit codes (each with its one line), the first match winning. By module
+# and class name: `ctl --help` imports none of these modules, and an exception's module is loaded once it is raised.
+ERROR_EXITS = (
+    ("ctl.cluster", "JobNotFound", EXIT_NOT_FOUND),
+    ("ctl.jobs", "StorageMismatch", EXIT_BAD_INPUT),  # the spec asks what the cluster cannot give
+    ("ctl.cluster", "ClusterError", EXIT_ERROR),
+    ("trainer.spec", "SpecError", EXIT_BAD_INPUT),
+    ("ctl.render", "RenderError", EXIT_ERROR),
+    ("ctl.pod", "PodSetupError", EXIT_ERROR),  # a pod ctl run cannot start here
+)
+
+
+@contextlib.contextmanager
+def mapped_errors() -> Iterator[None]:
+    """ctl's errors -> their one line on stderr and their exit code (ERROR_EXITS); anything else is a bug."""
+    try:
+        yield
+    except Exception as exc:
+        for module, name, code in ERROR_EXITS:
+            error = getattr(sys.modules.get(module), name, None)
+            if error is not None and isinstance(exc, error):
+                raise fail(str(exc), code) from None
+        raise
+
+
+KubeconfigOpt = Annotated[
+    str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).")
+]
+ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the context's).", show_default=False)
+]
+# Every cluster command's targeting options, as kubectl's, in this order after the command's own.
+CLUSTER_OPTIONS = [
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=option)
+    for name, option in (("kubeconfig", KubeconfigOpt), ("context", ContextOpt), ("namespace", NamespaceOpt))
+]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster command's --kubeconfig, --context and -n: connects when the command first needs the cluster."""
+
+    kubeconfig: str | None
+    context: str | None
+    namespace: str | None
+
+    def connect(self) -> Target:
+        from ctl.cluster import connect
+
+        return connect(self.kubeconfig, self.context, self.namespace)
+
+
+def command(cluster: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command whose errors become exit codes (mapped_errors); with `cluster`, it takes CLUSTER_OPTIONS, given to
+    it as its `cluster: Cluster` parameter. ctl.cli registers it."""
+
+    def wrap(function: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            if cluster:
+                kwargs["cluster"] = Cluster(*(kwargs.pop(option.name) for option in CLUSTER_OPTIONS))
+            with mapped_errors():
+                function(*args, **kwargs)
+
+        if cluster:  # what Typer reads the options from
+            signature = inspect.signature(function, eval_str=True)
+            own = [p for p in signature.parameters.values() if p.name != "cluster"]
+            run.__signature__ = signature.replace(parameters=own + CLUSTER_OPTIONS)  # type: ignore[attr-defined]
+        return run
+
+    return wrap
+
+
+def load_job(spec: Path, set_values: list[str]) -> JobSpec:
+    """The validated spec (a SpecError: exit 2 with its one-line problem)."""
+    # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
+    from ctl.spec import load_spec
+
+    return load_spec(spec, set_values)
+
+
+def note(message: str) -> None:
+    """Progress for people: stderr, so that stdout stays data."""
+    typer.echo(message, err=True)

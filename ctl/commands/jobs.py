@@ -1,0 +1,240 @@
+"""The commands of a job on the cluster: submit, wait, status, list, logs, delete."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ctl.commands.common import Cluster, SetOpt, SpecArg, command, fail, load_job, note
+from ctl.commands.output import follow_log, interruptible, print_data, print_logs
+from ctl.tables import list_table, status_line, status_table
+
+if TYPE_CHECKING:
+    from ctl.cluster import Target
+    from ctl.spec import JobSpec
+    from ctl.status import JobStatus
+
+WATCH_INTERVAL_S = 2.0
+LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
+
+NameArg = Annotated[str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False)]
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or json.")]
+
+
+@command(cluster=True)
+def submit(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    dry_run: Annotated[
+        str, typer.Option("--dry-run", help="none; client (print the objects); server (the API server validates).")
+    ] = "none",
+    replace: Annotated[bool, typer.Option("--replace", help="Delete and recreate a job of the same name.")] = False,
+    wait_for: Annotated[bool, typer.Option("--wait", help="Wait until the job succeeds or fails.")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Print rank 0's log as it runs, until the job ends (implies --wait).")
+    ] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait/--follow wait.")] = 86_400,
+    *,
+    cluster: Cluster,
+) -> None:
+    """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
+    if dry_run not in ("none", "client", "server"):
+        raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
+    job = load_job(spec, set_values)
+    target = None if dry_run == "client" else cluster.connect()
+    if target is not None and "api_kind" not in job.model_fields_set:
+        job = served_kind(target, job, spec, set_values)
+    from ctl.render import render, to_yaml
+
+    manifests = render(job)
+    if target is None:
+        typer.echo(to_yaml(manifests), nl=False)
+        return
+    from ctl.jobs import submit as submit_objects
+
+    submit_objects(target, [m.obj for m in manifests], dry_run=dry_run == "server", replace=replace, note=note)
+    api = job.kind
+    typer.echo(f"{api.kind.lower()}.{api.group}/{job.name}" + (" (server dry run)" if dry_run == "server" else ""))
+    if dry_run == "server":
+        return
+    ns = target.namespace
+    typer.echo(
+        f"next: ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"
+        f"  |  ctl wait {job.name} -n {ns} --for succeeded  |  ctl delete {job.name} -n {ns}",
+        err=True,
+    )
+    if wait_for or follow:
+        raise typer.Exit(outcome(target, job.name, follow, timeout))
+
+
+def outcome(target: Target, name: str, follow: bool, timeout: float) -> int:
+    """submit --wait/--follow: the job's exit code once it has ended; with `follow`, rank 0's log meanwhile."""
+    from ctl.logs import LogOptions
+    from ctl.status import wait
+
+    printer = None
+    if follow:  # the log in the background; the job's outcome (and --timeout) decides when ctl returns
+        printer = threading.Thread(target=follow_log, args=(target, name, LogOptions(follow=True)), daemon=True)
+        printer.start()
+    code = wait(target, name, "succeeded", timeout, progress=note)
+    if printer is not None:
+        printer.join(LOG_DRAIN_S)
+    return code
+
+
+def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str]) -> JobSpec:
+    """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
+    spec as a TrainJob (validated as one), said on stderr."""
+    from ctl.cluster import serves
+    from ctl.kinds import DEFAULT_KIND, KINDS
+
+    if serves(target, DEFAULT_KIND):
+        return job
+    served = next((kind for kind in KINDS.values() if kind is not DEFAULT_KIND and serves(target, kind)), None)
+    if served is None:
+        return job
+    note(
+        f"apiKind unset: the cluster serves {served.kind} ({served.operator}), not {DEFAULT_KIND.kind}:"
+        f" submitting a {served.kind}"
+    )
+    return load_job(spec, [*set_values, f"apiKind={served.kind}"])
+
+
+@command(cluster=True)
+def wait_command(
+    name: NameArg,
+    state: Annotated[str, typer.Option("--for", help="succeeded, failed or running.")] = "succeeded",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 86_400,
+    *,
+    cluster: Cluster,
+) -> None:
+    """Wait for a job's state; the exit code says how it ended (0: reached; 100, 101, 102: see below)."""
+    if state not in ("succeeded", "failed", "running"):
+        raise fail(f"--for {state!r}: expected succeeded, failed or running")
+    from ctl.status import wait
+
+    code = wait(cluster.connect(), name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
+    raise typer.Exit(code)
+
+
+@command(cluster=True)
+def status(
+    name: NameArg,
+    output: OutputOpt = "table",
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Print each change (table: one line each) until the job has ended.")
+    ] = False,
+    *,
+    cluster: Cluster,
+) -> None:
+    """A job's state and training progress (rank 0's step, loss, last checkpoint), its conditions,
+    each pod's phase, restarts and exit code, recent events."""
+    from ctl.status import status as job_status
+
+    if output not in ("table", "yaml", "json"):
+        raise fail(f"--output {output!r}: expected table, yaml or json")
+    target = cluster.connect()
+    data = job_status(target, name)
+    print_data(data, output, lambda: status_table(data))
+    if watch:
+        watch_status(target, name, data, output)
+
+
+def watch_status(target: Target, name: str, data: JobStatus, output: str) -> None:
+    """status --watch: each change after `data` until the job has ended (a table: one line each)."""
+    from ctl.status import status as job_status
+
+    last = status_line(data) if output == "table" else data
+    with interruptible():
+        while not data.state.terminal:
+            time.sleep(WATCH_INTERVAL_S)
+            data = job_status(target, name)
+            current = status_line(data) if output == "table" else data
+            if current == last:
+                continue
+            last = current
+            if output == "table":
+                typer.echo(f"{time.strftime('%H:%M:%S')}  {current}")
+                continue
+            if output == "yaml":
+                typer.echo("---")  # a stream of documents, as `kubectl get -w -o yaml`
+            print_data(data, output, table=str)  # json or yaml: no table
+
+
+@command(cluster=True)
+def list_command(
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Jobs of every namespace.")] = False,
+    output: OutputOpt = "table",
+    *,
+    cluster: Cluster,
+) -> None:
+    """The jobs of the namespace, PyTorchJobs and TrainJobs: state, nodes x processes per node, age, rank 0's step
+    while running."""
+    from ctl.status import list_jobs
+
+    rows = list_jobs(cluster.connect(), all_namespaces)
+    print_data(rows, output, lambda: list_table(rows))
+
+
+@command(cluster=True)
+def logs(
+    name: NameArg,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="The pod that runs this global rank (default 0).", show_default=False)
+    ] = None,
+    all_nodes: Annotated[
+        bool, typer.Option("--all", help="Every pod, each line prefixed [master-0], [worker-0]... ([node-0]...)")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Stream new lines, across restarts, until the job ends.")
+    ] = False,
+    tail: Annotated[int, typer.Option("--tail", help="Last lines of each pod's log (-1: all).")] = -1,
+    previous: Annotated[
+        bool, typer.Option("--previous", "-p", help="The log of the container run before the last restart.")
+    ] = False,
+    timestamps: Annotated[
+        bool, typer.Option("--timestamps", help="Prefix each line with its time (RFC 3339).")
+    ] = False,
+    *,
+    cluster: Cluster,
+) -> None:
+    """Print a job's log: rank 0's pod by default. Waits for pods that have not started yet."""
+    from ctl.logs import LogOptions
+
+    if rank is not None and all_nodes:
+        raise fail("--rank and --all: choose one")
+    if tail < -1:
+        raise fail(f"--tail {tail}: expected a number of lines, or -1 for all")
+    options = LogOptions(follow, None if tail == -1 else tail, previous, timestamps)
+    target = cluster.connect()
+    with interruptible():
+        print_logs(target, name, all_nodes, rank or 0, options)
+
+
+@command(cluster=True)
+def delete(
+    name: NameArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    purge: Annotated[bool, typer.Option("--purge", help="Also delete the run directory's volume claim.")] = False,
+    *,
+    cluster: Cluster,
+) -> None:
+    """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
+    from ctl.cluster import find_job
+    from ctl.jobs import delete as delete_objects
+
+    target = cluster.connect()
+    if not yes:
+        if not sys.stdin.isatty():
+            raise fail("delete: confirm with --yes (stdin is not a terminal)")
+        kind = find_job(target, name)["kind"].lower()
+        if not typer.confirm(f"delete {kind} {name} in namespace {target.namespace}?", err=True):
+            raise typer.Exit(1)
+    removed = delete_objects(target, name, purge)
+    for item in removed:
+        typer.echo(f"{item} deleted")

@@ -1,0 +1,118 @@
+"""The commands that need no cluster: `run` and `prepare` on this machine, `render` the objects."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from ctl.commands.common import SetOpt, SpecArg, command, fail, load_job, note
+
+if TYPE_CHECKING:
+    from ctl.local_pods import LocalJob
+    from ctl.spec import JobSpec
+
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
+]
+
+
+@command()
+def run(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    run_dir: RunDirOpt = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="Also stream every rank's output and torchrun's own (else in logs/)."),
+    ] = False,
+) -> None:
+    """Run the job on this machine: one torchrun agent per node, from the rendered pods, with the operator's env.
+
+    Shows rank 0's progress, then one line: the outcome, or the root cause of a failure with the log files that
+    hold the rest (the run directory's logs/). SIGTERM stops the run as Ctrl-C does: every rank saves at one
+    agreed step; exit 143 (130 for Ctrl-C), and the same command resumes.
+    """
+    job = load_job(spec, set_values)
+    require_trainer("run")
+    from ctl.local import run_local  # kept out of `ctl --help`'s import time
+
+    with local_pods(job, run_dir) as pods:
+        if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
+            prepare_data(job, pods.run_dir)
+        code = run_local(job, pods, verbose)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def local_pods(job: JobSpec, run_dir: Path | None) -> Iterator[LocalJob]:
+    """The job's rendered pods, materialised for local processes (a PodSetupError when they cannot be)."""
+    from ctl.local_pods import local_job
+
+    with local_job(job, run_dir) as pods:
+        yield pods
+
+
+def require_trainer(command: str) -> None:
+    """Exit 2 naming the install when the client lacks the `train` extra that `command` runs."""
+    from ctl.local import missing_trainer_requirements
+
+    if missing := missing_trainer_requirements():
+        raise fail(f"ctl {command} needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
+
+
+def prepare_data(job: JobSpec, directory: Path):  # -> trainer.prepare.Plan
+    """The job's dataset in its cache, prepared here unless it is there already (a SpecError on bad data)."""
+    try:
+        # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
+        from trainer.prepare import prepare_spec
+    except ImportError as exc:
+        raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
+    return prepare_spec(job.training, directory, note)
+
+
+@command()
+def prepare(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    run_dir: RunDirOpt = None,
+) -> None:
+    """Prepare the job's data on this machine: tokenized once into the dataset cache, which runs then map.
+
+    Prints the prepared dataset's directory. The cache is `training.data.cacheDir`, by default
+    `_datasets` next to the run directory; `ctl run` and the trainer find the data there by its fingerprint.
+    """
+    job = load_job(spec, set_values)
+    require_trainer("prepare")
+    with local_pods(job, run_dir) as pods:  # the run directory is the one the rendered training config names
+        plan = prepare_data(job, pods.run_dir)
+    typer.echo(str(plan.entry))
+
+
+@command()
+def render(
+    spec: SpecArg,
+    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="yaml (multi-document, as `helm template`) or json (a List).")
+    ] = "yaml",
+) -> None:
+    """Print the Kubernetes objects the job becomes (the Helm chart, rendered in process); no cluster access.
+
+    The objects carry no namespace: `kubectl apply -n NS` (or `ctl submit -n NS`) chooses it.
+    """
+    if output not in ("yaml", "json"):
+        raise fail(f"--output {output!r}: expected yaml or json")
+    fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
+    job = load_job(spec, set_values)
+    from ctl.render import render as render_spec
+    from ctl.render import to_json, to_yaml
+    from ctl.storage import render_note
+
+    manifests = render_spec(job)
+    if message := render_note([m.obj for m in manifests]):
+        note(message)
+    typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
