@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from trainer.location import S3Location, is_s3
 from trainer.names import EXIT_HUNG, GPT2_POSITIONS
 
 
@@ -163,6 +164,14 @@ class CheckpointSpec(SpecModel):
     allow_config_change: bool = Field(
         False, description="Resume even when training settings differ from the checkpoint's (otherwise an error)."
     )
+
+    @field_validator("dir")
+    @classmethod
+    def s3_uri(cls, value: str | None) -> str | None:
+        """A malformed s3:// URI is refused with the spec, before any process starts."""
+        if is_s3(value):
+            S3Location.parse(str(value))
+        return value
 
 
 class TimeoutsSpec(SpecModel):

@@ -1,0 +1,31 @@
+"""Run locations on object storage: `s3://bucket/prefix` URIs, parsed without any client (ctl checks them too)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+S3_SCHEME = "s3://"
+# S3's bucket naming rules (3-63 characters of lower-case letters, digits, dots and hyphens).
+BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def is_s3(location: str | None) -> bool:
+    return bool(location) and str(location).startswith(S3_SCHEME)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # without leading or trailing slashes; "" for the bucket's root
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        """`s3://bucket/prefix`, or ValueError (the spec models check every URI they accept with it)."""
+        bucket, _, prefix = uri.removeprefix(S3_SCHEME).partition("/")
+        if not uri.startswith(S3_SCHEME) or not BUCKET.fullmatch(bucket) or "//" in prefix:
+            raise ValueError(f"{uri!r} is not an S3 URI of the form s3://bucket/prefix (with a valid bucket name)")
+        return cls(bucket, prefix.strip("/"))
+
+    def __str__(self) -> str:
+        return f"{S3_SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
