@@ -4,14 +4,35 @@ bucket, bad buckets and credentials refused with one line."""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
+from conftest import REPO
 from s3server import S3Server
+from test_checkpoint import (
+    EVERY,
+    STEPS,
+    assert_bitwise_equal,
+    finish,
+    kill_all,
+    processes_with_marker,
+    read_until_step,
+    start,
+    training,
+    uninterrupted,  # noqa: F401 (a fixture: the weights of the same run, uninterrupted, on the local disk)
+)
 
-from trainer.checkpoint import Checkpointer, TrainerState
+from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
 from trainer.spec import CheckpointSpec, SpecError
 
@@ -30,8 +51,8 @@ def checkpointer(uri: str, tmp_path: Path, **spec: Any) -> Checkpointer:
     return Checkpointer(tmp_path / "local", CheckpointSpec(dir=uri, **spec), dist, {"maxSteps": 10})
 
 
-def training_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
-    model = torch.nn.Linear(8, 8)
+def training_state(size: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    model = torch.nn.Linear(size, size)
     return model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
 
 
@@ -84,3 +105,89 @@ def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env()["AWS_SECRET_ACCESS_KEY"])
     with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "):
         checkpointer("s3://no-such-bucket/run", tmp_path).store.check(writable=True)
+
+
+def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_is_bitwise_exact(
+    s3: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    corpus_file: Path,
+    uninterrupted: dict[str, torch.Tensor],  # noqa: F811 (the fixture imported above)
+    marked_env: tuple[dict[str, str], str],
+) -> None:
+    """2 processes save asynchronously to the bucket and are killed at once at a random moment (mid-upload or
+    not); a run on an empty node cache resumes from the newest committed checkpoint in the bucket and ends with
+    the weights of the uninterrupted local run, its export and report in the bucket."""
+    env, marker = marked_env
+    uri = f"s3://{bucket}/run"
+    section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": uri, "asyncSave": True})
+    config = tmp_path / "training.yaml"
+    first_node = env | s3.env() | {"DDPJOB_RUN_CACHE": str(tmp_path / "node-a")}
+    process = start(section, env=first_node, config=config)
+    read_until_step(process, 1)
+    pids = processes_with_marker(marker)
+    moment = random.Random(7)
+    read_until_step(process, moment.randint(EVERY + 1, STEPS - 2 * EVERY))
+    time.sleep(moment.uniform(0, 0.3))  # between log lines: maybe mid-upload
+    kill_all(pids)
+    finish(process)
+    assert process.returncode == -signal.SIGKILL
+    run = s3.root / bucket / "run"
+    assert not (run / "report.json").exists()
+    committed = sorted(path.name for path in run.glob("step-*") if (path / MARKER).exists())
+
+    second_node = os.environ | s3.env() | {"DDPJOB_RUN_CACHE": str(tmp_path / "node-b")}
+    output = finish(start(section, env=second_node, config=config))
+    assert (f"resuming from {committed[-1]}:" in output) if committed else ("resuming" not in output), output
+    assert_bitwise_equal(safetensors.torch.load_file(run / "final" / "model.safetensors"), uninterrupted)
+    assert json.loads((run / "report.json").read_text())["steps"] == STEPS
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+SAVER = """
+import sys, torch
+from pathlib import Path
+from trainer.checkpoint import Checkpointer, TrainerState
+from trainer.dist import Dist
+from trainer.spec import CheckpointSpec
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights, 48 MiB with AdamW's moments: several multipart parts
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 2048)).sum().backward()
+optimizer.step()
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+spec = CheckpointSpec(dir=sys.argv[1], keepLast=2)
+checkpoints = Checkpointer(Path(sys.argv[2]), spec, Dist(0, 0, 1, torch.device("cpu")), {})
+for step in range(1, 1000):
+    checkpoints.save(model, optimizer, scaler, TrainerState(step=step))
+    print(step, flush=True)
+"""
+
+
+def test_an_upload_killed_midway_leaves_no_committed_checkpoint_that_does_not_load(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """A process saving 48 MiB checkpoints again and again is SIGKILLed at a random moment of an upload: every
+    checkpoint the bucket calls committed loads completely, and the newest is the last one the saver finished."""
+    uri = f"s3://{bucket}/run"
+    saver = subprocess.Popen(
+        [sys.executable, "-c", SAVER, uri, str(tmp_path / "saver")],
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert saver.stdout is not None
+    finished = [int(saver.stdout.readline()) for _ in range(2)]
+    time.sleep(random.uniform(0, 0.5))
+    saver.kill()
+    finished += [int(line) for line in saver.stdout.read().split()]
+    saver.wait()
+    reader = checkpointer(uri, tmp_path / "reader")
+    committed = reader.committed()
+    assert committed and committed[-1][0] in (finished[-1], finished[-1] + 1)  # the kill may follow the marker
+    model, optimizer, _ = training_state(2048)
+    for _, name in committed:
+        folder = reader.store.local(name)
+        safetensors.torch.load_model(model, folder / "model.safetensors", strict=True)
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True)["optimizer"])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -29,6 +31,7 @@ from trainer.spec import CheckpointSpec, SpecError
 
 if TYPE_CHECKING:
     import obstore.store
+    from obstore import ObjectMeta
 
 ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 # In the XML error body that S3 servers answer with (the client quotes it in its exceptions).
@@ -171,12 +174,13 @@ class S3Store:
 
     @s3_errors
     def sizes(self, folder: str) -> dict[str, int]:
+        return {name: meta["size"] for name, meta in self.listing(folder).items()}
+
+    def listing(self, folder: str) -> dict[str, ObjectMeta]:
         import obstore
 
         return {
-            meta["path"].rsplit("/", 1)[-1]: meta["size"]
-            for batch in obstore.list(self.store, f"{folder}/")
-            for meta in batch
+            meta["path"].rsplit("/", 1)[-1]: meta for batch in obstore.list(self.store, f"{folder}/") for meta in batch
         }
 
     @s3_errors
@@ -212,16 +216,19 @@ class S3Store:
 
     @s3_errors
     def local(self, folder: str) -> Path:
-        """A local copy of `folder`, downloaded once (several ranks of a node may ask at the same time)."""
+        """A local copy of `folder`, downloaded once (several ranks of a node may ask at the same time). The copy is
+        named by the objects' ETags: a folder written again under the same name (a reused prefix) is a new copy."""
         import obstore
 
-        target = self.cache / folder
+        listing = self.listing(folder)
+        version = hashlib.sha256(json.dumps(sorted((n, m["e_tag"]) for n, m in listing.items())).encode())
+        target = self.cache / f"{folder}-{version.hexdigest()[:16]}"
         if target.is_dir():
             return target
         download = self.cache / f".{folder}.download-{os.getpid()}"
         shutil.rmtree(download, ignore_errors=True)
         download.mkdir(parents=True)
-        for name in self.sizes(folder):
+        for name in listing:
             with (download / name).open("wb") as file:
                 for chunk in obstore.get(self.store, f"{folder}/{name}"):
                     file.write(chunk)
