@@ -18,6 +18,7 @@ from pathlib import Path
 from e2e.cluster_binaries import build_versitygw
 
 from ctl.processes import LOCAL_ADDRESS, free_port
+from trainer.names import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 
 ACCESS_KEY = "ddpjob-test"
 SECRET_KEY = "ddpjob-test-secret"
@@ -33,10 +34,10 @@ class S3Server:
     def env(self, secret: str = SECRET_KEY) -> dict[str, str]:
         """The standard AWS variables a client of this server needs (with another `secret`: refused ones)."""
         return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_REGION": REGION,
+            S3_ENDPOINT_ENV: self.endpoint,
+            S3_ACCESS_KEY_ENV: ACCESS_KEY,
+            S3_SECRET_KEY_ENV: secret,
+            S3_REGION_ENV: REGION,
         }
 
     def bucket(self, name: str) -> Path:

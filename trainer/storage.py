@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from trainer.location import S3Location, is_s3
+from trainer.names import S3_ENDPOINT_ENV
 from trainer.spec import CheckpointSpec, SpecError
 
 if TYPE_CHECKING:
     import obstore.store
     from obstore import ObjectMeta
 
-ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 # In the XML error body that S3 servers answer with (the client quotes it in its exceptions).
 S3_CODE = re.compile(r"<Code>(\w+)</Code>")
 S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
@@ -156,7 +156,7 @@ class S3Store:
 
         self.location = location
         self.cache = cache
-        endpoint = os.environ.get(ENDPOINT_ENV, "")
+        endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
         self.store: obstore.store.S3Store = obstore.store.S3Store(
             location.bucket,
             prefix=location.prefix or None,
