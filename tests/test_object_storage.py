@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import REPO
+from conftest import REPO, run_ctl, tiny_spec
 from s3server import S3Server
 from test_checkpoint import (
     EVERY,
@@ -34,6 +34,8 @@ from test_checkpoint import (
 
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
+from trainer.location import RUN_CACHE_ENV
+from trainer.names import EXIT_BAD_INPUT
 from trainer.spec import CheckpointSpec, SpecError
 
 
@@ -42,7 +44,7 @@ def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3S
     """This process talks to the test server through the standard AWS variables; its run cache is `tmp_path`."""
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("DDPJOB_RUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(RUN_CACHE_ENV, str(tmp_path / "cache"))
     return s3
 
 
@@ -122,7 +124,7 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     uri = f"s3://{bucket}/run"
     section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": uri, "asyncSave": True})
     config = tmp_path / "training.yaml"
-    first_node = env | s3.env() | {"DDPJOB_RUN_CACHE": str(tmp_path / "node-a")}
+    first_node = env | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "node-a")}
     process = start(section, env=first_node, config=config)
     read_until_step(process, 1)
     pids = processes_with_marker(marker)
@@ -136,7 +138,7 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     assert not (run / "report.json").exists()
     committed = sorted(path.name for path in run.glob("step-*") if (path / MARKER).exists())
 
-    second_node = os.environ | s3.env() | {"DDPJOB_RUN_CACHE": str(tmp_path / "node-b")}
+    second_node = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "node-b")}
     output = finish(start(section, env=second_node, config=config))
     assert (f"resuming from {committed[-1]}:" in output) if committed else ("resuming" not in output), output
     assert_bitwise_equal(safetensors.torch.load_file(run / "final" / "model.safetensors"), uninterrupted)
@@ -149,6 +151,8 @@ import sys, torch
 from pathlib import Path
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.dist import Dist
+from trainer.location import RUN_CACHE_ENV
+from trainer.names import EXIT_BAD_INPUT
 from trainer.spec import CheckpointSpec
 
 torch.manual_seed(0)
@@ -191,3 +195,57 @@ def test_an_upload_killed_midway_leaves_no_committed_checkpoint_that_does_not_lo
         folder = reader.store.local(name)
         safetensors.torch.load_model(model, folder / "model.safetensors", strict=True)
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True)["optimizer"])
+
+
+def object_storage_spec(corpus: Path, s3: S3Server, bucket: str) -> dict[str, Any]:
+    spec = tiny_spec(corpus, maxSteps=6, checkpoint={"every": 2, "keepLast": 2}, sample={"maxNewTokens": 0})
+    return spec | {"procsPerNode": 2, "storage": {"uri": f"s3://{bucket}/team", "endpoint": s3.endpoint}}
+
+
+def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """2 processes under `ctl run`: the chart's run directory <uri>/<name>, checkpoints, export, report and
+    TensorBoard events in the bucket; the keys come from the user's environment (no Secret locally)."""
+    env = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"[rank 0] run directory: s3://{bucket}/team/tiny" in result.stdout
+    run = s3.root / bucket / "team" / "tiny"
+    assert sorted(path.name for path in run.iterdir()) == [
+        "final",
+        "latest",
+        "report.json",
+        "step-00000004",
+        "step-00000006",
+        "tensorboard",
+    ]
+    assert json.loads((run / "report.json").read_text())["world_size"] == 2
+    assert (run / "final" / "model.safetensors").is_file() and (run / "step-00000006" / MARKER).is_file()
+    assert not (tmp_path / "runs").exists()  # no claim stands in locally: nothing on the volume's path
+
+
+@pytest.mark.parametrize(
+    ("bucket_name", "secret", "reason"),
+    [
+        (None, "not-the-secret", "SignatureDoesNotMatch: "),
+        ("no-such-bucket", None, "NoSuchBucket: "),
+    ],
+)
+def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
+    s3: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    write_spec,
+    corpus_file: Path,
+    bucket_name: str | None,
+    secret: str | None,
+    reason: str,
+) -> None:
+    bucket = bucket_name or bucket
+    env = os.environ | s3.env(**({"secret": secret} if secret else {})) | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
+    assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written

@@ -92,7 +92,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
         write_report(run_dir, report)
         publish(run_dir, checkpoints.store)
         task.sample(spec, work, log)
-        log(f"run directory: {run_dir}")
+        log(f"run directory: {checkpoints.store.describe()}")
     barrier(dist)
     return 0
 

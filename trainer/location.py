@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 S3_SCHEME = "s3://"
+# Where a node keeps the local side of runs on object storage; ~/.cache/ddpjob/runs unless set.
+RUN_CACHE_ENV = "DDPJOB_RUN_CACHE"
 # S3's bucket naming rules (3-63 characters of lower-case letters, digits, dots and hyphens).
 BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
@@ -29,3 +33,10 @@ class S3Location:
 
     def __str__(self) -> str:
         return f"{S3_SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def run_cache(location: S3Location) -> Path:
+    """The node-local side of a run on S3: what the trainer writes before uploading (TensorBoard events, the export,
+    `ctl run`'s logs) and the checkpoints it downloaded."""
+    root = Path(os.environ.get(RUN_CACHE_ENV, Path.home() / ".cache" / "ddpjob" / "runs"))
+    return root / location.bucket / location.prefix

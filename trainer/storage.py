@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
-from trainer.location import S3Location, is_s3
+from trainer.location import S3Location, is_s3, run_cache
 from trainer.names import S3_ENDPOINT_ENV
 from trainer.spec import CheckpointSpec, SpecError
 
@@ -262,13 +262,6 @@ class S3Store:
                 obstore.delete(self.store, probe)
         except OSError as exc:
             raise SpecError(f"checkpoint.dir: cannot use {self.location}: {exc.strerror}") from None
-
-
-def run_cache(location: S3Location) -> Path:
-    """The node-local directory of a run on S3: what the trainer writes before uploading (TensorBoard events,
-    progress, the export) and the checkpoints it downloaded."""
-    root = Path(os.environ.get("DDPJOB_RUN_CACHE", Path.home() / ".cache" / "ddpjob" / "runs"))
-    return root / location.bucket / location.prefix
 
 
 def open_store(location: str | None, run_dir: Path) -> Store:
