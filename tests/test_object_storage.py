@@ -21,7 +21,9 @@ from conftest import REPO, run_ctl, tiny_spec
 from s3server import S3Server
 from test_checkpoint import (
     EVERY,
+    EXIT_PREEMPTED,
     STEPS,
+    STOPPED,
     assert_bitwise_equal,
     finish,
     kill_all,
@@ -249,3 +251,21 @@ def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"error: checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
     assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written
+
+
+def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_bucket(
+    s3: S3Server, bucket: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    """SIGTERM to torchrun (the kubelet's, to PID 1) mid-run with background uploads: the ranks agree on a step,
+    save it, and exit 143 only once its marker is in the bucket and `latest` names it."""
+    section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": f"s3://{bucket}/run", "asyncSave": True})
+    env = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    process = start(section, env=env, config=tmp_path / "training.yaml")
+    before = read_until_step(process, random.Random(8).randint(EVERY + 1, STEPS - 2 * EVERY))
+    os.kill(process.pid, signal.SIGTERM)
+    output = before + finish(process, timeout=60)
+    stopped = STOPPED.search(output)
+    assert process.returncode == EXIT_PREEMPTED and stopped, output
+    run = s3.root / bucket / "run"
+    assert (run / stopped.group(1) / MARKER).is_file()
+    assert (run / "latest").read_text().strip() == stopped.group(1)
