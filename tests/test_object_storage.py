@@ -36,7 +36,7 @@ from test_checkpoint import (
 
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
-from trainer.location import RUN_CACHE_ENV
+from trainer.location import NODE_CACHE_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.spec import CheckpointSpec, SpecError
 
@@ -46,7 +46,7 @@ def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3S
     """This process talks to the test server through the standard AWS variables; its run cache is `tmp_path`."""
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv(RUN_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(NODE_CACHE_ENV, str(tmp_path / "cache"))
     return s3
 
 
@@ -126,7 +126,7 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     uri = f"s3://{bucket}/run"
     section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": uri, "asyncSave": True})
     config = tmp_path / "training.yaml"
-    first_node = env | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "node-a")}
+    first_node = env | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "node-a")}
     process = start(section, env=first_node, config=config)
     read_until_step(process, 1)
     pids = processes_with_marker(marker)
@@ -140,7 +140,7 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     assert not (run / "report.json").exists()
     committed = sorted(path.name for path in run.glob("step-*") if (path / MARKER).exists())
 
-    second_node = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "node-b")}
+    second_node = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "node-b")}
     output = finish(start(section, env=second_node, config=config))
     assert (f"resuming from {committed[-1]}:" in output) if committed else ("resuming" not in output), output
     assert_bitwise_equal(safetensors.torch.load_file(run / "final" / "model.safetensors"), uninterrupted)
@@ -153,8 +153,6 @@ import sys, torch
 from pathlib import Path
 from trainer.checkpoint import Checkpointer, TrainerState
 from trainer.dist import Dist
-from trainer.location import RUN_CACHE_ENV
-from trainer.names import EXIT_BAD_INPUT
 from trainer.spec import CheckpointSpec
 
 torch.manual_seed(0)
@@ -209,7 +207,7 @@ def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
 ) -> None:
     """2 processes under `ctl run`: the chart's run directory <uri>/<name>, checkpoints, export, report and
     TensorBoard events in the bucket; the keys come from the user's environment (no Secret locally)."""
-    env = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
     result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"[rank 0] run directory: s3://{bucket}/team/tiny" in result.stdout
@@ -245,7 +243,7 @@ def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
     reason: str,
 ) -> None:
     bucket = bucket_name or bucket
-    env = os.environ | s3.env(**({"secret": secret} if secret else {})) | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    env = os.environ | s3.env(**({"secret": secret} if secret else {})) | {NODE_CACHE_ENV: str(tmp_path / "cache")}
     result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
     assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
@@ -259,7 +257,7 @@ def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_buc
     """SIGTERM to torchrun (the kubelet's, to PID 1) mid-run with background uploads: the ranks agree on a step,
     save it, and exit 143 only once its marker is in the bucket and `latest` names it."""
     section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": f"s3://{bucket}/run", "asyncSave": True})
-    env = os.environ | s3.env() | {RUN_CACHE_ENV: str(tmp_path / "cache")}
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
     process = start(section, env=env, config=tmp_path / "training.yaml")
     before = read_until_step(process, random.Random(8).randint(EVERY + 1, STEPS - 2 * EVERY))
     os.kill(process.pid, signal.SIGTERM)
@@ -269,3 +267,32 @@ def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_buc
     run = s3.root / bucket / "run"
     assert (run / stopped.group(1) / MARKER).is_file()
     assert (run / "latest").read_text().strip() == stopped.group(1)
+
+
+def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """data.train names an s3:// prefix: its objects are downloaded once into the node's cache and prepared; a
+    second job on the same node finds both the files and the prepared dataset there and reads nothing again."""
+    text = corpus_file.read_text()
+    corpus = s3.bucket(bucket) / "corpus"
+    corpus.mkdir()
+    for index, part in enumerate((text[: len(text) // 2], text[len(text) // 2 :])):
+        (corpus / f"part-{index}.txt").write_text(part)
+    spec = object_storage_spec(corpus_file, s3, bucket)
+    spec["training"]["data"] = {"train": [f"s3://{bucket}/corpus/"], "valFraction": 0.1}
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    logs = []
+    for name in ("first", "second"):
+        result = run_ctl("run", str(write_spec(spec | {"name": name})), cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        run_cache = tmp_path / "cache" / "runs" / bucket / "team" / name  # the run's node-local side: its logs
+        (rank0,) = run_cache.glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+        logs.append(rank0.read_text())
+    assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
+    downloads = [line for line in (s3.root.parent / "versitygw.log").read_text().splitlines() if "| GET |" in line]
+    for index in range(2):
+        assert len([line for line in downloads if f"/{bucket}/corpus/part-{index}.txt " in line]) == 1
+    local = tmp_path / "cache" / "sources" / bucket / "corpus"
+    assert sorted(path.name for path in local.glob("part-*")) == ["part-0.txt", "part-1.txt"]
+    assert json.loads((s3.root / bucket / "team" / "second" / "report.json").read_text())["steps"] == 6

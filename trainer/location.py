@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 S3_SCHEME = "s3://"
-# Where a node keeps the local side of runs on object storage; ~/.cache/ddpjob/runs unless set.
-RUN_CACHE_ENV = "DDPJOB_RUN_CACHE"
+# Where a node keeps what it has of object storage (~/.cache/ddpjob unless set): runs/<bucket>/<prefix>, the local
+# side of runs, and sources/<bucket>/<key>, the data files downloaded once.
+NODE_CACHE_ENV = "DDPJOB_NODE_CACHE"
 # S3's bucket naming rules (3-63 characters of lower-case letters, digits, dots and hyphens).
 BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
@@ -35,8 +36,11 @@ class S3Location:
         return f"{S3_SCHEME}{self.bucket}/{self.prefix}".rstrip("/")
 
 
+def node_cache() -> Path:
+    return Path(os.environ.get(NODE_CACHE_ENV, Path.home() / ".cache" / "ddpjob"))
+
+
 def run_cache(location: S3Location) -> Path:
     """The node-local side of a run on S3: what the trainer writes before uploading (TensorBoard events, the export,
     `ctl run`'s logs) and the checkpoints it downloaded."""
-    root = Path(os.environ.get(RUN_CACHE_ENV, Path.home() / ".cache" / "ddpjob" / "runs"))
-    return root / location.bucket / location.prefix
+    return node_cache() / "runs" / location.bucket / location.prefix

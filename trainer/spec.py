@@ -83,7 +83,11 @@ class DataSpec(SpecModel):
     builtin: Literal["stdlib-docstrings"] | None = Field(
         None, description="classification: a dataset built offline from Python's standard library docstrings."
     )
-    train: list[str] = Field(default_factory=list, description="Training files: paths or globs (`**` recurses).")
+    train: list[str] = Field(
+        default_factory=list,
+        description="Training files: paths or globs (`**` recurses), or s3:// URIs (an object, a prefix ending in /,"
+        " or a glob), downloaded once into the node's cache.",
+    )
     val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")

@@ -15,7 +15,10 @@ keys, from the pod's cloud identity, as the AWS SDKs find them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import fnmatch
 import functools
 import hashlib
 import json
@@ -26,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
-from trainer.location import S3Location, is_s3, run_cache
+from trainer.location import S3Location, is_s3, node_cache, run_cache
 from trainer.names import S3_ENDPOINT_ENV
 from trainer.spec import CheckpointSpec, SpecError
 
@@ -148,20 +151,23 @@ def reason(exc: BaseException) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
 
 
+def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
+    """A client of `bucket` (its keys under `prefix`) from the standard AWS variables (an http:// endpoint allowed)."""
+    import obstore.store
+
+    endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
+    return obstore.store.S3Store(
+        bucket, prefix=prefix or None, client_options={"allow_http": endpoint.startswith("http://")}
+    )
+
+
 class S3Store:
     """A prefix in an S3 bucket; files are staged and read back through a local directory (`cache`)."""
 
     def __init__(self, location: S3Location, cache: Path) -> None:
-        import obstore.store  # the trainer's install has it; only runs on object storage import it
-
         self.location = location
         self.cache = cache
-        endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
-        self.store: obstore.store.S3Store = obstore.store.S3Store(
-            location.bucket,
-            prefix=location.prefix or None,
-            client_options={"allow_http": endpoint.startswith("http://")},
-        )
+        self.store = s3_client(location.bucket, location.prefix)
 
     @s3_errors
     def names(self) -> list[str]:
@@ -277,3 +283,68 @@ def run_dir_of(spec: CheckpointSpec, task: str) -> Path:
     if is_s3(spec.dir):
         return run_cache(S3Location.parse(str(spec.dir)))
     return Path(spec.dir or Path("runs") / task).absolute()
+
+
+# Glob characters in an s3:// data URI: its objects are then those of the prefix before the first one that match it.
+GLOB = re.compile(r"[*?\[]")
+
+
+@s3_errors
+def matching_objects(store: obstore.store.S3Store, pattern: str) -> list[ObjectMeta]:
+    """The objects a data URI's key names: that object, every object under it as a prefix, or those its glob
+    matches (`**` across folders too)."""
+    import obstore
+
+    glob = GLOB.search(pattern)
+    prefix = pattern[: glob.start()].rpartition("/")[0] if glob else pattern.rstrip("/")
+    listed = [meta for batch in obstore.list(store, prefix or None) for meta in batch]
+    if glob:
+        return [meta for meta in listed if fnmatch.fnmatchcase(meta["path"], pattern)]
+    exact = [meta for meta in listed if meta["path"] == pattern]
+    return exact or [meta for meta in listed if meta["path"].startswith(f"{prefix}/")]
+
+
+@s3_errors
+def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Path:
+    """`target`, downloaded unless this node has it already (the same size and modification time as the object,
+    which the copy keeps): one process of the node downloads it while the others wait for it."""
+    import obstore
+
+    mtime_ns = int(meta["last_modified"].timestamp() * 1e9)
+
+    def present() -> bool:
+        with contextlib.suppress(OSError):
+            info = target.stat()
+            return info.st_size == meta["size"] and info.st_mtime_ns == mtime_ns
+        return False
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not present():
+            partial = target.with_name(f".{target.name}.part")
+            with partial.open("wb") as file:
+                for chunk in obstore.get(store, meta["path"]):  # streamed: one chunk in memory at a time
+                    file.write(chunk)
+            os.utime(partial, ns=(mtime_ns, mtime_ns))
+            os.replace(partial, target)
+    return target
+
+
+def s3_sources(uri: str, key: str) -> list[Path]:
+    """The local copies of the objects a data URI names (`s3://bucket/file`, `s3://bucket/prefix/`, or a glob),
+    each downloaded once into this node's cache (sources/<bucket>/<key>); a restart finds them there, so the
+    prepared dataset's fingerprint (path, size, modification time) is the same on every node and every start."""
+    try:
+        location = S3Location.parse(uri)
+    except ValueError as exc:
+        raise SpecError(f"{key}: {exc}") from None
+    store = s3_client(location.bucket)
+    root = node_cache() / "sources" / location.bucket
+    try:
+        objects = matching_objects(store, location.prefix)
+        if not objects:
+            raise SpecError(f"{key}: no object matches {uri!r}")
+        return [download(store, meta, root / meta["path"]) for meta in objects]
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {uri}: {exc.strerror}") from None
