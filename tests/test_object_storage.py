@@ -296,3 +296,24 @@ def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
     local = tmp_path / "cache" / "sources" / bucket / "corpus"
     assert sorted(path.name for path in local.glob("part-*")) == ["part-0.txt", "part-1.txt"]
     assert json.loads((s3.root / bucket / "team" / "second" / "report.json").read_text())["steps"] == 6
+
+
+def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """Node caches are not shared: rank 0 uploads the prepared dataset beside the run directories (manifest last)
+    before the others go on; a job on another node downloads it instead of preparing the corpus again."""
+    logs = []
+    for name, node in (("first", "node-a"), ("second", "node-b")):
+        env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / node)}
+        result = run_ctl(
+            "run", str(write_spec(object_storage_spec(corpus_file, s3, bucket) | {"name": name})), cwd=tmp_path, env=env
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        (rank0,) = (tmp_path / node / "runs" / bucket / "team" / name).glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+        logs.append(rank0.read_text())
+    assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
+    (dataset,) = (s3.root / bucket / "team" / "_datasets").iterdir()
+    assert (dataset / "manifest.json").is_file()
+    fetched = tmp_path / "node-b" / "runs" / bucket / "team" / "_datasets" / dataset.name
+    assert sorted(path.name for path in fetched.iterdir()) == sorted(path.name for path in dataset.iterdir())

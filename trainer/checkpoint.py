@@ -326,6 +326,7 @@ class Checkpointer:
             files = {path.name: path.stat().st_size for path in staging.iterdir()}
             (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
             self.store.commit(staging, name, MARKER)
+            shutil.rmtree(staging, ignore_errors=True)  # what an upload leaves (a local commit renamed it away)
             self.store.write_text(LATEST_CHECKPOINT, name + "\n")
         except (OSError, safetensors.SafetensorError) as exc:  # disk full, quota, permissions, I/O errors
             shutil.rmtree(staging, ignore_errors=True)

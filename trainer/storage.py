@@ -183,10 +183,13 @@ class S3Store:
         return {name: meta["size"] for name, meta in self.listing(folder).items()}
 
     def listing(self, folder: str) -> dict[str, ObjectMeta]:
+        """Every object under `folder`, by its path inside it."""
         import obstore
 
         return {
-            meta["path"].rsplit("/", 1)[-1]: meta for batch in obstore.list(self.store, f"{folder}/") for meta in batch
+            meta["path"].removeprefix(f"{folder}/"): meta
+            for batch in obstore.list(self.store, f"{folder}/")
+            for meta in batch
         }
 
     @s3_errors
@@ -202,10 +205,9 @@ class S3Store:
     def commit(self, staging: Path, folder: str, marker: str) -> None:
         import obstore
 
-        files = sorted(path for path in staging.iterdir() if path.name != marker)
-        for path in [*files, staging / marker]:  # the marker last: only then is the folder a checkpoint
-            obstore.put(self.store, f"{folder}/{path.name}", path)
-        shutil.rmtree(staging, ignore_errors=True)
+        files = sorted(path for path in staging.rglob("*") if path.is_file() and path.name != marker)
+        for path in [*files, staging / marker]:  # the marker last: only then is the folder complete
+            obstore.put(self.store, f"{folder}/{path.relative_to(staging)}", path)
 
     @s3_errors
     def write_text(self, path: str, text: str) -> None:
@@ -221,20 +223,32 @@ class S3Store:
         obstore.delete(self.store, sorted(f"{folder}/{name}" for name in self.sizes(folder)))
 
     @s3_errors
-    def local(self, folder: str) -> Path:
-        """A local copy of `folder`, downloaded once (several ranks of a node may ask at the same time). The copy is
-        named by the objects' ETags: a folder written again under the same name (a reused prefix) is a new copy."""
+    def exists(self, path: str) -> bool:
+        import obstore
+        import obstore.exceptions
+
+        try:
+            obstore.head(self.store, path)
+        except (FileNotFoundError, obstore.exceptions.NotFoundError):  # head raises the former
+            return False
+        return True
+
+    @s3_errors
+    def local(self, folder: str, target: Path | None = None) -> Path:
+        """A local copy of `folder` (at `target`), downloaded once (several ranks of a node may ask at the same time).
+        By default the copy is named by the objects' ETags: a folder written again under the same name (a reused
+        prefix) is a new copy."""
         import obstore
 
         listing = self.listing(folder)
         version = hashlib.sha256(json.dumps(sorted((n, m["e_tag"]) for n, m in listing.items())).encode())
-        target = self.cache / f"{folder}-{version.hexdigest()[:16]}"
+        target = target or self.cache / f"{folder}-{version.hexdigest()[:16]}"
         if target.is_dir():
             return target
-        download = self.cache / f".{folder}.download-{os.getpid()}"
+        download = target.with_name(f".{target.name}.download-{os.getpid()}")
         shutil.rmtree(download, ignore_errors=True)
-        download.mkdir(parents=True)
         for name in listing:
+            (download / name).parent.mkdir(parents=True, exist_ok=True)
             with (download / name).open("wb") as file:
                 for chunk in obstore.get(self.store, f"{folder}/{name}"):
                     file.write(chunk)
