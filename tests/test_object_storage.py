@@ -97,6 +97,8 @@ def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker
     state, _ = other.load_latest(model, optimizer, scaler)
     assert state.step == 2
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved.items())
+    other.clean()  # what a start does before training: the torn upload goes
+    assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002"]
 
 
 def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(

@@ -204,13 +204,13 @@ class Checkpointer:
             return False
 
     def clean(self) -> None:
-        """Rank 0 removes what interrupted saves and prunes left behind; every rank waits for it."""
-        if self.dist.is_main and self.run_dir.is_dir():
-            for path in self.run_dir.iterdir():
-                leftover = path.name.startswith((".step-", ".trash-"))
-                uncommitted = CHECKPOINT_NAME.fullmatch(path.name) and not self.is_complete(path.name)
-                if path.is_dir() and (leftover or uncommitted):
-                    shutil.rmtree(path, ignore_errors=True)
+        """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
+        marker); every rank waits for it."""
+        if self.dist.is_main:
+            for name in self.store.names():
+                leftover = name.startswith((".step-", ".trash-"))
+                if leftover or (CHECKPOINT_NAME.fullmatch(name) and not self.is_complete(name)):
+                    self.store.delete(name, MARKER)
         barrier(self.dist)
 
     # -- resuming -----------------------------------------------------------------------------
