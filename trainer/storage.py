@@ -8,6 +8,9 @@ Both stores offer the few operations checkpoint.py needs, with the same guarante
   last; a reader (checkpoint.is_complete) ignores a prefix without a marker, or whose objects' sizes differ from
   the marker's list. Deletion goes the other way: the marker first, so a half-deleted folder is no checkpoint.
 
+Data files named by s3:// URIs are downloaded once into the node's cache (`s3_sources`), and a run on object storage
+shares its prepared datasets through an S3Store too (trainer.workloads.bucket_datasets).
+
 The S3 client is obstore (docs/object-storage.md says why); the endpoint, credentials and region come from the
 standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION) or, without
 keys, from the pod's cloud identity, as the AWS SDKs find them.
@@ -25,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
@@ -116,6 +119,24 @@ class LocalStore:
         """Nothing to do: the run directory is the store."""
 
 
+@contextlib.contextmanager
+def node_lock(target: Path) -> Iterator[None]:
+    """One process of the node at a time makes `target`; the others wait for it, then find it there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def stream_to(store: obstore.store.S3Store, key: str, path: Path) -> None:
+    """Object `key` into the file `path`, one chunk in memory at a time."""
+    import obstore
+
+    with path.open("wb") as file:
+        for chunk in obstore.get(store, key):
+            file.write(chunk)
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -125,7 +146,7 @@ class StorageError(OSError):
 
 
 def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
-    """The client's errors as OSError, with the first line of the server's answer as their reason."""
+    """The client's errors as OSError, with the server's S3 error code and message as their reason."""
 
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -238,24 +259,17 @@ class S3Store:
         """A local copy of `folder` (at `target`), downloaded once (several ranks of a node may ask at the same time).
         By default the copy is named by the objects' ETags: a folder written again under the same name (a reused
         prefix) is a new copy."""
-        import obstore
-
         listing = self.listing(folder)
         version = hashlib.sha256(json.dumps(sorted((n, m["e_tag"]) for n, m in listing.items())).encode())
         target = target or self.cache / f"{folder}-{version.hexdigest()[:16]}"
-        if target.is_dir():
-            return target
-        download = target.with_name(f".{target.name}.download-{os.getpid()}")
-        shutil.rmtree(download, ignore_errors=True)
-        for name in listing:
-            (download / name).parent.mkdir(parents=True, exist_ok=True)
-            with (download / name).open("wb") as file:
-                for chunk in obstore.get(self.store, f"{folder}/{name}"):
-                    file.write(chunk)
-        try:
-            os.replace(download, target)
-        except OSError:  # another rank of this node was first
-            shutil.rmtree(download, ignore_errors=True)
+        with node_lock(target):
+            if not target.is_dir():
+                download = target.with_name(f".{target.name}.download")
+                shutil.rmtree(download, ignore_errors=True)
+                for name in listing:
+                    (download / name).parent.mkdir(parents=True, exist_ok=True)
+                    stream_to(self.store, f"{folder}/{name}", download / name)
+                os.replace(download, target)
         return target
 
     def describe(self, folder: str = "") -> str:
@@ -322,8 +336,6 @@ def matching_objects(store: obstore.store.S3Store, pattern: str) -> list[ObjectM
 def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Path:
     """`target`, downloaded unless this node has it already (the same size and modification time as the object,
     which the copy keeps): one process of the node downloads it while the others wait for it."""
-    import obstore
-
     mtime_ns = int(meta["last_modified"].timestamp() * 1e9)
 
     def present() -> bool:
@@ -332,14 +344,10 @@ def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Pa
             return info.st_size == meta["size"] and info.st_mtime_ns == mtime_ns
         return False
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f".{target.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with node_lock(target):
         if not present():
             partial = target.with_name(f".{target.name}.part")
-            with partial.open("wb") as file:
-                for chunk in obstore.get(store, meta["path"]):  # streamed: one chunk in memory at a time
-                    file.write(chunk)
+            stream_to(store, meta["path"], partial)
             os.utime(partial, ns=(mtime_ns, mtime_ns))
             os.replace(partial, target)
     return target
