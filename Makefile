@@ -63,7 +63,9 @@ test: dev prometheus e2e-binaries floors-env image
 FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
 	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
 	tests/test_local_run.py tests/test_classification.py tests/test_causal_lm.py \
-	tests/test_ddp.py::test_compiled_ddp_equals_single_process tests/test_object_storage.py \
+	tests/test_ddp.py::test_compiled_ddp_equals_single_process \
+	tests/test_object_storage.py::test_keeps_the_newest_and_the_best_in_the_bucket_and_prunes_only_after_a_commit \
+	tests/test_object_storage.py::test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket \
 	"tests/test_checkpoint.py::test_sigterm_saves_at_one_agreed_step_and_the_restart_finishes_exactly"
 
 floors-env: $(BIN)/uv
