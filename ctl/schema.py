@@ -24,15 +24,12 @@ from pydantic.fields import FieldInfo
 from ctl import names
 from ctl.kinds import KINDS
 from ctl.spec import JobSpec
+from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 from trainer.names import (
     JOB_NAME_ENV,
     METRICS_DIR_ENV,
     METRICS_PORT_ENV,
     PREPARED_BY_JOB_ENV,
-    S3_ACCESS_KEY_ENV,
-    S3_ENDPOINT_ENV,
-    S3_REGION_ENV,
-    S3_SECRET_KEY_ENV,
     SHUTDOWN_TIMEOUT_ENV,
 )
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from e2e.cluster_binaries import build_versitygw
 
 from ctl.processes import LOCAL_ADDRESS, free_port
-from trainer.names import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
+from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 
 ACCESS_KEY = "ddpjob-test"
 SECRET_KEY = "ddpjob-test-secret"

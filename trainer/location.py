@@ -11,6 +11,12 @@ S3_SCHEME = "s3://"
 # Where a node keeps what it has of object storage (~/.cache/ddpjob unless set): runs/<bucket>/<prefix>, the local
 # side of runs, and sources/<bucket>/<key>, the data files downloaded once.
 NODE_CACHE_ENV = "DDPJOB_NODE_CACHE"
+# A run on object storage (storage.uri): the standard AWS variables the chart sets from storage.endpoint,
+# storage.region and the keys of storage.secretName, which the S3 client reads (trainer/storage.py).
+S3_ENDPOINT_ENV = "AWS_ENDPOINT_URL"
+S3_REGION_ENV = "AWS_REGION"
+S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 # S3's bucket naming rules (3-63 characters of lower-case letters, digits, dots and hyphens).
 BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 

@@ -41,12 +41,6 @@ GPT2_POSITIONS = 1024
 PROGRESS_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 PROGRESS_CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
 PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
-# A run on object storage (storage.uri): the standard AWS variables the chart sets from storage.endpoint,
-# storage.region and the keys of storage.secretName, which the S3 client reads (trainer/storage.py).
-S3_ENDPOINT_ENV = "AWS_ENDPOINT_URL"
-S3_REGION_ENV = "AWS_REGION"
-S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
-S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 # Set by the chart to the prepare Job's name when one prepares the data: the training pods then wait for it instead of
 # preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"

@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
-from trainer.location import S3Location, is_s3, node_cache, run_cache
-from trainer.names import S3_ENDPOINT_ENV
+from trainer.location import S3_ENDPOINT_ENV, S3Location, is_s3, node_cache, run_cache
 from trainer.spec import CheckpointSpec, SpecError
 
 if TYPE_CHECKING:

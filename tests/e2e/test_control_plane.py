@@ -46,7 +46,8 @@ from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
-from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
+from trainer.location import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
+from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
 
 pytestmark = pytest.mark.e2e
 
