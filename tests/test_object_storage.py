@@ -269,6 +269,7 @@ def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_buc
     run = s3.root / bucket / "run"
     assert (run / stopped.group(1) / MARKER).is_file()
     assert (run / "latest").read_text().strip() == stopped.group(1)
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and not (run / "report.json").exists()
 
 
 def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(

@@ -73,6 +73,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
     result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
     if result.preempted:
+        if dist.is_main:  # on object storage, the events so far (the export and report do not exist yet)
+            publish(run_dir, checkpoints.store)
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
     report = task.final_report(spec, dist, work, log, result.final_eval) | {
