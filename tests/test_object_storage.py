@@ -320,3 +320,21 @@ def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(
     assert (dataset / "manifest.json").is_file()
     fetched = tmp_path / "node-b" / "runs" / bucket / "team" / "_datasets" / dataset.name
     assert sorted(path.name for path in fetched.iterdir()) == sorted(path.name for path in dataset.iterdir())
+
+
+def test_a_resume_from_the_bucket_on_changed_data_is_refused_with_one_line(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """The run's dataset record lives in the bucket beside its checkpoints: a resume on another node whose data
+    changed meanwhile is refused as on the volume."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    spec = write_spec(object_storage_spec(corpus, s3, bucket))
+    first = run_ctl("run", str(spec), cwd=tmp_path, env=os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "a")})
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (s3.root / bucket / "team" / "tiny" / "dataset.json").is_file()
+    corpus.write_text(corpus.read_text() + "\nmore text\n")
+    again = run_ctl("run", str(spec), cwd=tmp_path, env=os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "b")})
+    assert again.returncode == EXIT_BAD_INPUT, again.stdout + again.stderr
+    (line,) = again.stderr.splitlines()
+    assert line.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), line

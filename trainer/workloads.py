@@ -10,6 +10,7 @@ barrier.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_E
 from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
-from trainer.storage import S3Store
+from trainer.storage import S3Store, open_store
 from trainer.text import load_tokenizer
 
 T = TypeVar("T")
@@ -86,10 +87,14 @@ def given_tokenizer(spec: TrainingSpec, dist: Dist) -> Any:
 
 def check_same_sources(plan: Plan, run_dir: Path) -> None:
     """A run resuming from checkpoints must read the data they were trained on, or the resume is not a resume."""
-    recorded = run_dir / RUN_DATASET
-    if plan.spec.checkpoint.allow_config_change or not (run_dir / LATEST_CHECKPOINT).exists() or not recorded.exists():
+    if plan.spec.checkpoint.allow_config_change:
         return
-    before = json.loads(recorded.read_text(encoding="utf-8"))
+    store = open_store(plan.spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
+    try:
+        store.read_bytes(LATEST_CHECKPOINT)
+        before = json.loads(store.read_bytes(RUN_DATASET))
+    except FileNotFoundError:  # no checkpoint yet, or none that recorded its data
+        return
     if before["fingerprint"] == plan.fingerprint:
         return
     for split, sources in plan.key["sources"].items():
@@ -239,6 +244,8 @@ def record_dataset(plan: Plan, run_dir: Path) -> None:
     """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
     text = json.dumps(record, indent=1) + "\n"
-    path = run_dir / RUN_DATASET
-    if not path.exists() or path.read_text(encoding="utf-8") != text:  # a refused resume writes nothing
-        path.write_text(text, encoding="utf-8")
+    store = open_store(plan.spec.checkpoint.dir, run_dir)
+    with contextlib.suppress(FileNotFoundError):
+        if store.read_bytes(RUN_DATASET).decode() == text:  # a refused resume writes nothing
+            return
+    store.write_text(RUN_DATASET, text)
