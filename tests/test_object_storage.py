@@ -215,6 +215,7 @@ def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
     assert f"[rank 0] run directory: s3://{bucket}/team/tiny" in result.stdout
     run = s3.root / bucket / "team" / "tiny"
     assert sorted(path.name for path in run.iterdir()) == [
+        "dataset.json",
         "final",
         "latest",
         "report.json",
