@@ -37,8 +37,8 @@ prometheus:
 	.ci/install-prometheus
 
 # The e2e tier's etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, training operator, Trainer v2
-# manager and JobSet controller, and its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
-# pause, built from their Go modules into ~/.cache/ddpjob/bin the first time (about 25 minutes of compiling on 2
+# manager and JobSet controller, its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
+# pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into ~/.cache/ddpjob/bin the first time (about 25 minutes of compiling on 2
 # busy cores, plus downloads; docs/testing.md), found there afterwards.
 e2e-binaries: dev
 	$(BIN)/python tests/e2e/cluster_binaries.py
@@ -57,13 +57,15 @@ test: dev prometheus e2e-binaries floors-env image
 # The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution;
 # what they pull in, and the dev tools, at their newest), under the tests that reach each of them:
 # pydantic, typer and helm (spec, chart, CLI, shell completion); torch, transformers, tokenizers, safetensors,
-# prometheus-client, tensorboard and numpy (2-process runs of each workload, compile, checkpoint and resume,
-# metrics, TensorBoard event files). urllib3 is reached only by the cluster commands (the e2e tier).
+# prometheus-client, tensorboard, numpy and obstore (2-process runs of each workload, compile, checkpoint and
+# resume, metrics, TensorBoard event files, checkpoints in a bucket). urllib3 is reached only by the cluster commands (the e2e tier).
 # The generated chart files are left out: their exact text follows the newest pydantic.
 FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
 	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
 	tests/test_local_run.py tests/test_classification.py tests/test_causal_lm.py \
 	tests/test_ddp.py::test_compiled_ddp_equals_single_process \
+	tests/test_object_storage.py::test_keeps_the_newest_and_the_best_in_the_bucket_and_prunes_only_after_a_commit \
+	tests/test_object_storage.py::test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket \
 	"tests/test_checkpoint.py::test_sigterm_saves_at_one_agreed_step_and_the_restart_finishes_exactly"
 
 floors-env: $(BIN)/uv

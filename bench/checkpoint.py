@@ -4,35 +4,44 @@ A synchronous save stalls training for the whole write (every file fsynced, mark
 An asynchronous one stalls it only while the state is copied to CPU memory; a background
 thread writes the copy while training goes on (which it slows down meanwhile, by sharing the
 CPU: reported too). Both through the trainer's own Checkpointer,
-on the GPT-2 124M shape with AdamW state (about 1.5 GB on disk), in one process:
+on the GPT-2 124M shape with AdamW state (about 1.5 GB on disk), in one process; then the same saves to an S3
+bucket (checkpoint.dir: s3://...), as ratios to the local disk's stalls measured in the same run:
 
-    python bench/checkpoint.py [--layers 12 --embd 768 --repeats 2 --dir /path/on/the/target/disk]
+    python bench/checkpoint.py [--layers 12 --embd 768 --repeats 2 --dir /path/on/the/target/disk --uri s3://b/p]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the S3 server the tests run (tests/s3server.py)
+
+from s3server import s3_server  # noqa: E402
 
 from bench.peers import gpt2  # noqa: E402
 from trainer.checkpoint import Checkpointer, TrainerState  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.spec import CheckpointSpec  # noqa: E402
 
+State = tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]
 
-def trained_state(layers: int, embd: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+
+def trained_state(layers: int, embd: int) -> State:
     """The model after one AdamW step, so the optimizer holds its moments as in any real save."""
     model = gpt2({"vocab": 50257, "block": 1024, "layers": layers, "heads": max(1, embd // 64), "embd": embd})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -55,58 +64,98 @@ def seconds(work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+@dataclass
+class Measured:
+    """One target's saves: each one's training stall and write time by mode, and async's slowdown of training."""
+
+    stalls: dict[str, list[float]] = field(default_factory=lambda: {"sync": [], "async": []})
+    writes: dict[str, list[float]] = field(default_factory=lambda: {"sync": [], "async": []})
+    slowdowns: list[float] = field(default_factory=list)
+    size: int = 0
+
+
+def measure(run_dir: Path, uri: str | None, state: State, repeats: int) -> Measured:
+    """Sync then async saves into `run_dir` (or the bucket `uri`, `run_dir` its local side)."""
+    model, optimizer, scaler = state
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    step_seconds = statistics.median(seconds(lambda: train_step(model, optimizer)) for _ in range(5))
+    measured = Measured()
+    for mode in ("sync", "async"):
+        spec = CheckpointSpec(dir=uri, keepLast=1, keepBest=False, asyncSave=mode == "async")
+        checkpoints = Checkpointer(run_dir / mode, spec, dist, {})
+        checkpoints.run_dir.mkdir(parents=True)
+        # The first save of each kind is a warm-up (for async: it allocates the CPU staging buffers).
+        for step in range(repeats + 1):
+            trainer_state = TrainerState(step=step)
+            stall = seconds(lambda c=checkpoints, s=trainer_state: c.save(model, optimizer, scaler, s))
+            if mode == "async":
+                # Training goes on while the copy is written: how much slower is it meanwhile?
+                steps = max(3, math.ceil(3 * statistics.median(measured.writes["sync"]) / step_seconds))
+                slowdown = seconds(lambda n=steps: [train_step(model, optimizer) for _ in range(n)])
+                slowdown -= steps * step_seconds
+            checkpoints.wait()
+            assert checkpoints.last_save is not None
+            if step:
+                measured.stalls[mode].append(stall)
+                measured.writes[mode].append(checkpoints.last_save.seconds)
+                if mode == "async":
+                    measured.slowdowns.append(max(0.0, slowdown))
+        measured.size = checkpoints.last_save.size_bytes
+    return measured
+
+
+@contextlib.contextmanager
+def bucket(work_dir: Path, uri: str | None) -> Iterator[str]:
+    """`uri` (a real bucket, credentials from the AWS variables), or a bucket of a local S3 server (versitygw, as the
+    tests run it) over `work_dir`: the same disk as the local saves, so the ratio is what S3 itself adds."""
+    if uri:
+        yield uri
+        return
+    with s3_server(work_dir) as server:
+        server.bucket("bench")
+        os.environ.update(server.env())
+        yield "s3://bench/run"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--embd", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--uri", default=None, help="s3://bucket/prefix to save to (default: a local S3 server's)")
     args = parser.parse_args()
-    model, optimizer, scaler = trained_state(args.layers, args.embd)
-    dist = Dist(0, 0, 1, torch.device("cpu"))
-    step_seconds = statistics.median(seconds(lambda: train_step(model, optimizer)) for _ in range(5))
-    stalls: dict[str, list[float]] = {"sync": [], "async": []}
-    slowdowns: list[float] = []
-    writes: dict[str, list[float]] = {"sync": [], "async": []}  # each save's own duration, by mode
+    state = trained_state(args.layers, args.embd)
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-", dir=args.dir) as tmp:
-        for mode in ("sync", "async"):
-            spec = CheckpointSpec(keepLast=1, keepBest=False, asyncSave=mode == "async")
-            checkpoints = Checkpointer(Path(tmp) / mode, spec, dist, {})
-            checkpoints.run_dir.mkdir()
-            # The first save of each kind is a warm-up (for async: it allocates the CPU staging buffers).
-            for step in range(args.repeats + 1):
-                state = TrainerState(step=step)
-                stall = seconds(lambda c=checkpoints, s=state: c.save(model, optimizer, scaler, s))
-                if mode == "async":
-                    # Training goes on while the copy is written: how much slower is it meanwhile?
-                    steps = max(3, math.ceil(3 * statistics.median(writes["sync"]) / step_seconds))
-                    slowdown = seconds(lambda n=steps: [train_step(model, optimizer) for _ in range(n)])
-                    slowdown -= steps * step_seconds
-                checkpoints.wait()
-                assert checkpoints.last_save is not None
-                if step:
-                    stalls[mode].append(stall)
-                    writes[mode].append(checkpoints.last_save.seconds)
-                    if mode == "async":
-                        slowdowns.append(max(0.0, slowdown))
-            size = checkpoints.last_save.size_bytes
-    sync, background, slowdown = (statistics.median(v) for v in (stalls["sync"], stalls["async"], slowdowns))
-    params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e6:.0f}M parameters; checkpoint: {size / 2**30:.2f} GiB")
-    save, background_save = statistics.median(writes["sync"]), statistics.median(writes["async"])
+        local = measure(Path(tmp) / "local", None, state, args.repeats)
+        with bucket(Path(tmp) / "s3", args.uri) as uri:
+            remote = measure(Path(tmp) / "s3-cache", uri, state, args.repeats)
+    median = statistics.median
+    sync, background, slowdown = (median(v) for v in (local.stalls["sync"], local.stalls["async"], local.slowdowns))
+    s3_sync, s3_background = (median(remote.stalls[mode]) for mode in ("sync", "async"))
+    params = sum(p.numel() for p in state[0].parameters())
+    print(f"model: {params / 1e6:.0f}M parameters; checkpoint: {local.size / 2**30:.2f} GiB")
+    save, background_save = median(local.writes["sync"]), median(local.writes["async"])
     print(f"save (write + fsync + commit): {save:.2f} s; {background_save:.2f} s in the background, beside training")
     print(
         f"training stall per checkpoint: sync {sync:.2f} s, async {background:.3f} s ({background / sync:.1%} of sync)"
     )
     print(f"async: training meanwhile slower by {slowdown:.2f} s in all (the write shares the CPU cores)")
+    print(
+        f"to the bucket ({args.uri or 'a local versitygw'}): stall sync {s3_sync:.2f} s ({s3_sync / sync:.2f}x the"
+        f" local disk's), async {s3_background:.3f} s ({s3_background / background:.2f}x)"
+    )
     result = {
         "parameters": params,
-        "checkpoint_bytes": size,
+        "checkpoint_bytes": local.size,
         "save_seconds": round(save, 3),
         "background_save_seconds": round(background_save, 3),
         "stall_seconds": {"sync": round(sync, 3), "async": round(background, 3)},
         "async_stall_ratio": round(background / sync, 3),
         "async_slowdown_seconds": round(slowdown, 3),
+        "s3_stall_seconds": {"sync": round(s3_sync, 3), "async": round(s3_background, 3)},
+        "s3_save_seconds": round(median(remote.writes["sync"]), 3),
+        "s3_vs_local_stall_ratio": {"sync": round(s3_sync / sync, 3), "async": round(s3_background / background, 3)},
     }
     print(json.dumps(result))
 

@@ -38,6 +38,7 @@ from ctl.pod import expand_references, image_path
 from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
+from trainer.location import is_s3
 from trainer.names import (
     CHECKPOINT_NAME,
     EXIT_BAD_INPUT,
@@ -198,17 +199,26 @@ def supervise(agents: list[Agent]) -> list[Agent]:
     return failed
 
 
-def saved_step(run_dir: Path) -> int | None:
-    """The step of the run directory's newest complete checkpoint; None before the first."""
+def saved_step(job: LocalJob) -> int | None:
+    """The step of the run directory's newest complete checkpoint (on this machine or in its bucket); None before
+    the first."""
     with contextlib.suppress(OSError):
-        if match := CHECKPOINT_NAME.fullmatch((run_dir / LATEST_CHECKPOINT).read_text(encoding="utf-8").strip()):
+        if match := CHECKPOINT_NAME.fullmatch(latest_checkpoint(job).strip()):
             return int(match.group(1))
     return None
 
 
-def stopped(run_dir: Path, how: str) -> str:
+def latest_checkpoint(job: LocalJob) -> str:
+    if is_s3(job.location):
+        from trainer.storage import open_store  # the S3 client: ctl run has the trainer's install
+
+        return open_store(job.location, job.run_dir).read_bytes(LATEST_CHECKPOINT).decode()
+    return (job.run_dir / LATEST_CHECKPOINT).read_text(encoding="utf-8")
+
+
+def stopped(job: LocalJob, how: str) -> str:
     """ctl's line for a run that stopped after saving: where the next run resumes."""
-    step = saved_step(run_dir)
+    step = saved_step(job)
     if step is None:
         return f"ctl: {how}: stopped before the first checkpoint; the next run starts from the beginning"
     return f"ctl: {how}: stopped at step {step}, resumable: run the same command to continue from there"
@@ -260,7 +270,7 @@ def run_local(
             agents.append(agent)
             pumps += threads
         console.held.append(
-            f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {run_dir}"
+            f"ctl: started {len(agents)} node(s) x {spec.procs_per_node} process(es); run directory {job.location}"
         )
         if verbose:
             console.release()
@@ -275,18 +285,19 @@ def run_local(
         join(pumps)
         kept = keep_logs(logs, run_dir, started)
         interrupted = isinstance(exc, KeyboardInterrupt)
-        console.note(stopped(run_dir, "interrupted (SIGINT)" if interrupted else "terminated (SIGTERM)"))
+        console.note(stopped(job, "interrupted (SIGINT)" if interrupted else "terminated (SIGTERM)"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     join(pumps)
-    return outcome(spec, failed, console, logs, run_dir, started)
+    return outcome(spec, failed, console, logs, job, started)
 
 
-def outcome(spec: JobSpec, failed: list[Agent], console: Console, logs: Path, run_dir: Path, started: str) -> int:
+def outcome(spec: JobSpec, failed: list[Agent], console: Console, logs: Path, job: LocalJob, started: str) -> int:
     """The ended run's one line and exit code: its root cause when nodes failed; logs kept in the run directory."""
     by_failure = {agent.failure(): agent for agent in failed}  # their records are in the work directory
+    run_dir = job.run_dir
     if not by_failure:
         console.note(f"ctl: logs of every rank in {keep_logs(logs, run_dir, started)}")
         return 0
@@ -297,7 +308,7 @@ def outcome(spec: JobSpec, failed: list[Agent], console: Console, logs: Path, ru
         return EXIT_BAD_INPUT
     kept = keep_logs(logs, run_dir, started)
     if cause.kind == Kind.STOPPED:
-        console.note(stopped(run_dir, "the nodes got SIGTERM"))
+        console.note(stopped(job, "the nodes got SIGTERM"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_PREEMPTED
     if cause.kind == Kind.HUNG:  # the watchdog's report names the ranks behind; a rerun resumes, as a pod restart would

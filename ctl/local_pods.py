@@ -26,6 +26,7 @@ from ctl.pod import LocalContainer, PodSetupError, Volume, local_container
 from ctl.processes import LOCAL_ADDRESS
 from ctl.render import Manifest, chart_values, render_chart, split_manifests
 from ctl.spec import JobSpec
+from trainer.location import S3Location, is_s3, run_cache
 
 NAMESPACE = "default"
 # Every PersistentVolumeClaim of a local run: the chart's run directory <mountPath>/<name> is ./runs/<name> here.
@@ -47,8 +48,13 @@ class LocalJob:
     """The job's pods as rendered, materialised under `work_dir` (ConfigMaps written, mount paths rewritten)."""
 
     nodes: list[LocalNode]
-    run_dir: Path  # the checkpoint directory the nodes' training config names, on this machine
+    location: str  # the run directory the nodes' training config names: a directory, or an s3:// URI
     work_dir: Path
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory on this machine: the location, or the node-local side of one on object storage."""
+        return run_cache(S3Location.parse(self.location)) if is_s3(self.location) else Path(self.location)
 
 
 def rendered_pods(manifests: list[Manifest], spec: JobSpec) -> dict[Replica, dict[str, Any]]:
@@ -84,7 +90,7 @@ def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
             }
             container = local_container(pod, volume_dir, fields, lambda name, source: None, provided_dirs(pod))
             nodes.append(LocalNode(replica, container))
-        yield LocalJob(nodes, training_run_dir(pod, container), work_dir)  # every node's config names the same
+        yield LocalJob(nodes, training_location(pod, container), work_dir)  # every node's config names the same
 
 
 def local_volume(volume: Volume, pod_dir: Path, config_maps: dict[str, dict[str, Any]]) -> Path:
@@ -122,8 +128,9 @@ def provided_dirs(pod: dict[str, Any]) -> dict[str, Path]:
     return provided | ({home.rstrip("/"): Path.home()} if home else {})
 
 
-def training_run_dir(pod: dict[str, Any], container: LocalContainer) -> Path:
-    """The run directory named by the training config: the mounted ConfigMap file that the command reads."""
+def training_location(pod: dict[str, Any], container: LocalContainer) -> str:
+    """The run directory named by the training config (the mounted ConfigMap file that the command reads): an
+    absolute path, or an s3:// URI."""
     config_volumes = {v["name"] for v in pod.get("volumes") or [] if "configMap" in v}
     config_dirs = [
         container.mounts[m["mountPath"].rstrip("/")]
@@ -134,5 +141,6 @@ def training_run_dir(pod: dict[str, Any], container: LocalContainer) -> Path:
         path = Path(arg)
         if path.is_file() and any(path.is_relative_to(directory) for directory in config_dirs):
             checkpoint = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("checkpoint") or {}
-            return Path(checkpoint.get("dir") or LOCAL_CLAIMS).absolute()
+            location = checkpoint.get("dir") or str(LOCAL_CLAIMS)
+            return location if is_s3(location) else str(Path(location).absolute())
     raise PodSetupError(f"the trainer's command reads no file of its mounted ConfigMap: {container.command}")

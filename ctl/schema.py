@@ -24,7 +24,14 @@ from pydantic.fields import FieldInfo
 from ctl import names
 from ctl.kinds import KINDS
 from ctl.spec import JobSpec
-from trainer.names import JOB_NAME_ENV, METRICS_DIR_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV, SHUTDOWN_TIMEOUT_ENV
+from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
+from trainer.names import (
+    JOB_NAME_ENV,
+    METRICS_DIR_ENV,
+    METRICS_PORT_ENV,
+    PREPARED_BY_JOB_ENV,
+    SHUTDOWN_TIMEOUT_ENV,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CHART_DIR = REPO / "helm" / "ddpjob"
@@ -249,6 +256,10 @@ def chart_names() -> dict[str, Any]:
             "shutdownTimeout": SHUTDOWN_TIMEOUT_ENV,
             "preparedByJob": PREPARED_BY_JOB_ENV,
             "freshRendezvousStore": names.FRESH_RDZV_STORE_ENV,
+            "s3Endpoint": S3_ENDPOINT_ENV,
+            "s3Region": S3_REGION_ENV,
+            "s3AccessKey": S3_ACCESS_KEY_ENV,
+            "s3SecretKey": S3_SECRET_KEY_ENV,
         },
         "prepareDeniedEnv": list(names.PREPARE_DENIED_ENV),
         "cpuPerProcess": names.CPU_PER_PROCESS,

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
 from ctl.names import CPU_PER_PROCESS, DNS_LABEL_MAX, MEMORY_MIB_PER_PROCESS
+from trainer.location import S3Location
 from trainer.names import EXIT_HUNG
 from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
 
@@ -92,7 +93,23 @@ class ElasticSpec(SpecModel):
 
 
 class StorageSpec(SpecModel):
-    """The shared volume holding run directories (checkpoints, final model, report)."""
+    """Where run directories (checkpoints, final model, report) live: the shared volume, or with `uri` an S3 bucket
+    (docs/object-storage.md)."""
+
+    uri: str = Field(
+        "",
+        description="s3://bucket/prefix: run directories in an S3 bucket instead of the volume (no claim is"
+        " rendered); the run directory is <uri>/<name> unless training.checkpoint.dir names one.",
+    )
+    endpoint: str = Field(
+        "", description="With uri: the S3-compatible endpoint URL (AWS_ENDPOINT_URL); empty: AWS S3 of `region`."
+    )
+    region: str = Field("", description="With uri: the bucket's region (AWS_REGION).")
+    secret_name: str = Field(
+        "",
+        description="With uri: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, given to the"
+        " pods as those variables; empty: the pods' cloud identity (IRSA, EKS Pod Identity, instance profile).",
+    )
 
     existing_claim: str = Field("", description="Use this PVC instead of creating one.")
     size: str = Field("10Gi", description="Size of the created PVC.")
@@ -103,6 +120,13 @@ class StorageSpec(SpecModel):
         " several nodes (nodes > 1, elastic), else ReadWriteOnce (every cloud's default class gives it).",
     )
     mount_path: str = Field("/checkpoints", description="Where the volume is mounted in every pod.")
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri(cls, uri: str) -> str:
+        if uri:
+            S3Location.parse(uri)
+        return uri
 
 
 class ServiceAccountSpec(SpecModel):
@@ -417,6 +441,15 @@ class JobSpec(SpecModel):
             raise ValueError(
                 f"resources.gpu: {self.resources.gpu} GPU(s) per pod for procsPerNode {self.procs_per_node}:"
                 " each process needs a GPU of its own"
+            )
+        if self.storage.uri and self.storage.existing_claim:
+            raise ValueError(
+                "storage.existingClaim: no claim is mounted with storage.uri (runs in the bucket); set one"
+            )
+        if self.storage.uri and self.prepare.enabled:
+            raise ValueError(
+                "prepare.enabled: the prepare Job hands its dataset to the pods through the shared volume, which"
+                " storage.uri replaces; leave it off (each pod then prepares its data into its node's cache)"
             )
         if self.metrics.port == self.rendezvous_port:
             port = self.kind.rendezvous_port_name

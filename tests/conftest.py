@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from s3server import S3Server, s3_server
 
 CTL = [sys.executable, "-m", "ctl"]
 REPO = Path(__file__).resolve().parent.parent
@@ -169,3 +170,18 @@ def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:
 def marked_env() -> tuple[dict[str, str], str]:
     marker = uuid.uuid4().hex
     return os.environ | {"DDPJOB_TEST_MARKER": marker}, marker
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (versitygw) on the loopback address for the whole session."""
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    """A new, empty bucket of the session's S3 server; its name."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3.bucket(name)
+    return name

@@ -66,8 +66,10 @@ def test_nanogpt_bench_runs_ddpjob_and_the_reference_at_1_and_2_processes() -> N
     assert result["retried"] == []
 
 
-def test_checkpoint_bench_saves_sync_and_async() -> None:
-    assert_finite(run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1"), "async_stall_ratio")
+def test_checkpoint_bench_saves_sync_and_async_to_the_disk_and_a_bucket() -> None:
+    result = run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1")
+    assert_finite(result, "async_stall_ratio")
+    assert set(result["s3_vs_local_stall_ratio"]) == {"sync", "async"}
 
 
 def test_cli_bench_times_ctl() -> None:

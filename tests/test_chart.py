@@ -179,6 +179,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "runPolicy": {"suspend": True, "schedulingPolicy": {"scheduleTimeoutSeconds": 600}},
     },
     "trainjob-volcano": {"apiKind": "TrainJob", "nodes": 2, "queue": {"volcano": "research"}},
+    "object-storage": {
+        "nodes": 2,
+        "storage": {"uri": "s3://runs/team-a", "endpoint": "https://s3.example.com", "secretName": "s3-keys"},
+    },
+    "trainjob-object-storage": {
+        "apiKind": "TrainJob",
+        "nodes": 2,
+        "storage": {"uri": "s3://runs", "region": "eu-west-1"},
+    },
 }
 VARIANTS["trainjob-everything"] = VARIANTS["everything"] | {
     "apiKind": "TrainJob",
@@ -398,6 +407,52 @@ def test_explicit_run_directory_and_existing_claim() -> None:
     ]
     assert claims == ["shared-runs"]
     assert {"name": "checkpoints", "mountPath": "/runs"} in trainer_container(template)["volumeMounts"]
+
+
+@pytest.mark.parametrize("variant", ["object-storage", "trainjob-object-storage"])
+def test_a_run_on_object_storage_has_no_claim_and_gives_the_pods_the_aws_variables(variant: str) -> None:
+    by_kind = objects(spec_of(**VARIANTS[variant]))
+    assert "PersistentVolumeClaim" not in by_kind
+    uri = VARIANTS[variant]["storage"]["uri"]
+    assert yaml.safe_load(by_kind["ConfigMap"]["data"]["training.yaml"])["checkpoint"]["dir"] == f"{uri}/job"
+    for template in pod_templates(pod_owner(by_kind)).values():
+        assert not [v for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        env = {var["name"]: var for var in trainer_container(template)["env"]}
+        aws = {name: var.get("value") or var["valueFrom"]["secretKeyRef"] for name, var in env.items() if "AWS" in name}
+        if variant == "object-storage":
+            assert aws == {
+                "AWS_ENDPOINT_URL": "https://s3.example.com",
+                "AWS_ACCESS_KEY_ID": {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID"},
+                "AWS_SECRET_ACCESS_KEY": {"name": "s3-keys", "key": "AWS_SECRET_ACCESS_KEY"},
+            }
+        else:  # no Secret: the pods' cloud identity
+            assert aws == {"AWS_REGION": "eu-west-1"}
+        assert env["TORCH_FR_DUMP_TEMP_FILE"]["value"].startswith(env["HOME"]["value"])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"storage": {"uri": "s3://Bad_Bucket/x"}}, "spec.yaml: storage.uri: 's3://Bad_Bucket/x' is not an S3 URI"),
+        ({"storage": {"uri": "gs://b/x"}}, "spec.yaml: storage.uri: 'gs://b/x' is not an S3 URI"),
+        (
+            {"storage": {"uri": "s3://runs", "existingClaim": "x"}},
+            "spec.yaml: storage.existingClaim: no claim is mounted",
+        ),
+        ({"storage": {"uri": "s3://runs"}, "prepare": {"enabled": True}}, "spec.yaml: prepare.enabled: the prepare"),
+        (
+            {"training": TRAIN | {"checkpoint": {"dir": "s3://x/y"}}},
+            "spec.yaml: training.checkpoint.dir: 's3://x/y' is not an S3 URI",
+        ),
+    ],
+)
+def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path, values: dict, message: str) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "job", "training": TRAIN} | values))
+    result = run_ctl("render", str(spec), cwd=tmp_path)
+    assert result.returncode == EXIT_BAD_INPUT and not result.stdout
+    (line,) = result.stderr.splitlines()
+    assert message in line, line
 
 
 def test_created_claim_is_kept_on_uninstall() -> None:

@@ -55,9 +55,12 @@ def training(corpus: Path, run_dir: Path, **overrides: Any) -> dict[str, Any]:
     return section | {"checkpoint": checkpoint} | overrides
 
 
-def start(section: dict[str, Any], procs: int = PROCS, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """One pod: torchrun over the trainer (`env` may carry a marker that finds all its processes)."""
-    config = Path(section["checkpoint"]["dir"]).with_suffix(".yaml")
+def start(
+    section: dict[str, Any], procs: int = PROCS, env: dict[str, str] | None = None, config: Path | None = None
+) -> subprocess.Popen:
+    """One pod: torchrun over the trainer (`env` may carry a marker that finds all its processes); its training.yaml
+    beside the run directory unless `config` names it."""
+    config = config or Path(section["checkpoint"]["dir"]).with_suffix(".yaml")
     config.write_text(yaml.safe_dump(section), encoding="utf-8")
     command = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc-per-node={procs}"]
     return subprocess.Popen(

@@ -38,7 +38,7 @@ def normalized(name: str) -> str:
 
 
 # What ctl imports only for `ctl prepare`, after `require_trainer` has checked that the train extra is there.
-NEEDS_THE_TRAIN_EXTRA = {"trainer.prepare"}
+NEEDS_THE_TRAIN_EXTRA = {"trainer.prepare", "trainer.storage"}
 
 
 def third_party_imports(start: list[Path], skip: set[str] = frozenset()) -> set[str]:

@@ -30,8 +30,9 @@ from trainer.loop import train
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
-from trainer.rundir import export_final, prepare_run_dir, remove_if_empty, write_report
+from trainer.rundir import export_final, prepare_run_dir, publish, remove_if_empty, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.storage import S3Store, run_dir_of
 from trainer.tasks import load
 from trainer.tracking import check_installed, finish
 from trainer.workloads import PreparationFailed, check_resumed_data
@@ -52,8 +53,10 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     clear_shared_directory(dist)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
+    run_dir = run_dir_of(spec.checkpoint, spec.task)
     checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
+    if isinstance(checkpoints.store, S3Store):  # every rank reads the bucket; rank 0 also writes to it
+        checkpoints.store.check(writable=dist.is_main)
     # Before anything touches the run directory (the write test, the dataset record): a refusal leaves it as it was.
     checkpoints.check_settings()
     check_resumed_data(spec, run_dir)
@@ -71,6 +74,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
     result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
     if result.preempted:
+        if dist.is_main:  # on object storage, the events so far (the export and report do not exist yet)
+            publish(run_dir, checkpoints.store)
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
     report = task.final_report(spec, dist, work, log, result.final_eval) | {
@@ -88,8 +93,9 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     if dist.is_main:
         export_final(run_dir, work.model, work.tokenizer)
         write_report(run_dir, report)
+        publish(run_dir, checkpoints.store)
         task.sample(spec, work, log)
-        log(f"run directory: {run_dir}")
+        log(f"run directory: {checkpoints.store.describe()}")
     barrier(dist)
     return 0
 

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import threading
@@ -38,6 +37,7 @@ import torch.distributed as torch_dist
 from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
 from trainer.spec import CheckpointSpec, SpecError
+from trainer.storage import open_store
 
 MARKER = "COMMITTED"
 MODEL = "model.safetensors"
@@ -150,14 +150,6 @@ def model_tensors(model: torch.nn.Module, staging: dict[str, torch.Tensor] | Non
     return tensors
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class SaveStats:
     step: int
@@ -182,6 +174,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, spec: CheckpointSpec, dist: Dist, config: dict[str, Any]) -> None:
         self.run_dir = run_dir
+        self.store = open_store(spec.dir, run_dir)  # the run directory itself, or the bucket
         self.spec = spec
         self.dist = dist
         self.config = config
@@ -193,31 +186,31 @@ class Checkpointer:
 
     # -- finding checkpoints ------------------------------------------------------------------
 
-    def committed(self) -> list[tuple[int, Path]]:
-        """(step, folder) of every complete checkpoint, oldest first."""
+    def committed(self) -> list[tuple[int, str]]:
+        """(step, folder name) of every complete checkpoint, oldest first."""
         found = []
-        for path in self.run_dir.iterdir() if self.run_dir.is_dir() else ():
-            match = CHECKPOINT_NAME.fullmatch(path.name)
-            if match and self.is_complete(path):
-                found.append((int(match.group(1)), path))
+        for name in self.store.names():
+            match = CHECKPOINT_NAME.fullmatch(name)
+            if match and self.is_complete(name):
+                found.append((int(match.group(1)), name))
         return sorted(found)
 
-    @staticmethod
-    def is_complete(path: Path) -> bool:
+    def is_complete(self, name: str) -> bool:
         try:
-            files = json.loads((path / MARKER).read_text())["files"]
-            return all((path / name).stat().st_size == size for name, size in files.items())
+            files = json.loads(self.store.read_bytes(f"{name}/{MARKER}"))["files"]
+            sizes = self.store.sizes(name)
+            return all(sizes.get(file) == size for file, size in files.items())
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
     def clean(self) -> None:
-        """Rank 0 removes what interrupted saves and prunes left behind; every rank waits for it."""
-        if self.dist.is_main and self.run_dir.is_dir():
-            for path in self.run_dir.iterdir():
-                leftover = path.name.startswith((".step-", ".trash-"))
-                uncommitted = CHECKPOINT_NAME.fullmatch(path.name) and not self.is_complete(path)
-                if path.is_dir() and (leftover or uncommitted):
-                    shutil.rmtree(path, ignore_errors=True)
+        """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
+        marker); every rank waits for it."""
+        if self.dist.is_main:
+            for name in self.store.names():
+                leftover = name.startswith((".step-", ".trash-"))
+                if leftover or (CHECKPOINT_NAME.fullmatch(name) and not self.is_complete(name)):
+                    self.store.delete(name, MARKER)
         barrier(self.dist)
 
     # -- resuming -----------------------------------------------------------------------------
@@ -228,13 +221,13 @@ class Checkpointer:
         if checkpoints:
             self.saved_state(checkpoints[-1][1])
 
-    def saved_state(self, path: Path) -> dict[str, Any]:
-        """Checkpoint `path`'s state.json, once it is clear that this run may resume from it."""
-        saved = json.loads((path / STATE).read_text())
+    def saved_state(self, name: str) -> dict[str, Any]:
+        """Checkpoint `name`'s state.json, once it is clear that this run may resume from it."""
+        saved = json.loads(self.store.read_bytes(f"{name}/{STATE}"))
         if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
             keys = changed_keys(config_values(saved["config"]), config_values(self.config))
             raise SpecError(
-                f"checkpoint: {path.name} was written with different settings (changed: {', '.join(keys)});"
+                f"checkpoint: {name} was written with different settings (changed: {', '.join(keys)});"
                 " set checkpoint.allowConfigChange=true to resume anyway, or use a new checkpoint.dir"
             )
         return saved
@@ -250,8 +243,8 @@ class Checkpointer:
         checkpoints = self.committed()
         if not checkpoints:
             return None
-        path = checkpoints[-1][1]
-        saved = self.saved_state(path)
+        saved = self.saved_state(checkpoints[-1][1])
+        path = self.store.local(checkpoints[-1][1])
         safetensors.torch.load_model(model, path / MODEL, strict=True, device=str(self.dist.device))
         trainer = torch.load(path / OPTIMIZER, map_location=self.dist.device, weights_only=True)
         optimizer.load_state_dict(trainer["optimizer"])
@@ -316,64 +309,53 @@ class Checkpointer:
             error, self.pending_error = self.pending_error, None
             raise error
 
-    def write(self, snapshot: Snapshot) -> Path:
+    def write(self, snapshot: Snapshot) -> str:
         """Write, commit and publish one checkpoint, then prune; the run directory is never left invalid."""
         started = time.perf_counter()
         name = step_name(snapshot.step)
-        target = self.run_dir / name
-        if self.is_complete(target):  # e.g. preempted again right after resuming from it
-            return target
-        staging = self.run_dir / f".{name}.tmp"
+        if self.is_complete(name):  # e.g. preempted again right after resuming from it
+            return name
+        staging = self.store.staging(name)
         try:
             shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir()
+            staging.mkdir(parents=True)
             safetensors.torch.save_file(snapshot.model, staging / MODEL, metadata={"step": str(snapshot.step)})
             torch.save(snapshot.optimizer, staging / OPTIMIZER)
             torch.save(snapshot.rng, staging / RNG)
             (staging / STATE).write_text(json.dumps(snapshot.state, indent=2) + "\n")
             files = {path.name: path.stat().st_size for path in staging.iterdir()}
-            for path in staging.iterdir():
-                fsync_path(path)
             (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
-            fsync_path(staging / MARKER)
-            fsync_path(staging)
-            shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover of the same step
-            os.replace(staging, target)
-            fsync_path(self.run_dir)
-            latest = self.run_dir / f".{LATEST_CHECKPOINT}.tmp"
-            latest.write_text(name + "\n")
-            fsync_path(latest)
-            os.replace(latest, self.run_dir / LATEST_CHECKPOINT)
-            fsync_path(self.run_dir)
+            self.store.commit(staging, name, MARKER)
+            shutil.rmtree(staging, ignore_errors=True)  # what an upload leaves (a local commit renamed it away)
+            self.store.write_text(LATEST_CHECKPOINT, name + "\n")
         except (OSError, safetensors.SafetensorError) as exc:  # disk full, quota, permissions, I/O errors
             shutil.rmtree(staging, ignore_errors=True)
-            previous = [path.name for _, path in self.committed()]
+            previous = [name for _, name in self.committed()]
             kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise CheckpointError(f"checkpoint.dir: cannot save {name} in {self.run_dir}: {reason}; {kept}") from None
+            raise CheckpointError(
+                f"checkpoint.dir: cannot save {name} in {self.store.describe()}: {reason}; {kept}"
+            ) from None
         self.prune()
-        size = sum(path.stat().st_size for path in target.iterdir())
+        size = sum(self.store.sizes(name).values())
         self.last_save = SaveStats(snapshot.step, time.perf_counter() - started, size, time.time())
-        return target
+        return name
 
     def prune(self) -> None:
         """Keep the newest `keepLast` and, with `keepBest`, the lowest validation loss; remove the rest."""
         checkpoints = self.committed()
-        keep = {path for _, path in checkpoints[-self.spec.keep_last :]}
+        keep = {name for _, name in checkpoints[-self.spec.keep_last :]}
         if self.spec.keep_best:
-            scored = [(loss, step, path) for step, path in checkpoints if math.isfinite(loss := self.val_loss(path))]
+            scored = [(loss, step, name) for step, name in checkpoints if math.isfinite(loss := self.val_loss(name))]
             if scored:
                 keep.add(min(scored)[2])
-        for _, path in checkpoints:
-            if path not in keep:
-                trash = path.with_name(f".trash-{path.name}")
-                os.replace(path, trash)  # no longer a checkpoint from here on, even if deletion stops halfway
-                shutil.rmtree(trash, ignore_errors=True)
+        for _, name in checkpoints:
+            if name not in keep:
+                self.store.delete(name, MARKER)
 
-    @staticmethod
-    def val_loss(path: Path) -> float:
+    def val_loss(self, name: str) -> float:
         """The validation loss saved with a checkpoint; NaN when it was not evaluated."""
         with contextlib.suppress(OSError, ValueError, KeyError):
-            loss = json.loads((path / STATE).read_text())["trainer"]["val_loss"]
+            loss = json.loads(self.store.read_bytes(f"{name}/{STATE}"))["trainer"]["val_loss"]
             return math.nan if loss is None else float(loss)
         return math.nan

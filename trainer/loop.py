@@ -478,7 +478,8 @@ def reuse_freed_memory() -> None:
 def raise_non_finite(what: str, value: float, step: int, checkpoints: Checkpointer) -> None:
     """Stop before a diverged model can be saved over good checkpoints."""
     newest = checkpoints.committed()
-    kept = f"{newest[-1][1].name} in {checkpoints.run_dir} is the newest checkpoint" if newest else "no checkpoint yet"
+    where = checkpoints.store.describe()
+    kept = f"{newest[-1][1]} in {where} is the newest checkpoint" if newest else "no checkpoint yet"
     raise FloatingPointError(f"{what} is {value} at step {step}; {kept} (lower optimizer.lr or set gradClip)")
 
 

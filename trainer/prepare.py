@@ -22,6 +22,7 @@ from trainer.preparation.plan import MANIFEST, TOKENIZER_DIR, Plan, make_plan, r
 from trainer.preparation.progress import PrepareMetrics
 from trainer.preparation.readers import read_texts
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
+from trainer.storage import run_dir_of
 from trainer.text import load_tokenizer
 
 __all__ = [
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         spec = load_training_spec(args.config)
-        run_dir = Path(spec.checkpoint.dir or Path("runs") / spec.task).absolute()
+        run_dir = run_dir_of(spec.checkpoint, spec.task)
         prepare_spec(spec, run_dir, log, for_job=True)
     except SpecError as exc:
         log(f"error: {exc}")

@@ -1,7 +1,9 @@
 """The run directory: what a finished run leaves behind (`final/`, `report.json`).
 
 Everything is written under a temporary name and renamed into place, so a reader
-never sees a half-written export or report.
+never sees a half-written export or report. On object storage (`checkpoint.dir: s3://...`) the
+run directory is a node-local cache whose export, TensorBoard events and report are uploaded at
+the end, the report last: a report in the bucket means its export is complete there too.
 """
 
 from __future__ import annotations
@@ -16,9 +18,19 @@ from typing import Any
 import torch
 
 from trainer.spec import SpecError
+from trainer.storage import Store
 
 FINAL = "final"
 REPORT = "report.json"
+# What a finished run uploads to object storage from its local run directory, in this order.
+PUBLISHED = ("tensorboard", FINAL, REPORT)
+
+
+def publish(run_dir: Path, store: Store) -> None:
+    """Make the finished run's files durable in `store` (nothing to do where the run directory is the store)."""
+    for name in PUBLISHED:
+        if (run_dir / name).exists():
+            store.publish(run_dir / name, name)
 
 
 def prepare_run_dir(path: Path) -> Path:

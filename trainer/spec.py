@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from trainer.location import S3Location, is_s3
 from trainer.names import EXIT_HUNG, GPT2_POSITIONS
 
 
@@ -82,7 +83,11 @@ class DataSpec(SpecModel):
     builtin: Literal["stdlib-docstrings"] | None = Field(
         None, description="classification: a dataset built offline from Python's standard library docstrings."
     )
-    train: list[str] = Field(default_factory=list, description="Training files: paths or globs (`**` recurses).")
+    train: list[str] = Field(
+        default_factory=list,
+        description="Training files: paths or globs (`**` recurses), or s3:// URIs (an object, a prefix ending in /,"
+        " or a glob), downloaded once into the node's cache.",
+    )
     val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
@@ -163,6 +168,14 @@ class CheckpointSpec(SpecModel):
     allow_config_change: bool = Field(
         False, description="Resume even when training settings differ from the checkpoint's (otherwise an error)."
     )
+
+    @field_validator("dir")
+    @classmethod
+    def s3_uri(cls, value: str | None) -> str | None:
+        """A malformed s3:// URI is refused with the spec, before any process starts."""
+        if is_s3(value):
+            S3Location.parse(str(value))
+        return value
 
 
 class TimeoutsSpec(SpecModel):

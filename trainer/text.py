@@ -10,7 +10,9 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from trainer.location import is_s3
 from trainer.spec import SpecError
+from trainer.storage import s3_sources
 
 RECORD_SUFFIXES = {".jsonl", ".json", ".csv"}
 EOS = "<|endoftext|>"
@@ -21,6 +23,9 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
     stdlib = sysconfig.get_paths()["stdlib"]
     files: set[Path] = set()
     for pattern in patterns:
+        if is_s3(pattern):  # downloaded once into this node's cache
+            files.update(s3_sources(pattern, key))
+            continue
         expanded = pattern.replace("{stdlib}", stdlib)
         matches = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file()]
         if not matches:

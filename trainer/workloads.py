@@ -10,6 +10,7 @@ barrier.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,11 +27,13 @@ from torch.utils.data import Dataset
 
 from trainer.data import Collate
 from trainer.dist import Dist, barrier
+from trainer.location import S3Location, is_s3
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV
-from trainer.preparation.plan import Source, split_files, stat_sources
+from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
+from trainer.storage import S3Store, open_store
 from trainer.text import load_tokenizer
 
 T = TypeVar("T")
@@ -87,10 +90,14 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
 
     `sources`: the data files as they are now, stated only when the run resumes.
     """
-    recorded = run_dir / RUN_DATASET
-    if spec.checkpoint.allow_config_change or not (run_dir / LATEST_CHECKPOINT).exists() or not recorded.exists():
+    if spec.checkpoint.allow_config_change:
         return
-    before = json.loads(recorded.read_text(encoding="utf-8"))
+    store = open_store(spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
+    try:
+        store.read_bytes(LATEST_CHECKPOINT)
+        before = json.loads(store.read_bytes(RUN_DATASET))
+    except FileNotFoundError:  # no checkpoint yet, or none that recorded its data
+        return
     for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
         for source in (s.to_json() for s in now):
@@ -128,13 +135,35 @@ def prepared(
     """The dataset's plan and manifest: from the cache, else prepared by rank 0 (or the chart's prepare Job)."""
     plan = make_plan(spec, run_dir, tokenizer, builtin)
     check_same_sources(spec, run_dir, lambda: plan.sources)
-    manifest = read_manifest(plan)
+    manifest = find_manifest(plan)
     if manifest is None:
         prepares = dist.is_main and not os.environ.get(PREPARED_BY_JOB_ENV)
         manifest = prepare_now(plan, tokenizer) if prepares else wait_for(plan, dist)
     else:
         say(f"rank {dist.rank}: prepared data {plan.entry} ({manifest['splits']['train']['tokens']:,} train tokens)")
     return plan, manifest
+
+
+def bucket_datasets(plan: Plan) -> S3Store | None:
+    """Where a run on object storage shares its prepared datasets with the other nodes and later starts (each node's
+    cache is its own): `_datasets/` beside its run directory in the bucket, as on the volume. None otherwise."""
+    run_dir = plan.spec.checkpoint.dir
+    if plan.spec.data.cache_dir or not is_s3(run_dir):
+        return None
+    run = S3Location.parse(str(run_dir))
+    prefix = f"{run.prefix.rpartition('/')[0]}/{CACHE_DIR_NAME}".lstrip("/")
+    return S3Store(S3Location(run.bucket, prefix), plan.entry.parent)
+
+
+def find_manifest(plan: Plan) -> dict[str, Any] | None:
+    """The prepared dataset's manifest from this node's cache, or downloaded there from the bucket (a run on object
+    storage) when it is complete there (its manifest is uploaded last)."""
+    manifest = read_manifest(plan)
+    shared = bucket_datasets(plan)
+    if manifest is None and shared is not None and shared.exists(f"{plan.entry.name}/{MANIFEST}"):
+        shared.local(plan.entry.name, target=plan.entry)
+        manifest = read_manifest(plan)
+    return manifest
 
 
 def outcome_key(plan: Plan) -> str:
@@ -152,6 +181,9 @@ def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
     try:
         with PrepareMetrics.serving(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory) as metrics:
             manifest = Builder(plan, tokenizer, workers, say, metrics).build()
+        if (shared := bucket_datasets(plan)) is not None:  # before the other nodes hear it is done
+            say(f"uploading {plan.entry.name} to {shared.describe()}")
+            shared.commit(plan.entry, plan.entry.name, MANIFEST)
     except BaseException as exc:
         if store is not None:
             store.set(outcome_key(plan), failure_record(exc))
@@ -180,7 +212,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
     while True:
         outcome = store.get(key).decode() if from_store and store.check([key]) else None
         if not from_store or outcome == "ok":
-            manifest = read_manifest(plan)
+            manifest = find_manifest(plan)
             if manifest is not None:
                 return manifest
         failure = plan.error_path.read_text(encoding="utf-8") if job and plan.error_path.exists() else None
@@ -224,6 +256,8 @@ def record_dataset(plan: Plan, run_dir: Path) -> None:
     """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
     text = json.dumps(record, indent=1) + "\n"
-    path = run_dir / RUN_DATASET
-    if not path.exists() or path.read_text(encoding="utf-8") != text:  # a refused resume writes nothing
-        path.write_text(text, encoding="utf-8")
+    store = open_store(plan.spec.checkpoint.dir, run_dir)
+    with contextlib.suppress(FileNotFoundError):
+        if store.read_bytes(RUN_DATASET).decode() == text:  # a refused resume writes nothing
+            return
+    store.write_text(RUN_DATASET, text)

@@ -5,6 +5,7 @@
   and the etcd server version that Kubernetes release itself depends on; a `main` package per binary.
 - the Kubeflow training operator v1, the Kubeflow Trainer v2 controller manager and the JobSet controller (the
   version Trainer v2 requires): each a generated wrapper module requiring its module, building its main package.
+- versitygw, the S3 server of the object-storage tests (tests/s3server.py; the unit tier's too), the same way.
 
 The first build takes minutes. On a shared 2-core machine under load: kube-apiserver 3 min 56 s,
 kube-controller-manager 1 min 17 s, kubectl 46 s, etcd 32 s (partly in the Go build cache already), JobSet
@@ -44,6 +45,9 @@ CONTAINERD_MODULE = "github.com/containerd/containerd/v2"
 CONTAINERD_TAGS = "no_btrfs"
 COREDNS_VERSION = "v1.15.0"
 COREDNS_MODULE = "github.com/coredns/coredns"
+# The S3 server the object-storage tests run against: an S3 gateway over a POSIX directory (Apache-2.0).
+VERSITYGW_VERSION = "v1.8.0"
+VERSITYGW_MODULE = "github.com/versity/versitygw"
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
@@ -175,6 +179,7 @@ class Binaries:
     ctr: Path
     coredns: Path
     pause: Path
+    versitygw: Path
     # The two modules' source directories: their CRDs and webhook manifests, as their releases install them.
     trainer_source: Path
     jobset_source: Path
@@ -317,6 +322,11 @@ def build_coredns() -> Path:
     )
 
 
+def build_versitygw() -> Path:
+    (CACHE / "build").mkdir(parents=True, exist_ok=True)
+    return build_main("versitygw", VERSITYGW_MODULE, f"{VERSITYGW_MODULE}/cmd/versitygw", VERSITYGW_VERSION)
+
+
 def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
     return download_module(TRAINING_OPERATOR_MODULE, version) / PYTORCHJOB_CRD_IN_MODULE
 
@@ -351,6 +361,7 @@ def ensure_binaries() -> Binaries:
         ctr=containerd_command("ctr"),
         coredns=build_coredns(),
         pause=build_pause(),
+        versitygw=build_versitygw(),
         trainer_source=download_module(TRAINER_MODULE, TRAINER_VERSION),
         jobset_source=download_module(JOBSET_MODULE, JOBSET_VERSION),
     )

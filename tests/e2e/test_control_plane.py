@@ -37,6 +37,7 @@ from cluster_binaries import BuildError, ensure_binaries
 from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
+from s3server import s3_server
 
 from ctl import kinds as job_kinds
 from ctl.kinds import JobKind
@@ -45,6 +46,7 @@ from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec
+from trainer.location import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
 
 pytestmark = pytest.mark.e2e
@@ -380,6 +382,36 @@ def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_names
     assert checkpoints, f"no committed checkpoint in {run_dir}: {sorted(run_dir.iterdir())}"
     assert (run_dir / (run_dir / "latest").read_text().strip() / "COMMITTED").exists()
     assert (run_dir / "report.json").exists()
+
+
+def test_a_two_node_job_on_object_storage_runs_without_any_volume_claim(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """storage.uri: no claim is rendered or mounted; the pods reach a real S3 server (versitygw on this machine's
+    end of the node's link) with keys from a Secret, rank 0 shares the prepared dataset through the bucket, and the
+    job's checkpoints, export and report end up there."""
+    if cluster.plane is None:
+        pytest.skip("the S3 server runs on this machine: the tier's own node reaches it, another cluster may not")
+    with s3_server(tmp_path / "s3", address=node.HOST_ADDRESS) as s3:
+        s3.bucket("runs")
+        keys = {name: value for name, value in s3.env().items() if name in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV)}
+        kubernetes.client.CoreV1Api(cluster.client()).create_namespaced_secret(
+            namespace, {"metadata": {"name": "s3-keys"}, "stringData": keys}
+        )
+        marker = uuid.uuid4().hex
+        storage = {"uri": "s3://runs/e2e", "endpoint": s3.endpoint, "secretName": "s3-keys"}
+        spec = job_spec(marker, storage=storage)
+        assert "PersistentVolumeClaim" not in [m.kind for m in render(spec)]
+        apply_rendered(cluster, spec, namespace)
+        job = wait_for_job(cluster, namespace, spec.name)
+        assert finished_as(job) == "Succeeded", pod_logs(cluster, namespace)
+        for pod in ended_pods(cluster, namespace, spec.name).values():
+            assert not [v for v in pod.spec.volumes if v.persistent_volume_claim is not None]
+        run = s3.root / "runs" / "e2e" / spec.name
+        assert (run / (run / "latest").read_text().strip() / "COMMITTED").exists()
+        assert (run / "report.json").exists() and (run / "final" / "model.safetensors").exists()
+        assert list((s3.root / "runs" / "e2e" / "_datasets").glob("*/manifest.json"))
+    assert_no_process_left(cluster, marker)
 
 
 @pytest.mark.parametrize(

@@ -59,11 +59,38 @@ The pods' ServiceAccount.
 {{- end }}
 
 {{/*
-The run directory inside the pods: training.checkpoint.dir, or <storage.mountPath>/<name>.
+The run directory inside the pods: training.checkpoint.dir, or <storage.uri>/<name> (object storage), or
+<storage.mountPath>/<name> (the volume).
 */}}
 {{- define "ddpjob.checkpointDir" -}}
 {{- $dir := dig "checkpoint" "dir" "" .Values.training -}}
-{{- default (printf "%s/%s" (trimSuffix "/" .Values.storage.mountPath) (include "ddpjob.fullname" .)) $dir -}}
+{{- $root := default .Values.storage.mountPath .Values.storage.uri -}}
+{{- default (printf "%s/%s" (trimSuffix "/" $root) (include "ddpjob.fullname" .)) $dir -}}
+{{- end }}
+
+{{/*
+The standard AWS variables of a run on object storage (storage.uri): endpoint, region, and the keys of
+storage.secretName; without a Secret the client finds the pod's cloud identity.
+*/}}
+{{- define "ddpjob.s3Env" -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
+{{- with .Values.storage.endpoint }}
+- name: {{ $names.env.s3Endpoint }}
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.region }}
+- name: {{ $names.env.s3Region }}
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.storage.secretName }}
+{{- range $key := list $names.env.s3AccessKey $names.env.s3SecretKey }}
+- name: {{ $key }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $.Values.storage.secretName | quote }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -190,6 +217,13 @@ The default access modes of the created claim: ReadWriteMany when the job's pods
 {{- end }}
 
 {{/*
+Where NCCL's flight recorder dumps its files: the run directory, or HOME's scratch on object storage.
+*/}}
+{{- define "ddpjob.traceDir" -}}
+{{- ternary (include "ddpjob.home" .) (include "ddpjob.checkpointDir" .) (not (empty .Values.storage.uri)) -}}
+{{- end }}
+
+{{/*
 PyTorch's NCCL error handling and flight recorder, set on every pod by default (docs/hangs.md): a collective
 that times out tears the process down, and each rank first dumps its last NCCL operations into the run
 directory on the shared volume (nccl_trace_rank_<rank>, read with torch's flight-recorder analyzer). An
@@ -202,7 +236,7 @@ entry of the same name in `env` replaces a default here.
   (dict "name" "TORCH_NCCL_ASYNC_ERROR_HANDLING" "value" "3")
   (dict "name" "TORCH_NCCL_DUMP_ON_TIMEOUT" "value" "1")
   (dict "name" "TORCH_FR_BUFFER_SIZE" "value" "2000")
-  (dict "name" "TORCH_FR_DUMP_TEMP_FILE" "value" (printf "%s/nccl_trace_rank_" (include "ddpjob.checkpointDir" .)))
+  (dict "name" "TORCH_FR_DUMP_TEMP_FILE" "value" (printf "%s/nccl_trace_rank_" (include "ddpjob.traceDir" .)))
 -}}
 {{- range $defaults }}
 {{- if not (hasKey $overridden .name) }}
@@ -336,6 +370,9 @@ spec:
         {{- with include "ddpjob.ncclEnv" . | trim }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- if .Values.storage.uri }}
+        {{- include "ddpjob.s3Env" . | trim | nindent 8 }}
+        {{- end }}
         {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -357,8 +394,10 @@ spec:
         - name: training-config
           mountPath: {{ include "ddpjob.configDir" . }}
           readOnly: true
+        {{- if not .Values.storage.uri }}
         - name: checkpoints
           mountPath: {{ .Values.storage.mountPath | quote }}
+        {{- end }}
         - name: dshm
           mountPath: /dev/shm
         - name: metrics
@@ -373,9 +412,11 @@ spec:
     - name: training-config
       configMap:
         name: {{ include "ddpjob.configMapName" . }}
+    {{- if not .Values.storage.uri }}
     - name: checkpoints
       persistentVolumeClaim:
         claimName: {{ include "ddpjob.claimName" . }}
+    {{- end }}
     # NCCL and DataLoader workers share memory through /dev/shm; the runtime default is 64Mi.
     - name: dshm
       emptyDir:

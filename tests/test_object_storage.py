@@ -1,0 +1,341 @@
+"""Runs on object storage (`checkpoint.dir: s3://bucket/prefix`) against a real S3 server (versitygw,
+tests/s3server.py): checkpoints committed by their marker object, retention after the commit, resume from the
+bucket, bad buckets and credentials refused with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import REPO, run_ctl, tiny_spec
+from s3server import S3Server
+from test_checkpoint import (
+    EVERY,
+    EXIT_PREEMPTED,
+    STEPS,
+    STOPPED,
+    assert_bitwise_equal,
+    finish,
+    kill_all,
+    processes_with_marker,
+    read_until_step,
+    start,
+    training,
+    uninterrupted,  # noqa: F401 (a fixture: the weights of the same run, uninterrupted, on the local disk)
+)
+
+from trainer.checkpoint import MARKER, Checkpointer, TrainerState
+from trainer.dist import Dist
+from trainer.location import NODE_CACHE_ENV
+from trainer.names import EXIT_BAD_INPUT
+from trainer.spec import CheckpointSpec, SpecError
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3Server:
+    """This process talks to the test server through the standard AWS variables; its run cache is `tmp_path`."""
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(NODE_CACHE_ENV, str(tmp_path / "cache"))
+    return s3
+
+
+def checkpointer(uri: str, tmp_path: Path, **spec: Any) -> Checkpointer:
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    return Checkpointer(tmp_path / "local", CheckpointSpec(dir=uri, **spec), dist, {"maxSteps": 10})
+
+
+def training_state(size: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    model = torch.nn.Linear(size, size)
+    return model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+
+
+def test_keeps_the_newest_and_the_best_in_the_bucket_and_prunes_only_after_a_commit(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    model, optimizer, scaler = training_state()
+    checkpoints = checkpointer(f"s3://{bucket}/runs/a", tmp_path, keepLast=2, keepBest=True)
+    for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
+        checkpoints.save(model, optimizer, scaler, TrainerState(step=step, val_loss=val_loss))
+        assert checkpoints.committed()[-1][0] == step
+    run = s3_env.root / bucket / "runs" / "a"
+    assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000005"]
+    assert (run / "latest").read_text() == "step-00000005\n"
+    assert not list((tmp_path / "local").rglob("*.safetensors"))  # each upload's local staging is gone
+
+
+def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """An upload cut before its marker (here: step 3's files without it) is no checkpoint: the resume takes step 2,
+    whose tensors come back bitwise from the bucket into another process's cache."""
+    model, optimizer, scaler = training_state()
+    uri = f"s3://{bucket}/run"
+    checkpoints = checkpointer(uri, tmp_path, asyncSave=True)
+    checkpoints.save(model, optimizer, scaler, TrainerState(step=2))
+    checkpoints.wait()
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    run = s3_env.root / bucket / "run"
+    torn = run / "step-00000003"
+    torn.mkdir()
+    for name in ("model.safetensors", "state.json"):
+        (torn / name).write_bytes((run / "step-00000002" / name).read_bytes())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    other = checkpointer(uri, tmp_path / "elsewhere")
+    assert [name for _, name in other.committed()] == ["step-00000002"]
+    state, _ = other.load_latest(model, optimizer, scaler)
+    assert state.step == 2
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved.items())
+    other.clean()  # what a start does before training: the torn upload goes
+    assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002"]
+
+
+def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
+    s3: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in s3.env(secret="not-the-secret").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://[\w-]+/run: SignatureDoesNotMatch: "):
+        checkpointer(f"s3://{bucket}/run", tmp_path).store.check(writable=True)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env()["AWS_SECRET_ACCESS_KEY"])
+    with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "):
+        checkpointer("s3://no-such-bucket/run", tmp_path).store.check(writable=True)
+
+
+def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_is_bitwise_exact(
+    s3: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    corpus_file: Path,
+    uninterrupted: dict[str, torch.Tensor],  # noqa: F811 (the fixture imported above)
+    marked_env: tuple[dict[str, str], str],
+) -> None:
+    """2 processes save asynchronously to the bucket and are killed at once at a random moment (mid-upload or
+    not); a run on an empty node cache resumes from the newest committed checkpoint in the bucket and ends with
+    the weights of the uninterrupted local run, its export and report in the bucket."""
+    env, marker = marked_env
+    uri = f"s3://{bucket}/run"
+    section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": uri, "asyncSave": True})
+    config = tmp_path / "training.yaml"
+    first_node = env | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "node-a")}
+    process = start(section, env=first_node, config=config)
+    read_until_step(process, 1)
+    pids = processes_with_marker(marker)
+    moment = random.Random(7)
+    read_until_step(process, moment.randint(EVERY + 1, STEPS - 2 * EVERY))
+    time.sleep(moment.uniform(0, 0.3))  # between log lines: maybe mid-upload
+    kill_all(pids)
+    finish(process)
+    assert process.returncode == -signal.SIGKILL
+    run = s3.root / bucket / "run"
+    assert not (run / "report.json").exists()
+    committed = sorted(path.name for path in run.glob("step-*") if (path / MARKER).exists())
+
+    second_node = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "node-b")}
+    output = finish(start(section, env=second_node, config=config))
+    assert (f"resuming from {committed[-1]}:" in output) if committed else ("resuming" not in output), output
+    assert_bitwise_equal(safetensors.torch.load_file(run / "final" / "model.safetensors"), uninterrupted)
+    assert json.loads((run / "report.json").read_text())["steps"] == STEPS
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+SAVER = """
+import sys, torch
+from pathlib import Path
+from trainer.checkpoint import Checkpointer, TrainerState
+from trainer.dist import Dist
+from trainer.spec import CheckpointSpec
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights, 48 MiB with AdamW's moments: several multipart parts
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 2048)).sum().backward()
+optimizer.step()
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+spec = CheckpointSpec(dir=sys.argv[1], keepLast=2)
+checkpoints = Checkpointer(Path(sys.argv[2]), spec, Dist(0, 0, 1, torch.device("cpu")), {})
+for step in range(1, 1000):
+    checkpoints.save(model, optimizer, scaler, TrainerState(step=step))
+    print(step, flush=True)
+"""
+
+
+def test_an_upload_killed_midway_leaves_no_committed_checkpoint_that_does_not_load(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """A process saving 48 MiB checkpoints again and again is SIGKILLed at a random moment of an upload: every
+    checkpoint the bucket calls committed loads completely, and the newest is the last one the saver finished."""
+    uri = f"s3://{bucket}/run"
+    saver = subprocess.Popen(
+        [sys.executable, "-c", SAVER, uri, str(tmp_path / "saver")],
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert saver.stdout is not None
+    finished = [int(saver.stdout.readline()) for _ in range(2)]
+    time.sleep(random.uniform(0, 0.5))
+    saver.kill()
+    finished += [int(line) for line in saver.stdout.read().split()]
+    saver.wait()
+    reader = checkpointer(uri, tmp_path / "reader")
+    committed = reader.committed()
+    assert committed and committed[-1][0] in (finished[-1], finished[-1] + 1)  # the kill may follow the marker
+    model, optimizer, _ = training_state(2048)
+    for _, name in committed:
+        folder = reader.store.local(name)
+        safetensors.torch.load_model(model, folder / "model.safetensors", strict=True)
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True)["optimizer"])
+
+
+def object_storage_spec(corpus: Path, s3: S3Server, bucket: str) -> dict[str, Any]:
+    spec = tiny_spec(corpus, maxSteps=6, checkpoint={"every": 2, "keepLast": 2}, sample={"maxNewTokens": 0})
+    return spec | {"procsPerNode": 2, "storage": {"uri": f"s3://{bucket}/team", "endpoint": s3.endpoint}}
+
+
+def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """2 processes under `ctl run`: the chart's run directory <uri>/<name>, checkpoints, export, report and
+    TensorBoard events in the bucket; the keys come from the user's environment (no Secret locally)."""
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"[rank 0] run directory: s3://{bucket}/team/tiny" in result.stdout
+    run = s3.root / bucket / "team" / "tiny"
+    assert sorted(path.name for path in run.iterdir()) == [
+        "dataset.json",
+        "final",
+        "latest",
+        "report.json",
+        "step-00000004",
+        "step-00000006",
+        "tensorboard",
+    ]
+    assert json.loads((run / "report.json").read_text())["world_size"] == 2
+    assert (run / "final" / "model.safetensors").is_file() and (run / "step-00000006" / MARKER).is_file()
+    assert not (tmp_path / "runs").exists()  # no claim stands in locally: nothing on the volume's path
+
+
+@pytest.mark.parametrize(
+    ("bucket_name", "secret", "reason"),
+    [
+        (None, "not-the-secret", "SignatureDoesNotMatch: "),
+        ("no-such-bucket", None, "NoSuchBucket: "),
+    ],
+)
+def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
+    s3: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    write_spec,
+    corpus_file: Path,
+    bucket_name: str | None,
+    secret: str | None,
+    reason: str,
+) -> None:
+    bucket = bucket_name or bucket
+    env = os.environ | s3.env(**({"secret": secret} if secret else {})) | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
+    assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written
+
+
+def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_bucket(
+    s3: S3Server, bucket: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    """SIGTERM to torchrun (the kubelet's, to PID 1) mid-run with background uploads: the ranks agree on a step,
+    save it, and exit 143 only once its marker is in the bucket and `latest` names it."""
+    section = training(corpus_file, tmp_path / "unused", checkpoint={"dir": f"s3://{bucket}/run", "asyncSave": True})
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    process = start(section, env=env, config=tmp_path / "training.yaml")
+    before = read_until_step(process, random.Random(8).randint(EVERY + 1, STEPS - 2 * EVERY))
+    os.kill(process.pid, signal.SIGTERM)
+    output = before + finish(process, timeout=60)
+    stopped = STOPPED.search(output)
+    assert process.returncode == EXIT_PREEMPTED and stopped, output
+    run = s3.root / bucket / "run"
+    assert (run / stopped.group(1) / MARKER).is_file()
+    assert (run / "latest").read_text().strip() == stopped.group(1)
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and not (run / "report.json").exists()
+
+
+def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """data.train names an s3:// prefix: its objects are downloaded once into the node's cache and prepared; a
+    second job on the same node finds both the files and the prepared dataset there and reads nothing again."""
+    text = corpus_file.read_text()
+    corpus = s3.bucket(bucket) / "corpus"
+    corpus.mkdir()
+    for index, part in enumerate((text[: len(text) // 2], text[len(text) // 2 :])):
+        (corpus / f"part-{index}.txt").write_text(part)
+    spec = object_storage_spec(corpus_file, s3, bucket)
+    spec["training"]["data"] = {"train": [f"s3://{bucket}/corpus/"], "valFraction": 0.1}
+    env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    logs = []
+    for name in ("first", "second"):
+        result = run_ctl("run", str(write_spec(spec | {"name": name})), cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        run_cache = tmp_path / "cache" / "runs" / bucket / "team" / name  # the run's node-local side: its logs
+        (rank0,) = run_cache.glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+        logs.append(rank0.read_text())
+    assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
+    downloads = [line for line in (s3.root.parent / "versitygw.log").read_text().splitlines() if "| GET |" in line]
+    for index in range(2):
+        assert len([line for line in downloads if f"/{bucket}/corpus/part-{index}.txt " in line]) == 1
+    local = tmp_path / "cache" / "sources" / bucket / "corpus"
+    assert sorted(path.name for path in local.glob("part-*")) == ["part-0.txt", "part-1.txt"]
+    assert json.loads((s3.root / bucket / "team" / "second" / "report.json").read_text())["steps"] == 6
+
+
+def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """Node caches are not shared: rank 0 uploads the prepared dataset beside the run directories (manifest last)
+    before the others go on; a job on another node downloads it instead of preparing the corpus again."""
+    logs = []
+    for name, node in (("first", "node-a"), ("second", "node-b")):
+        env = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / node)}
+        result = run_ctl(
+            "run", str(write_spec(object_storage_spec(corpus_file, s3, bucket) | {"name": name})), cwd=tmp_path, env=env
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        (rank0,) = (tmp_path / node / "runs" / bucket / "team" / name).glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+        logs.append(rank0.read_text())
+    assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
+    (dataset,) = (s3.root / bucket / "team" / "_datasets").iterdir()
+    assert (dataset / "manifest.json").is_file()
+    fetched = tmp_path / "node-b" / "runs" / bucket / "team" / "_datasets" / dataset.name
+    assert sorted(path.name for path in fetched.iterdir()) == sorted(path.name for path in dataset.iterdir())
+
+
+def test_a_resume_from_the_bucket_on_changed_data_is_refused_with_one_line(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """The run's dataset record lives in the bucket beside its checkpoints: a resume on another node whose data
+    changed meanwhile is refused as on the volume."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    spec = write_spec(object_storage_spec(corpus, s3, bucket))
+    first = run_ctl("run", str(spec), cwd=tmp_path, env=os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "a")})
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (s3.root / bucket / "team" / "tiny" / "dataset.json").is_file()
+    corpus.write_text(corpus.read_text() + "\nmore text\n")
+    again = run_ctl("run", str(spec), cwd=tmp_path, env=os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "b")})
+    assert again.returncode == EXIT_BAD_INPUT, again.stdout + again.stderr
+    (line,) = again.stderr.splitlines()
+    assert line.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), line

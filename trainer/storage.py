@@ -1,0 +1,371 @@
+"""Where a run's checkpoints live: a local directory (the shared volume) or an `s3://bucket/prefix`.
+
+Both stores offer the few operations checkpoint.py needs, with the same guarantee: a folder committed with
+`commit` appears whole or not at all to a reader that checks its marker (trainer.checkpoint.MARKER).
+
+- LocalStore: the folder is staged beside its target, fsynced and renamed into place (one atomic rename).
+- S3Store: S3 has no rename of a prefix, so the staged folder's files are uploaded first and its marker object
+  last; a reader (checkpoint.is_complete) ignores a prefix without a marker, or whose objects' sizes differ from
+  the marker's list. Deletion goes the other way: the marker first, so a half-deleted folder is no checkpoint.
+
+Data files named by s3:// URIs are downloaded once into the node's cache (`s3_sources`), and a run on object storage
+shares its prepared datasets through an S3Store too (trainer.workloads.bucket_datasets).
+
+The S3 client is obstore (docs/object-storage.md says why); the endpoint, credentials and region come from the
+standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION) or, without
+keys, from the pod's cloud identity, as the AWS SDKs find them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import fnmatch
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+
+from trainer.location import S3_ENDPOINT_ENV, S3Location, is_s3, node_cache, run_cache
+from trainer.spec import CheckpointSpec, SpecError
+
+if TYPE_CHECKING:
+    import obstore.store
+    from obstore import ObjectMeta
+
+# In the XML error body that S3 servers answer with (the client quotes it in its exceptions).
+S3_CODE = re.compile(r"<Code>(\w+)</Code>")
+S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+
+
+class Store(Protocol):
+    """A run directory's top level: folders of files, each folder committed whole."""
+
+    def names(self) -> list[str]: ...
+    def sizes(self, folder: str) -> dict[str, int]: ...
+    def read_bytes(self, path: str) -> bytes: ...
+    def staging(self, folder: str) -> Path: ...  # where `folder` is written before `commit`
+    def commit(self, staging: Path, folder: str, marker: str) -> None: ...
+    def write_text(self, path: str, text: str) -> None: ...
+    def delete(self, folder: str, marker: str) -> None: ...
+    def local(self, folder: str) -> Path: ...
+    def publish(self, local: Path, path: str) -> None: ...  # a file or folder of the local run directory
+    def describe(self, folder: str = "") -> str: ...
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A directory on a (shared) filesystem: commit is an fsynced atomic rename."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def names(self) -> list[str]:
+        return [path.name for path in self.root.iterdir()] if self.root.is_dir() else []
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        path = self.root / folder
+        return {file.name: file.stat().st_size for file in path.iterdir()} if path.is_dir() else {}
+
+    def read_bytes(self, path: str) -> bytes:
+        return (self.root / path).read_bytes()
+
+    def staging(self, folder: str) -> Path:
+        return self.root / f".{folder}.tmp"
+
+    def commit(self, staging: Path, folder: str, marker: str) -> None:
+        for path in staging.iterdir():
+            fsync_path(path)
+        fsync_path(staging)
+        target = self.root / folder
+        shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover of the same name
+        os.replace(staging, target)
+        fsync_path(self.root)
+
+    def write_text(self, path: str, text: str) -> None:
+        target = self.root / path
+        staging = target.with_name(f".{target.name}.tmp")
+        staging.write_text(text)
+        fsync_path(staging)
+        os.replace(staging, target)
+        fsync_path(self.root)
+
+    def delete(self, folder: str, marker: str) -> None:
+        trash = self.root / f".trash-{folder}"
+        os.replace(self.root / folder, trash)  # no longer a checkpoint from here on, even if deletion stops halfway
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def local(self, folder: str) -> Path:
+        return self.root / folder
+
+    def describe(self, folder: str = "") -> str:
+        return str(self.root / folder) if folder else str(self.root)
+
+    def publish(self, local: Path, path: str) -> None:
+        """Nothing to do: the run directory is the store."""
+
+
+@contextlib.contextmanager
+def node_lock(target: Path) -> Iterator[None]:
+    """One process of the node at a time makes `target`; the others wait for it, then find it there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def stream_to(store: obstore.store.S3Store, key: str, path: Path) -> None:
+    """Object `key` into the file `path`, one chunk in memory at a time."""
+    import obstore
+
+    with path.open("wb") as file:
+        for chunk in obstore.get(store, key):
+            file.write(chunk)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class StorageError(OSError):
+    """An S3 request failed: the checkpoint code handles it as any other I/O error of its run directory."""
+
+
+def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """The client's errors as OSError, with the server's S3 error code and message as their reason."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import obstore.exceptions
+
+        try:
+            return method(*args, **kwargs)
+        except obstore.exceptions.NotFoundError as exc:
+            raise FileNotFoundError(errno.ENOENT, reason(exc)) from None
+        except obstore.exceptions.BaseError as exc:
+            raise StorageError(errno.EIO, reason(exc)) from None
+
+    return wrapper
+
+
+def reason(exc: BaseException) -> str:
+    """The S3 error's code and message (`NoSuchBucket: The specified bucket does not exist`) when the server sent
+    one, else the client's first line (a refused connection, a timeout)."""
+    text = str(exc)
+    code, message = S3_CODE.search(text), S3_MESSAGE.search(text)
+    if code:
+        return f"{code[1]}: {message[1]}" if message else code[1]
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+
+
+def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
+    """A client of `bucket` (its keys under `prefix`) from the standard AWS variables (an http:// endpoint allowed)."""
+    import obstore.store
+
+    endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
+    return obstore.store.S3Store(
+        bucket, prefix=prefix or None, client_options={"allow_http": endpoint.startswith("http://")}
+    )
+
+
+class S3Store:
+    """A prefix in an S3 bucket; files are staged and read back through a local directory (`cache`)."""
+
+    def __init__(self, location: S3Location, cache: Path) -> None:
+        self.location = location
+        self.cache = cache
+        self.store = s3_client(location.bucket, location.prefix)
+
+    @s3_errors
+    def names(self) -> list[str]:
+        import obstore
+
+        listed = obstore.list_with_delimiter(self.store)
+        return [name.rstrip("/").rsplit("/", 1)[-1] for name in listed["common_prefixes"]] + [
+            meta["path"].rsplit("/", 1)[-1] for meta in listed["objects"]
+        ]
+
+    @s3_errors
+    def sizes(self, folder: str) -> dict[str, int]:
+        return {name: meta["size"] for name, meta in self.listing(folder).items()}
+
+    def listing(self, folder: str) -> dict[str, ObjectMeta]:
+        """Every object under `folder`, by its path inside it."""
+        import obstore
+
+        return {
+            meta["path"].removeprefix(f"{folder}/"): meta
+            for batch in obstore.list(self.store, f"{folder}/")
+            for meta in batch
+        }
+
+    @s3_errors
+    def read_bytes(self, path: str) -> bytes:
+        import obstore
+
+        return bytes(obstore.get(self.store, path).bytes())
+
+    def staging(self, folder: str) -> Path:
+        return self.cache / f".{folder}.upload"
+
+    @s3_errors
+    def commit(self, staging: Path, folder: str, marker: str) -> None:
+        import obstore
+
+        files = sorted(path for path in staging.rglob("*") if path.is_file() and path.name != marker)
+        for path in [*files, staging / marker]:  # the marker last: only then is the folder complete
+            obstore.put(self.store, f"{folder}/{path.relative_to(staging)}", path)
+
+    @s3_errors
+    def write_text(self, path: str, text: str) -> None:
+        import obstore
+
+        obstore.put(self.store, path, text.encode())  # one PUT: S3 replaces an object whole
+
+    @s3_errors
+    def delete(self, folder: str, marker: str) -> None:
+        import obstore
+
+        obstore.delete(self.store, f"{folder}/{marker}")  # no longer a checkpoint from here on
+        obstore.delete(self.store, sorted(f"{folder}/{name}" for name in self.sizes(folder)))
+
+    @s3_errors
+    def exists(self, path: str) -> bool:
+        import obstore
+        import obstore.exceptions
+
+        try:
+            obstore.head(self.store, path)
+        except (FileNotFoundError, obstore.exceptions.NotFoundError):  # head raises the former
+            return False
+        return True
+
+    @s3_errors
+    def local(self, folder: str, target: Path | None = None) -> Path:
+        """A local copy of `folder` (at `target`), downloaded once (several ranks of a node may ask at the same time).
+        By default the copy is named by the objects' ETags: a folder written again under the same name (a reused
+        prefix) is a new copy."""
+        listing = self.listing(folder)
+        version = hashlib.sha256(json.dumps(sorted((n, m["e_tag"]) for n, m in listing.items())).encode())
+        target = target or self.cache / f"{folder}-{version.hexdigest()[:16]}"
+        with node_lock(target):
+            if not target.is_dir():
+                download = target.with_name(f".{target.name}.download")
+                shutil.rmtree(download, ignore_errors=True)
+                for name in listing:
+                    (download / name).parent.mkdir(parents=True, exist_ok=True)
+                    stream_to(self.store, f"{folder}/{name}", download / name)
+                os.replace(download, target)
+        return target
+
+    def describe(self, folder: str = "") -> str:
+        return f"{self.location}/{folder}" if folder else str(self.location)
+
+    @s3_errors
+    def publish(self, local: Path, path: str) -> None:
+        import obstore
+
+        files = sorted(file for file in local.rglob("*") if file.is_file()) if local.is_dir() else [local]
+        for file in files:
+            obstore.put(self.store, f"{path}/{file.relative_to(local)}" if local.is_dir() else path, file)
+
+    def check(self, writable: bool) -> None:
+        """SpecError naming checkpoint.dir when the bucket cannot be listed (missing, refused credentials, no
+        server) or, with `writable`, written: before any training."""
+        import obstore
+
+        try:
+            self.names()
+            if writable:
+                probe = f".write-test-{os.getpid()}"
+                self.write_text(probe, "ok")
+                obstore.delete(self.store, probe)
+        except OSError as exc:
+            raise SpecError(f"checkpoint.dir: cannot use {self.location}: {exc.strerror}") from None
+
+
+def open_store(location: str | None, run_dir: Path) -> Store:
+    """The store of `checkpoint.dir`: the bucket when it is an s3:// URI (`run_dir` then its local cache)."""
+    if is_s3(location):
+        return S3Store(S3Location.parse(str(location)), run_dir / ".downloads")
+    return LocalStore(run_dir)
+
+
+def run_dir_of(spec: CheckpointSpec, task: str) -> Path:
+    """Where this process writes the run directory: `checkpoint.dir`, ./runs/<task> by default, or the node-local
+    cache of an s3:// one."""
+    if is_s3(spec.dir):
+        return run_cache(S3Location.parse(str(spec.dir)))
+    return Path(spec.dir or Path("runs") / task).absolute()
+
+
+# Glob characters in an s3:// data URI: its objects are then those of the prefix before the first one that match it.
+GLOB = re.compile(r"[*?\[]")
+
+
+@s3_errors
+def matching_objects(store: obstore.store.S3Store, pattern: str) -> list[ObjectMeta]:
+    """The objects a data URI's key names: that object, every object under it as a prefix, or those its glob
+    matches (`**` across folders too)."""
+    import obstore
+
+    glob = GLOB.search(pattern)
+    prefix = pattern[: glob.start()].rpartition("/")[0] if glob else pattern.rstrip("/")
+    listed = [meta for batch in obstore.list(store, prefix or None) for meta in batch]
+    if glob:
+        return [meta for meta in listed if fnmatch.fnmatchcase(meta["path"], pattern)]
+    exact = [meta for meta in listed if meta["path"] == pattern]
+    return exact or [meta for meta in listed if meta["path"].startswith(f"{prefix}/")]
+
+
+@s3_errors
+def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Path:
+    """`target`, downloaded unless this node has it already (the same size and modification time as the object,
+    which the copy keeps): one process of the node downloads it while the others wait for it."""
+    mtime_ns = int(meta["last_modified"].timestamp() * 1e9)
+
+    def present() -> bool:
+        with contextlib.suppress(OSError):
+            info = target.stat()
+            return info.st_size == meta["size"] and info.st_mtime_ns == mtime_ns
+        return False
+
+    with node_lock(target):
+        if not present():
+            partial = target.with_name(f".{target.name}.part")
+            stream_to(store, meta["path"], partial)
+            os.utime(partial, ns=(mtime_ns, mtime_ns))
+            os.replace(partial, target)
+    return target
+
+
+def s3_sources(uri: str, key: str) -> list[Path]:
+    """The local copies of the objects a data URI names (`s3://bucket/file`, `s3://bucket/prefix/`, or a glob),
+    each downloaded once into this node's cache (sources/<bucket>/<key>); a restart finds them there, so the
+    prepared dataset's fingerprint (path, size, modification time) is the same on every node and every start."""
+    try:
+        location = S3Location.parse(uri)
+    except ValueError as exc:
+        raise SpecError(f"{key}: {exc}") from None
+    store = s3_client(location.bucket)
+    root = node_cache() / "sources" / location.bucket
+    try:
+        objects = matching_objects(store, location.prefix)
+        if not objects:
+            raise SpecError(f"{key}: no object matches {uri!r}")
+        return [download(store, meta, root / meta["path"]) for meta in objects]
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {uri}: {exc.strerror}") from None
