@@ -73,10 +73,12 @@ def main() -> None:
             spec = CheckpointSpec(keepLast=1, keepBest=False, asyncSave=mode == "async")
             checkpoints = Checkpointer(Path(tmp) / mode, spec, dist, {})
             checkpoints.run_dir.mkdir()
+            state = TrainerState()
+            checkpoints.attach(model, optimizer, scaler, state)
             # The first save of each kind is a warm-up (for async: it allocates the CPU staging buffers).
             for step in range(args.repeats + 1):
-                state = TrainerState(step=step)
-                stall = seconds(lambda c=checkpoints, s=state: c.save(model, optimizer, scaler, s))
+                state.step = step
+                stall = seconds(checkpoints.save)
                 if mode == "async":
                     # Training goes on while the copy is written: how much slower is it meanwhile?
                     steps = max(3, math.ceil(3 * statistics.median(writes["sync"]) / step_seconds))

@@ -315,13 +315,16 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, asy
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     dist = Dist(0, 0, 1, torch.device("cpu"))
     checkpoints = Checkpointer(tmp_path, CheckpointSpec(keepLast=3, asyncSave=async_save), dist, {"maxSteps": 10})
-    checkpoints.save(model, optimizer, scaler, TrainerState(step=1))
+    state = TrainerState(step=1)
+    checkpoints.attach(model, optimizer, scaler, state)
+    checkpoints.save()
     checkpoints.wait()
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
         with pytest.raises(CheckpointError) as failure:
-            checkpoints.save(model, optimizer, scaler, TrainerState(step=2))
+            state.step = 2
+            checkpoints.save()
             checkpoints.wait()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -343,8 +346,11 @@ def test_keeps_the_newest_and_the_best_and_prunes_only_after_a_commit(tmp_path: 
         run_dir = tmp_path / f"best-{keep_best}"
         run_dir.mkdir()
         checkpoints = Checkpointer(run_dir, CheckpointSpec(keepLast=2, keepBest=keep_best), dist, {})
+        state = TrainerState()
+        checkpoints.attach(model, optimizer, scaler, state)
         for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
-            checkpoints.save(model, optimizer, scaler, TrainerState(step=step, val_loss=val_loss))
+            state.step, state.val_loss = step, val_loss
+            checkpoints.save()
             assert checkpoints.committed()[-1][0] == step
         kept[keep_best] = sorted(p.name for p in run_dir.iterdir())
     assert kept[True] == ["latest", "step-00000002", "step-00000004", "step-00000005"]

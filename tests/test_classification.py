@@ -122,3 +122,28 @@ def test_report_is_the_same_for_any_number_of_processes(tmp_path, trained, docst
         assert report[key] == reference[key], key
     assert math.isclose(report["eval_loss"], reference["eval_loss"], rel_tol=1e-5)
     assert report["world_size"] == procs
+
+
+def test_without_a_test_split_the_final_model_is_evaluated_once(tmp_path, docstrings, monkeypatch) -> None:
+    """The report on the validation split is the loop's final evaluation, which kept every prediction: the final
+    model is scored once (here, in one process, every evaluation counted as it runs)."""
+    from trainer import loop
+    from trainer.__main__ import run
+    from trainer.dist import Dist
+    from trainer.spec import TrainingSpec
+    from trainer.tasks import classification
+
+    evaluate, scored = loop.evaluate, []
+
+    def counted(model, loader, *args, **kwargs):  # the real evaluation, counted
+        scored.append(len(loader.dataset))
+        return evaluate(model, loader, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    monkeypatch.setattr(classification, "evaluate", counted)
+    files = {split: docstrings[split] for split in ("train", "val")}
+    training = classification_spec(files, maxSteps=2, checkpoint={"dir": str(tmp_path / "run")})["training"]
+    assert run(TrainingSpec.model_validate(training), Dist(0, 0, 1, torch.device("cpu"))) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["split"] == "val" and report["support"] == 20 and sum(map(sum, report["confusion_matrix"])) == 20
+    assert scored == [20]

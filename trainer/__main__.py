@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.checkpoint import Checkpointer
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
-from trainer.loop import train
+from trainer.loop import Trainer
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
@@ -68,8 +68,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     checkpoints.clean()
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
-    result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
-    if result.preempted:
+    result = Trainer(spec, dist, work, checkpoints, log).train()
+    if result.final_eval is None:  # preempted: see TrainResult
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
         return EXIT_PREEMPTED
     report = task.final_report(spec, dist, work, log, result.final_eval) | {
