@@ -509,8 +509,15 @@ def reuse_freed_memory() -> None:
         mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A loss summed over every rank is not finite: every rank raises this at the same step, so it is the job's
+    failure, not one rank's (trainer.failures.Failure.everywhere)."""
+
+
 def raise_non_finite(what: str, value: float, step: int, checkpoints: Checkpointer) -> None:
     """Stop before a diverged model can be saved over good checkpoints."""
     newest = checkpoints.committed()
     kept = f"{newest[-1][1].name} in {checkpoints.run_dir} is the newest checkpoint" if newest else "no checkpoint yet"
-    raise FloatingPointError(f"{what} is {value} at step {step}; {kept} (lower optimizer.lr or set gradClip)")
+    raise NonFiniteLoss(
+        f"the {what} went non-finite ({value}) at step {step}; {kept} (lower optimizer.lr or set gradClip)"
+    )
