@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -147,3 +148,13 @@ def test_without_a_test_split_the_final_model_is_evaluated_once(tmp_path, docstr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["split"] == "val" and report["support"] == 20 and sum(map(sum, report["confusion_matrix"])) == 20
     assert scored == [20]
+
+
+def test_compile_compiles_the_model_with_its_loss_once_for_every_batch_length(tmp_path, docstrings) -> None:
+    """`compile: true` compiles one graph, the model and its loss, once: not again when a padded batch is shorter
+    than the first (torch.compile's own log tells each compilation)."""
+    spec_file = tmp_path / "compiled.yaml"
+    spec_file.write_text(yaml.safe_dump(classification_spec(docstrings, maxSteps=6, batchSize=2, compile=True)))
+    result = run_ctl("run", str(spec_file), "--verbose", cwd=tmp_path, env=os.environ | {"TORCH_LOGS": "dynamo"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count("torchdynamo start tracing") == 1, result.stderr

@@ -17,7 +17,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
-from trainer.data import TrainBatches, eval_loader, evenly_spaced
+from trainer.data import PadCollator, TrainBatches, eval_loader, evenly_spaced
 from trainer.dist import Dist, StopRequest, step_timeouts
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
@@ -88,27 +87,28 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def loss_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss, correct predictions, predictions) from a batch's logits, in fp32 whatever the autocast dtype.
+class Scored(torch.nn.Module):
+    """A model with its loss: a batch in, (summed loss, correct predictions, predictions) out, in fp32 whatever
+    the autocast dtype.
 
-    With `compile: true` this is compiled too: the fp32 upcast, the cross-entropy and the argmax
-    then read the logits once, which for a language model's (batch x block x vocabulary) is most
-    of what a step moves through memory outside the matrix multiplies.
+    With `compile: true` this module is what is compiled: one compilation (not one for the model and one for
+    the loss), and the fp32 upcast, the cross-entropy and the argmax read the logits once inside it, which for a
+    language model's (batch x block x vocabulary) is most of what a step moves through memory outside the
+    matrix multiplies. Its parameters are the model's, in the model's order.
     """
-    logits = logits.float().flatten(0, -2)
-    targets = labels.flatten()
-    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    predicted = logits.detach().argmax(-1)
-    return loss_sum, (predicted == targets).sum(), predicted
 
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.options = forward_options(model)
 
-def batch_stats(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], options: dict[str, Any], stats: Callable = loss_stats
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(summed loss, correct predictions, targets, predictions) of one batch; `options`: see forward_options."""
-    logits = model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}, **options).logits
-    loss_sum, correct, predicted = stats(logits, batch["labels"])
-    return loss_sum, correct, batch["labels"].numel(), predicted
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}, **self.options).logits
+        logits = logits.float().flatten(0, -2)
+        targets = batch["labels"].flatten()
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        predicted = logits.detach().argmax(-1)
+        return loss_sum, (predicted == targets).sum(), predicted
 
 
 @torch.no_grad()
@@ -124,14 +124,14 @@ def evaluate(
     With `predict` (classification), every example's predicted class too, gathered from every rank.
     """
     model.eval()
-    options = forward_options(model)
+    scored = Scored(model)
     totals = Totals(dist.device)
     predictions: list[tuple[int, int]] = []  # this rank's (example index, predicted class)
     for batch in loader:
         batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
-            loss_sum, correct, count, predicted = batch_stats(model, batch, options)
-        totals.add(loss_sum, correct, count)
+            loss_sum, correct, predicted = scored(batch)
+        totals.add(loss_sum, correct, batch["labels"].numel())
         if predict:
             predictions += zip(batch["index"].tolist(), predicted.tolist(), strict=True)
     model.train()
@@ -190,8 +190,9 @@ def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Op
 
 
 def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
-    """The module the training steps call (compiled, DDP), and the gradient wait it measures when distributed."""
-    forward_model = torch.compile(model) if spec.compile else model
+    """The module the training steps call (Scored, compiled, DDP), and the gradient wait it measures when
+    distributed."""
+    forward_model = torch.compile(Scored(model)) if spec.compile else Scored(model)
     if not dist.is_distributed:
         return forward_model, None
     device = dist.device
@@ -219,9 +220,8 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         model.to(self.device).train()
-        self.options = forward_options(model)
         self.forward_model, self.sync = wrap_model(spec, dist, model)
-        self.train_stats = torch.compile(loss_stats) if spec.compile else loss_stats
+        self.padded = isinstance(collate, PadCollator)  # each batch as long as its longest example
         self.optimizer = make_optimizer(spec, model)
         self.amp_dtype = autocast_dtype(spec.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
@@ -335,10 +335,14 @@ class Trainer:
         self.watchdog.waiting_for_data(True)
         batch = to_device(next(self.stream), self.device)
         self.watchdog.waiting_for_data(False)
+        if self.padded:  # compiled for any length at once, not again (30 s for a tiny classifier on a CPU) later
+            for name in ("input_ids", "attention_mask"):
+                torch._dynamo.maybe_mark_dynamic(batch[name], 1)
         ddp = isinstance(self.forward_model, DDP)
         with contextlib.nullcontext() if last or not ddp else self.forward_model.no_sync():
             with autocast(self.device, self.amp_dtype):
-                loss_sum, correct, count, _ = batch_stats(self.forward_model, batch, self.options, self.train_stats)
+                loss_sum, correct, _ = self.forward_model(batch)
+                count = batch["labels"].numel()
                 loss = loss_sum / count / self.spec.grad_accum
             self.scaler.scale(loss).backward()
         tokens = batch["input_ids"].numel()
