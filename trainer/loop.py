@@ -22,10 +22,10 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
-from trainer.data import PadCollator, TrainBatches, eval_loader, evenly_spaced
+from trainer.data import Collate, PadCollator, TrainBatches, eval_loader, evenly_spaced
 from trainer.dist import Dist, StopRequest, step_timeouts
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
@@ -190,8 +190,12 @@ def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Op
 
 
 def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
-    """The module the training steps call (Scored, compiled, DDP), and the gradient wait it measures when
-    distributed."""
+    """`model` on the device in training mode; the module the training steps call (Scored, compiled, DDP), and the
+    gradient wait it measures when distributed."""
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model.to(dist.device).train()
     forward_model = torch.compile(Scored(model)) if spec.compile else Scored(model)
     if not dist.is_distributed:
         return forward_model, None
@@ -201,6 +205,18 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
     sync = GradientSync(device)
     ddp.register_comm_hook(sync, GradientSync.hook)
     return ddp, sync
+
+
+def evaluation_loaders(
+    spec: TrainingSpec, dist: Dist, val_set: Dataset, collate: Collate | None
+) -> tuple[DataLoader, DataLoader]:
+    """The whole validation split's batches, and a periodic evaluation's estimate: `evalBatches` global batches of
+    it, the same examples on any world size (the whole split's loader when 0)."""
+    whole = eval_loader(val_set, dist, spec.batch_size, collate)
+    if not spec.eval_batches:
+        return whole, whole
+    estimate_set = evenly_spaced(val_set, spec.eval_batches * dist.world_size * spec.batch_size)
+    return whole, eval_loader(estimate_set, dist, spec.batch_size, collate)
 
 
 class Trainer:
@@ -216,10 +232,6 @@ class Trainer:
         self.spec, self.dist, self.device, self.model = spec, dist, dist.device, work.model
         self.checkpoints, self.log, self.val_set, self.predict = checkpoints, log, work.val, work.predict
         model, collate = work.model, work.collate
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        model.to(self.device).train()
         self.forward_model, self.sync = wrap_model(spec, dist, model)
         self.padded = isinstance(collate, PadCollator)  # each batch as long as its longest example
         self.optimizer = make_optimizer(spec, model)
@@ -231,12 +243,7 @@ class Trainer:
         checkpoints.attach(model, self.optimizer, self.scaler, self.state)
         resumed, self.saved_rng = checkpoints.load_latest() or (None, None)
         self.plan(resumed)
-        self.val_batches = eval_loader(work.val, dist, spec.batch_size, collate)
-        # A periodic evaluation's estimate: `evalBatches` global batches of the split, the same on any world size.
-        estimate_set = evenly_spaced(work.val, spec.eval_batches * dist.world_size * spec.batch_size)
-        self.estimate_batches = (
-            eval_loader(estimate_set, dist, spec.batch_size, collate) if spec.eval_batches else self.val_batches
-        )
+        self.val_batches, self.estimate_batches = evaluation_loaders(spec, dist, work.val, collate)
         self.metrics = TrainingMetrics(spec, dist, model, self.state.max_steps)
         self.tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if resumed is None else resumed.step)
         self.progress = ProgressReporter.from_env() if dist.is_main else ProgressReporter(None)  # a TrainJob's status
