@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from trainer.checkpoint import MARKER, Checkpointer, CheckpointError, TrainerSta
 from trainer.data import TrainBatches
 from trainer.dist import Dist
 from trainer.spec import CheckpointSpec
+from trainer.totals import Sums
 
 STEPS = 24
 EVERY = 4
@@ -376,3 +378,14 @@ def test_a_diverging_run_stops_with_the_step_and_saves_nothing_non_finite(
     assert len(list(Path(failed.group(3)).glob("**/stderr.log"))) == 4, result.stderr
     for step_dir in (tmp_path / "run").glob("step-*"):
         assert math.isfinite(json.loads((step_dir / "state.json").read_text())["trainer"]["val_loss"])
+
+
+def test_a_state_saved_before_the_sums_had_names_still_loads() -> None:
+    """state.json of older checkpoints holds the interval and epoch sums as lists in field order (three fields
+    before tokens were summed per epoch); a resume reads them into the named Sums."""
+    saved = asdict(TrainerState(step=4))
+    saved |= {"interval_totals": [2.5, 3.0, 8.0], "epoch_totals": [5.0, 6.0, 16.0, 64.0]}
+    state = TrainerState(**saved)
+    assert state.interval_totals == Sums(loss_sum=2.5, correct=3.0, targets=8.0, tokens=0.0)
+    assert state.epoch_totals == Sums(loss_sum=5.0, correct=6.0, targets=16.0, tokens=64.0)
+    assert TrainerState(**json.loads(json.dumps(asdict(state)))) == state  # and the named form round-trips
