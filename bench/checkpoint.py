@@ -84,10 +84,12 @@ def measure(run_dir: Path, uri: str | None, state: State, repeats: int) -> Measu
         spec = CheckpointSpec(dir=uri, keepLast=1, keepBest=False, asyncSave=mode == "async")
         checkpoints = Checkpointer(run_dir / mode, spec, dist, {})
         checkpoints.run_dir.mkdir(parents=True)
+        trainer_state = TrainerState()
+        checkpoints.attach(model, optimizer, scaler, trainer_state)
         # The first save of each kind is a warm-up (for async: it allocates the CPU staging buffers).
         for step in range(repeats + 1):
-            trainer_state = TrainerState(step=step)
-            stall = seconds(lambda c=checkpoints, s=trainer_state: c.save(model, optimizer, scaler, s))
+            trainer_state.step = step
+            stall = seconds(checkpoints.save)
             if mode == "async":
                 # Training goes on while the copy is written: how much slower is it meanwhile?
                 steps = max(3, math.ceil(3 * statistics.median(measured.writes["sync"]) / step_seconds))

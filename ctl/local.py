@@ -241,11 +241,14 @@ def keep_logs(logs: Path, run_dir: Path, started: str) -> Path:
 
 
 def failure_line(cause: Failure, agent: Agent, job: str, logs: Path, kept: Path) -> str:
-    """The one line of a failed run: who failed, its own first line, and the files with the rest."""
+    """The one line of a failed run: who failed (not when every rank did), its own first line, and the files with
+    the rest."""
+    where = f"logs of every rank in {kept}"
+    if cause.everywhere:
+        return f"error: {cause.message} ({where})"
     who = f"node {agent.node} ({agent.replica.pod_name(job)})"
     if cause.rank is not None:
         who = f"rank {cause.rank} on {who}"
-    where = f"logs of every rank in {kept}"
     if cause.log:
         log = Path(cause.log)
         where = f"traceback in {kept / log.relative_to(logs) if log.is_relative_to(logs) else log}/stderr.log; {where}"

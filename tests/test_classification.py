@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -122,3 +123,38 @@ def test_report_is_the_same_for_any_number_of_processes(tmp_path, trained, docst
         assert report[key] == reference[key], key
     assert math.isclose(report["eval_loss"], reference["eval_loss"], rel_tol=1e-5)
     assert report["world_size"] == procs
+
+
+def test_without_a_test_split_the_final_model_is_evaluated_once(tmp_path, docstrings, monkeypatch) -> None:
+    """The report on the validation split is the loop's final evaluation, which kept every prediction: the final
+    model is scored once (here, in one process, every evaluation counted as it runs)."""
+    from trainer import loop
+    from trainer.__main__ import run
+    from trainer.dist import Dist
+    from trainer.spec import TrainingSpec
+    from trainer.tasks import classification
+
+    evaluate, scored = loop.evaluate, []
+
+    def counted(model, loader, *args, **kwargs):  # the real evaluation, counted
+        scored.append(len(loader.dataset))
+        return evaluate(model, loader, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    monkeypatch.setattr(classification, "evaluate", counted)
+    files = {split: docstrings[split] for split in ("train", "val")}
+    training = classification_spec(files, maxSteps=2, checkpoint={"dir": str(tmp_path / "run")})["training"]
+    assert run(TrainingSpec.model_validate(training), Dist(0, 0, 1, torch.device("cpu"))) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["split"] == "val" and report["support"] == 20 and sum(map(sum, report["confusion_matrix"])) == 20
+    assert scored == [20]
+
+
+def test_compile_compiles_the_model_with_its_loss_once_for_every_batch_length(tmp_path, docstrings) -> None:
+    """`compile: true` compiles one graph, the model and its loss, once: not again when a padded batch is shorter
+    than the first (torch.compile's own log tells each compilation)."""
+    spec_file = tmp_path / "compiled.yaml"
+    spec_file.write_text(yaml.safe_dump(classification_spec(docstrings, maxSteps=6, batchSize=2, compile=True)))
+    result = run_ctl("run", str(spec_file), "--verbose", cwd=tmp_path, env=os.environ | {"TORCH_LOGS": "dynamo"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count("torchdynamo start tracing") == 1, result.stderr

@@ -10,8 +10,11 @@ import pytest
 import yaml
 from conftest import run_ctl, tensorboard_scalars, tiny_spec
 
+from trainer.checkpoint import step_name
+
 PERIODIC = re.compile(r"step 3/6 \| val loss (\S+)")
 FINAL = re.compile(r"step 6/6 \(final\) \| val loss (\S+)")
+LAST_CHECKPOINT = re.compile(r"step 6/6 \(checkpoint\) \| val loss (\S+)")
 
 
 def run(workdir: Path, corpus: Path, name: str, procs: int, **training) -> tuple[str, dict, Path]:
@@ -35,7 +38,7 @@ def test_periodic_evaluations_estimate_and_the_final_one_is_exact(tmp_path, corp
     # The final evaluation is exact whatever the budget: the same loss over the same tokens.
     assert budget_report["eval_loss"] == pytest.approx(whole_report["eval_loss"], abs=1e-6)
     assert budget_report["eval_tokens"] == whole_report["eval_tokens"]
-    # The final checkpoint's keepBest evaluation is that exact one too (the report reuses it).
+    # The final evaluation's line is the report's.
     assert float(FINAL.search(budget)[1]) == pytest.approx(budget_report["eval_loss"], abs=5e-5)
 
     # The estimate scores the same examples on any world size: 2 processes give 1 process's values.
@@ -44,3 +47,15 @@ def test_periodic_evaluations_estimate_and_the_final_one_is_exact(tmp_path, corp
     assert ddp_steps == steps == (3, 6)
     assert ddp_estimates == pytest.approx(estimates, abs=1e-5)
     assert ddp_report["eval_loss"] == pytest.approx(budget_report["eval_loss"], abs=1e-5)
+
+
+def test_keep_best_ranks_every_checkpoint_by_the_same_estimate(tmp_path, corpus_file) -> None:
+    """keepBest compares like with like: the last checkpoint's loss is the estimate over the evalBatches batches too,
+    as every earlier one's, not the exact final evaluation."""
+    output, report, run_dir = run(tmp_path, corpus_file, "best", 1, evalBatches=2, checkpoint={"every": 3})
+    saved = {step: json.loads((run_dir / step_name(step) / "state.json").read_text())["trainer"] for step in (3, 6)}
+    assert saved[3]["val_loss"] == pytest.approx(float(PERIODIC.search(output)[1]), abs=5e-5)
+    assert saved[6]["val_loss"] == pytest.approx(float(LAST_CHECKPOINT.search(output)[1]), abs=5e-5)
+    assert saved[6]["val_loss"] != pytest.approx(report["eval_loss"], abs=1e-6)
+    best = min(saved.values(), key=lambda state: state["val_loss"])
+    assert saved[6]["best_val_loss"] == best["val_loss"]

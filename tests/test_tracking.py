@@ -222,6 +222,20 @@ def test_wandb_offline_gets_the_values_tensorboard_gets_and_a_finished_exit(
         assert logged[name] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], name
 
 
+def test_the_final_evaluation_reaches_the_trackers_without_keep_best(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """The final model's evaluation, report.json's, is the run's last eval/ point whatever keepBest says."""
+    spec = tiny_spec(corpus_file, maxSteps=3, checkpoint={"keepBest": False}, sample={"maxNewTokens": 0})
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "tiny"
+    report = json.loads((run_dir / "report.json").read_text())
+    scalars = tensorboard_scalars(run_dir)
+    assert scalars["eval/loss"] == [(3, pytest.approx(report["eval_loss"], rel=1e-6))]
+    assert scalars["eval/accuracy"] == [(3, pytest.approx(report["token_accuracy"], rel=1e-6))]
+
+
 def test_wandb_keeps_a_checkpoint_reported_after_later_steps(
     tmp_path: Path, wandb_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

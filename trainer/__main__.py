@@ -1,7 +1,8 @@
 """Entry point: `python -m trainer.launch -m trainer --config /etc/ddpjob/training.yaml` (torchrun).
 
 Exit codes: 0 done, 1 error (traceback in TORCHELASTIC_ERROR_FILE; one line when the data
-was never prepared: trainer.workloads.PreparationFailed), 2 bad input
+was never prepared, trainer.workloads.PreparationFailed, or the loss went non-finite on every
+rank, trainer.loop.NonFiniteLoss), 2 bad input
 (spec or data: one line naming the key and the problem), 143 stopped by SIGTERM after
 saving a checkpoint (128 + 15: what a terminated process reports); the next start
 resumes from it. 200 (EXIT_HUNG): the watchdog found the job hung (trainer.watchdog);
@@ -26,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.checkpoint import Checkpointer
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
-from trainer.loop import train
+from trainer.loop import NonFiniteLoss, Trainer
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
@@ -72,8 +73,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     checkpoints.clean()
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
-    result = train(spec, dist, work.model, work.train, work.val, work.collate, checkpoints, log)
-    if result.preempted:
+    result = Trainer(spec, dist, work, checkpoints, log).train()
+    if result.final_eval is None:  # preempted: see TrainResult
         if dist.is_main:  # on object storage, the events so far (the export and report do not exist yet)
             publish(run_dir, checkpoints.store)
         log(f"exiting with code {EXIT_PREEMPTED}; the next start resumes from the checkpoint")
@@ -100,11 +101,11 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     return 0
 
 
-def exit_with(code: int, message: str) -> NoReturn:
+def exit_with(code: int, message: str, everywhere: bool = False) -> NoReturn:
     """Tell torchrun (and through it `ctl run`) the one-line reason, then exit; a traceback would only be noise."""
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         rank = int(os.environ.get("RANK", "0"))
-        write_record(Path(error_file), Failure(code, message, time.time(), rank))
+        write_record(Path(error_file), Failure(code, message, time.time(), rank, everywhere=everywhere))
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         exit_with(EXIT_BAD_INPUT, str(exc))
     except PreparationFailed as exc:  # the data was not prepared, and waiting longer will not change that
         exit_with(EXIT_ERROR, str(exc))
+    except NonFiniteLoss as exc:  # every rank stops on it at the same step
+        exit_with(EXIT_ERROR, str(exc), everywhere=True)
     finish(code)  # the MLflow/W&B run ends with this outcome (an exception ends it failed, at exit)
     # Only after a success: on a failure the peers learn of it when this process exits, after its record is
     # written (here or by @record), so that their "connection closed by peer" never comes before the cause.

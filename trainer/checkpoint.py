@@ -24,7 +24,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
 from trainer.spec import CheckpointSpec, SpecError
 from trainer.storage import open_store
+from trainer.totals import Sums
 
 MARKER = "COMMITTED"
 MODEL = "model.safetensors"
@@ -67,9 +68,28 @@ class TrainerState:
     val_loss: float | None = None  # at this step, when evaluated for the save
     best_val_loss: float | None = None
     best_step: int | None = None
-    # Sums since the last log line and since the epoch began, over all ranks: trainer.loop.Totals.FIELDS in order.
-    interval_totals: list[float] = field(default_factory=lambda: [0.0] * 4)
-    epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 4)
+    # Sums since the last log line and since the epoch began, over all ranks.
+    interval_totals: Sums = field(default_factory=Sums)
+    epoch_totals: Sums = field(default_factory=Sums)
+
+    def __post_init__(self) -> None:
+        self.interval_totals = Sums.saved(self.interval_totals)
+        self.epoch_totals = Sums.saved(self.epoch_totals)
+
+    def load(self, saved: TrainerState) -> None:
+        """Take every value of `saved`, in place: the Checkpointer and the loop share this object."""
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(saved, name))
+
+
+@dataclass
+class Stateful:
+    """What a checkpoint saves and a resume loads in place, given to the Checkpointer once (besides the RNGs)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    state: TrainerState
 
 
 def step_name(step: int) -> str:
@@ -183,6 +203,21 @@ class Checkpointer:
         self.pending_error: BaseException | None = None
         self.staging: dict[str, torch.Tensor] = {}  # CPU copies for background saves, reused save after save
         self.last_save: SaveStats | None = None  # of the newest save this process wrote
+        self.stateful: Stateful | None = None  # what save and load_latest work on: see attach
+
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        state: TrainerState,
+    ) -> None:
+        """The objects every save writes and load_latest fills, from now on."""
+        self.stateful = Stateful(model, optimizer, scaler, state)
+
+    def attached(self) -> Stateful:
+        assert self.stateful is not None, "Checkpointer.attach comes before save and load_latest"
+        return self.stateful
 
     # -- finding checkpoints ------------------------------------------------------------------
 
@@ -232,39 +267,35 @@ class Checkpointer:
             )
         return saved
 
-    def load_latest(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
-    ) -> tuple[TrainerState, dict[str, Any] | None] | None:
-        """Load the newest complete checkpoint into model/optimizer/scaler; None when there is none.
+    def load_latest(self) -> tuple[TrainerState, dict[str, Any] | None] | None:
+        """Load the newest complete checkpoint into the attached objects; None when there is none.
 
-        Returns its trainer state and this rank's RNG state (None when the world size
-        changed and this rank did not exist); restore that just before the first step.
+        Returns its trainer state (as saved: the attached one holds it too, for the loop to adjust) and this
+        rank's RNG state (None when the world size changed and this rank did not exist); restore that just
+        before the first step.
         """
         checkpoints = self.committed()
         if not checkpoints:
             return None
         saved = self.saved_state(checkpoints[-1][1])
         path = self.store.local(checkpoints[-1][1])
-        safetensors.torch.load_model(model, path / MODEL, strict=True, device=str(self.dist.device))
+        objects = self.attached()
+        safetensors.torch.load_model(objects.model, path / MODEL, strict=True, device=str(self.dist.device))
         trainer = torch.load(path / OPTIMIZER, map_location=self.dist.device, weights_only=True)
-        optimizer.load_state_dict(trainer["optimizer"])
-        scaler.load_state_dict(trainer["scaler"])
+        objects.optimizer.load_state_dict(trainer["optimizer"])
+        objects.scaler.load_state_dict(trainer["scaler"])
         rng = torch.load(path / RNG, weights_only=True)
         state = TrainerState(**saved["trainer"])
+        objects.state.load(state)
         return state, rng[self.dist.rank] if self.dist.rank < len(rng) else None
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler,
-        state: TrainerState,
-        wait: bool = False,
-    ) -> None:
-        """Every rank calls this at a step boundary; rank 0 writes (now, or in the background)."""
+    def save(self, wait: bool = False) -> None:
+        """Every rank calls this at a step boundary; rank 0 writes the attached objects (now, or in the background)."""
         self.raise_pending_error()
+        objects = self.attached()
+        model, optimizer, scaler, state = objects.model, objects.optimizer, objects.scaler, objects.state
         background = self.spec.async_save and not wait
         rngs: list[Any] = [None] * self.dist.world_size
         if self.dist.is_distributed:

@@ -51,6 +51,9 @@ class Failure:
     time: float  # when it failed (seconds since the epoch, to the file system's precision)
     rank: int | None = None  # the global rank, when a trainer process failed
     log: str | None = None  # the directory holding its output and traceback
+    # Every rank failed so at the same step (a non-finite loss, summed over the ranks): the job's failure, told
+    # without naming a rank or a node.
+    everywhere: bool = False
 
     @property
     def kind(self) -> Kind:
@@ -84,6 +87,8 @@ def write_record(path: Path, failure: Failure) -> None:
         extra["rank"] = str(failure.rank)
     if failure.log:
         extra["log"] = failure.log
+    if failure.everywhere:
+        extra["everywhere"] = "true"
     staging = path.with_name(f".{path.name}.tmp")
     record = {"message": failure.message, "errorCode": failure.code, "extraInfo": extra}
     staging.write_text(json.dumps({"message": record}), encoding="utf-8")
@@ -113,4 +118,5 @@ def read_record(path: Path, code: int) -> Failure | None:
         time=float(extra.get("time", written)),  # a rank's own record: when it wrote it
         rank=None if rank is None else int(rank),
         log=extra.get("log"),
+        everywhere=extra.get("everywhere") == "true",
     )

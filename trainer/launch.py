@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -65,7 +66,7 @@ def worker_failure(rank: int, failure: ProcessFailure) -> Failure:
     log = worker_log(failure)
     recorded = read_record(Path(failure.error_file), code)
     if recorded is not None:
-        return Failure(recorded.code, recorded.message, recorded.time, rank, log)
+        return replace(recorded, rank=rank, log=log)
     reason = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {code}"
     return Failure(code, reason, float(failure.timestamp), rank, log)
 

@@ -16,8 +16,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
@@ -26,14 +25,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
-from trainer.data import Collate, TrainBatches, eval_loader, evenly_spaced
-from trainer.dist import Dist, StopRequest, all_reduce_sum, step_timeouts
+from trainer.data import Collate, PadCollator, TrainBatches, eval_loader, evenly_spaced
+from trainer.dist import Dist, StopRequest, step_timeouts
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
 from trainer.progress import ProgressReporter
 from trainer.spec import ScheduleSpec, TrainingSpec
+from trainer.totals import Totals
 from trainer.tracking import Tracker
 from trainer.watchdog import GradientSync, Watchdog, test_slowdown
+from trainer.workloads import Workload
 
 # Keys of a batch that are not model inputs.
 NOT_INPUTS = ("labels", "index")
@@ -44,6 +45,7 @@ class Evaluation:
     loss: float
     accuracy: float
     count: int  # targets scored: tokens (language modelling) or examples (classification)
+    predictions: list[int] | None = None  # every example's predicted class, in dataset order, when asked for
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,9 @@ class TrainResult:
     tokens: int
     train_loss: float
     seconds: float
-    preempted: bool  # stopped by SIGTERM after saving a checkpoint; the run is not finished
-    # The final model over the whole validation split, when the last checkpoint's keepBest needed it: the final
-    # report's evaluation of the same split need not run again.
-    final_eval: Evaluation | None = None
+    # The final model over the whole validation split, the final report's too; None when stopped by SIGTERM after
+    # saving a checkpoint (preempted): the run is not finished.
+    final_eval: Evaluation | None
 
 
 def lr_at(step: int, max_steps: int, peak: float, schedule: ScheduleSpec) -> float:
@@ -86,80 +87,28 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def loss_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed loss, correct predictions, predictions) from a batch's logits, in fp32 whatever the autocast dtype.
+class Scored(torch.nn.Module):
+    """A model with its loss: a batch in, (summed loss, correct predictions, predictions) out, in fp32 whatever
+    the autocast dtype.
 
-    With `compile: true` this is compiled too: the fp32 upcast, the cross-entropy and the argmax
-    then read the logits once, which for a language model's (batch x block x vocabulary) is most
-    of what a step moves through memory outside the matrix multiplies.
-    """
-    logits = logits.float().flatten(0, -2)
-    targets = labels.flatten()
-    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    predicted = logits.detach().argmax(-1)
-    return loss_sum, (predicted == targets).sum(), predicted
-
-
-def batch_stats(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], options: dict[str, Any], stats: Callable = loss_stats
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(summed loss, correct predictions, targets, predictions) of one batch; `options`: see forward_options."""
-    logits = model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}, **options).logits
-    loss_sum, correct, predicted = stats(logits, batch["labels"])
-    return loss_sum, correct, batch["labels"].numel(), predicted
-
-
-@dataclass(frozen=True)
-class Summed:
-    """A span's totals summed over every rank, on the host."""
-
-    loss_sum: float
-    correct: float
-    targets: float  # scored targets: tokens (language modelling) or examples (classification)
-    tokens: float  # input tokens
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.targets, 1)
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / max(self.targets, 1)
-
-
-class Totals:
-    """Running sums over a span of steps (a log interval, an epoch, an evaluation), on this rank's device.
-
-    The named fields live in one float64 vector: adding a batch never waits for the device (the
-    count is filled in there: `torch.tensor(count, device=cuda)` would be a blocking copy), and
-    summing over ranks is one all-reduce.
+    With `compile: true` this module is what is compiled: one compilation (not one for the model and one for
+    the loss), and the fp32 upcast, the cross-entropy and the argmax read the logits once inside it, which for a
+    language model's (batch x block x vocabulary) is most of what a step moves through memory outside the
+    matrix multiplies. Its parameters are the model's, in the model's order.
     """
 
-    FIELDS = ("loss_sum", "correct", "targets", "tokens")
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.options = forward_options(model)
 
-    def __init__(self, device: torch.device, saved: list[float] | None = None) -> None:
-        self.vector = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
-        if saved:  # a checkpoint's; those written before tokens were summed per epoch hold the first three
-            self.vector[: len(saved)] = torch.tensor(saved, dtype=torch.float64)
-
-    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, targets: int, tokens: int = 0) -> None:
-        self.vector[:3] += torch.stack(
-            [loss_sum.detach().double(), correct.double(), correct.new_full((), targets, dtype=torch.float64)]
-        )
-        self.vector[3] += tokens
-
-    def summed(self, rider: torch.Tensor | None = None) -> tuple[Summed, list[float]]:
-        """These totals over every rank, and `rider` summed in the same all-reduce (the stop votes at a log step)."""
-        extra = [] if rider is None else [rider]
-        values = all_reduce_sum(torch.cat([self.vector, *extra])).tolist()
-        return Summed(*values[: len(self.FIELDS)]), values[len(self.FIELDS) :]
-
-    def saved(self) -> list[float]:
-        """Summed over every rank, for a checkpoint: on resume rank 0 carries them and the other ranks start at 0."""
-        return all_reduce_sum(self.vector.clone()).tolist()
-
-    def zero(self) -> None:
-        self.vector.zero_()
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.model(**{k: v for k, v in batch.items() if k not in NOT_INPUTS}, **self.options).logits
+        logits = logits.float().flatten(0, -2)
+        targets = batch["labels"].flatten()
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        predicted = logits.detach().argmax(-1)
+        return loss_sum, (predicted == targets).sum(), predicted
 
 
 @torch.no_grad()
@@ -168,25 +117,27 @@ def evaluate(
     loader: DataLoader,
     dist: Dist,
     amp_dtype: torch.dtype | None,
-    predictions: list[tuple[int, int]] | None = None,
+    predict: bool = False,
 ) -> Evaluation:
     """Exact loss and accuracy over the whole split: per-rank sums and counts, all-reduced.
 
-    With `predictions` (classification), this rank's (example index, predicted class) pairs are appended to it.
+    With `predict` (classification), every example's predicted class too, gathered from every rank.
     """
     model.eval()
-    options = forward_options(model)
+    scored = Scored(model)
     totals = Totals(dist.device)
+    predictions: list[tuple[int, int]] = []  # this rank's (example index, predicted class)
     for batch in loader:
         batch = to_device(batch, dist.device)
         with autocast(dist.device, amp_dtype):
-            loss_sum, correct, count, predicted = batch_stats(model, batch, options)
-        totals.add(loss_sum, correct, count)
-        if predictions is not None:
+            loss_sum, correct, predicted = scored(batch)
+        totals.add(loss_sum, correct, batch["labels"].numel())
+        if predict:
             predictions += zip(batch["index"].tolist(), predicted.tolist(), strict=True)
     model.train()
     summed, _ = totals.summed()
-    return Evaluation(loss=summed.loss, accuracy=summed.accuracy, count=int(summed.targets))
+    predicted = gather_predictions(predictions, dist, len(loader.dataset)) if predict else None
+    return Evaluation(loss=summed.loss, accuracy=summed.accuracy, count=int(summed.targets), predictions=predicted)
 
 
 def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> list[int]:
@@ -214,39 +165,20 @@ def planned_steps(spec: TrainingSpec, steps_per_epoch: int, samples_per_step: in
     return saved.step + math.ceil(remaining / samples_per_step)
 
 
-def train(
-    spec: TrainingSpec,
-    dist: Dist,
-    model: torch.nn.Module,
-    train_set: Dataset,
-    val_set: Dataset,
-    collate: Collate | None,
-    checkpoints: Checkpointer,
-    log: Callable[[str], None],
-) -> TrainResult:
-    """Train `model` in place (it stays the plain module: no DDP/compile wrapper in its state dict).
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did: what the log, evaluation and checkpoint rules look at."""
 
-    Starts from the newest complete checkpoint in the run directory when there is one.
-    """
-    device = dist.device
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    model.to(device).train()
-    options = forward_options(model)
-    forward_model = torch.compile(model) if spec.compile else model
-    train_stats = torch.compile(loss_stats) if spec.compile else loss_stats
-    if dist.is_distributed:
-        forward_model = DDP(
-            forward_model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
-    # The wait for the other ranks' gradients, measured where DDP starts the all-reduce: busy time = step - wait.
-    sync = GradientSync(device) if dist.is_distributed else None
-    if sync is not None:
-        forward_model.register_comm_hook(sync, GradientSync.hook)
-    optimizer = torch.optim.AdamW(
+    step: int  # steps done, this one included
+    lr: float
+    seconds: float
+    tokens: int  # input tokens this rank trained on
+    ended_epoch: int | None  # the epoch this step completed, when it completed one
+    grad_norm: torch.Tensor | None  # before clipping, on the device: read at log steps only
+
+
+def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
         parameter_groups(model, spec.optimizer.weight_decay),
         lr=spec.optimizer.lr,
         betas=spec.optimizer.betas,
@@ -255,187 +187,300 @@ def train(
         # took 3x as long (10 ms a step for the baby GPT's 52 tensors, docs/performance.md).
         fused=True,
     )
-    amp_dtype = autocast_dtype(spec.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
-    batches = TrainBatches(train_set, dist, spec.batch_size, spec.seed, collate)
-    steps_per_epoch = batches.batches_per_epoch // spec.grad_accum
-    samples_per_step = dist.world_size * spec.batch_size * spec.grad_accum
-    resumed = checkpoints.load_latest(model, optimizer, scaler)
-    saved, saved_rng = resumed or (None, None)
-    state = TrainerState(
-        max_steps=planned_steps(spec, steps_per_epoch, samples_per_step, saved),
-        world_size=dist.world_size,
-        samples_per_step=samples_per_step,
-    )
-    if saved is not None:
-        state = replace(saved, max_steps=state.max_steps, world_size=dist.world_size, samples_per_step=samples_per_step)
-        batches.epoch, batches.position = saved.epoch, saved.position
-        log(
-            f"resuming from {step_name(saved.step)}: epoch {saved.epoch}, {saved.position} samples into it,"
-            f" {saved.tokens:,} tokens seen; world size {saved.world_size} then, {dist.world_size} now"
-        )
-    val_batches = eval_loader(val_set, dist, spec.batch_size, collate)
-    # A periodic evaluation's estimate: `evalBatches` global batches of the split, the same on any world size.
+
+def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[torch.nn.Module, GradientSync | None]:
+    """`model` on the device in training mode; the module the training steps call (Scored, compiled, DDP), and the
+    gradient wait it measures when distributed."""
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model.to(dist.device).train()
+    forward_model = torch.compile(Scored(model)) if spec.compile else Scored(model)
+    if not dist.is_distributed:
+        return forward_model, None
+    device = dist.device
+    ddp = DDP(forward_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    # The wait for the other ranks' gradients, measured where DDP starts the all-reduce: busy time = step - wait.
+    sync = GradientSync(device)
+    ddp.register_comm_hook(sync, GradientSync.hook)
+    return ddp, sync
+
+
+def evaluation_loaders(
+    spec: TrainingSpec, dist: Dist, val_set: Dataset, collate: Collate | None
+) -> tuple[DataLoader, DataLoader]:
+    """The whole validation split's batches, and a periodic evaluation's estimate: `evalBatches` global batches of
+    it, the same examples on any world size (the whole split's loader when 0)."""
+    whole = eval_loader(val_set, dist, spec.batch_size, collate)
+    if not spec.eval_batches:
+        return whole, whole
     estimate_set = evenly_spaced(val_set, spec.eval_batches * dist.world_size * spec.batch_size)
-    estimate_batches = eval_loader(estimate_set, dist, spec.batch_size, collate) if spec.eval_batches else val_batches
-    to_go = f", {state.max_steps - state.step} to go" if saved is not None else ""
-    log(
-        f"training {state.max_steps} steps ({state.max_steps / max(steps_per_epoch, 1):.2f} epochs){to_go}: world"
-        f" size {dist.world_size}, {samples_per_step} examples per step, {len(train_set)} train / {len(val_set)} val"
-    )
+    return whole, eval_loader(estimate_set, dist, spec.batch_size, collate)
 
-    metrics = TrainingMetrics(spec, dist, model, state.max_steps)
-    tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if saved is None else saved.step)
-    progress = ProgressReporter.from_env() if dist.is_main else ProgressReporter(None)  # a TrainJob's status
-    watchdog = Watchdog(dist, sync, metrics)
-    slowdown = test_slowdown(dist.rank)
 
-    def report_eval(prefix: str, loader: DataLoader = estimate_batches) -> Evaluation:
-        with watchdog.long_work("evaluation"):
-            result = evaluate(model, loader, dist, amp_dtype)
-        metrics.evaluated(result.loss, result.accuracy)
-        tracker.log(state.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
-        log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
+class Trainer:
+    """One run of the loop: setup here, `step()` one optimizer step, `train()` the steps and the rules around them.
+
+    Trains the workload's model in place (it stays the plain module: no DDP/compile wrapper in its state dict),
+    from the newest complete checkpoint in the run directory when there is one.
+    """
+
+    def __init__(
+        self, spec: TrainingSpec, dist: Dist, work: Workload, checkpoints: Checkpointer, log: Callable[[str], None]
+    ) -> None:
+        self.spec, self.dist, self.device, self.model = spec, dist, dist.device, work.model
+        self.checkpoints, self.log, self.val_set, self.predict = checkpoints, log, work.val, work.predict
+        model, collate = work.model, work.collate
+        self.forward_model, self.sync = wrap_model(spec, dist, model)
+        self.padded = isinstance(collate, PadCollator)  # each batch as long as its longest example
+        self.optimizer = make_optimizer(spec, model)
+        self.amp_dtype = autocast_dtype(spec.precision, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        self.batches = TrainBatches(work.train, dist, spec.batch_size, spec.seed, collate)
+        self.samples_per_step = dist.world_size * spec.batch_size * spec.grad_accum
+        self.state = TrainerState()
+        checkpoints.attach(model, self.optimizer, self.scaler, self.state)
+        resumed, self.saved_rng = checkpoints.load_latest() or (None, None)
+        self.plan(resumed)
+        self.val_batches, self.estimate_batches = evaluation_loaders(spec, dist, work.val, collate)
+        self.metrics = TrainingMetrics(spec, dist, model, self.state.max_steps)
+        self.tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if resumed is None else resumed.step)
+        self.progress = ProgressReporter.from_env() if dist.is_main else ProgressReporter(None)  # a TrainJob's status
+        self.watchdog = Watchdog(dist, self.sync, self.metrics)
+        self.slowdown = test_slowdown(dist.rank)
+        # Summed on each rank, over ranks when logged; on resume rank 0 carries the saved sums.
+        carried = dist.is_main and resumed is not None
+        self.interval = Totals(self.device, self.state.interval_totals if carried else None)  # since the last log
+        self.epoch_totals = Totals(self.device, self.state.epoch_totals if carried else None)  # since the epoch began
+        self.stream = self.metrics.timed(iter(self.batches))  # measures the data wait
+        self.train_loss = math.nan
+        self.started = self.interval_start = 0.0
+
+    def plan(self, resumed: TrainerState | None) -> None:
+        """The planned steps, from where the resumed checkpoint stood (the attached state holds it); a line on them."""
+        state, dist = self.state, self.dist
+        steps_per_epoch = self.batches.batches_per_epoch // self.spec.grad_accum
+        state.max_steps = planned_steps(self.spec, steps_per_epoch, self.samples_per_step, resumed)
+        state.world_size, state.samples_per_step = dist.world_size, self.samples_per_step
+        if resumed is not None:
+            self.batches.epoch, self.batches.position = resumed.epoch, resumed.position
+            self.log(
+                f"resuming from {step_name(resumed.step)}: epoch {resumed.epoch}, {resumed.position} samples into it,"
+                f" {resumed.tokens:,} tokens seen; world size {resumed.world_size} then, {dist.world_size} now"
+            )
+        to_go = f", {state.max_steps - state.step} to go" if resumed is not None else ""
+        self.log(
+            f"training {state.max_steps} steps ({state.max_steps / max(steps_per_epoch, 1):.2f} epochs){to_go}: world"
+            f" size {dist.world_size}, {self.samples_per_step} examples per step,"
+            f" {len(self.batches.dataset)} train / {len(self.val_set)} val"
+        )
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Step to `max_steps`, or to an agreed stop request (SIGTERM): log, evaluate and save by the spec's rules."""
+        state, spec = self.state, self.spec
+        # Each rank draws its own dropout masks; a resume puts back exactly the generator state it saved.
+        torch.manual_seed(spec.seed + self.dist.rank)
+        if self.saved_rng is not None:
+            set_rng_state(self.saved_rng, self.device)
+        first_step = state.step + 1
+        final: Evaluation | None = None
+        reuse_freed_memory()
+        self.started = self.interval_start = time.perf_counter()
+        with StopRequest(self.dist) as stop_request, self.watchdog, self.progress:
+            while state.step < state.max_steps:
+                stats = self.step()
+                if stats.step == first_step:
+                    settle_heap()
+                    step_timeouts(self.dist)  # the first step (compile, warm-up) had the long bound
+                votes = self.log_step(stats, stop_request) if self.is_log_step(stats.step) else None
+                state.val_loss = self.evaluate_periodically(stats)
+                if stop_request.agreed(stats.step, stats.seconds, votes):
+                    self.save(wait=True)  # synchronous, after any background save still running
+                    self.log(f"stop requested (SIGTERM): saved {step_name(stats.step)} at {self.progress_text()}")
+                    return self.result(final_eval=None)
+                if self.is_checkpoint_step(stats.step):
+                    final = self.checkpoint()
+            if final is None:
+                final = self.final_evaluation()
+        self.checkpoints.wait()
+        self.report_checkpoint()
+        return self.result(final)
+
+    def step(self) -> StepStats:
+        """One optimizer step: set the LR, `gradAccum` micro-batches, clip, update."""
+        spec, state = self.spec, self.state
+        started = time.perf_counter()
+        lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        epochs_before = self.batches.completed_epochs
+        if self.slowdown:
+            time.sleep(self.slowdown)
+        tokens = sum(self.micro_step(last=micro == spec.grad_accum - 1) for micro in range(spec.grad_accum))
+        if self.sync is not None:
+            self.sync.backward_done()
+        grad_norm = None
+        if spec.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.samples += self.samples_per_step
+        seconds = time.perf_counter() - started
+        self.metrics.step_done(state.step, seconds, spec.batch_size * spec.grad_accum, tokens)
+        self.watchdog.step_done(state.step, seconds)
+        epochs = self.batches.completed_epochs
+        return StepStats(state.step, lr, seconds, tokens, epochs if epochs > epochs_before else None, grad_norm)
+
+    def micro_step(self, last: bool) -> int:
+        """Forward and backward of one micro-batch (its gradients all-reduced only on the `last`); its input tokens."""
+        self.watchdog.waiting_for_data(True)
+        batch = to_device(next(self.stream), self.device)
+        self.watchdog.waiting_for_data(False)
+        if self.padded:  # compiled for any length at once, not again (30 s for a tiny classifier on a CPU) later
+            for name in ("input_ids", "attention_mask"):
+                torch._dynamo.maybe_mark_dynamic(batch[name], 1)
+        ddp = isinstance(self.forward_model, DDP)
+        with contextlib.nullcontext() if last or not ddp else self.forward_model.no_sync():
+            with autocast(self.device, self.amp_dtype):
+                loss_sum, correct, _ = self.forward_model(batch)
+                count = batch["labels"].numel()
+                loss = loss_sum / count / self.spec.grad_accum
+            self.scaler.scale(loss).backward()
+        tokens = batch["input_ids"].numel()
+        self.interval.add(loss_sum, correct, count, tokens)
+        self.epoch_totals.add(loss_sum, correct, count, tokens)
+        return tokens
+
+    # -- the rules ------------------------------------------------------------------------------
+
+    def is_log_step(self, done: int) -> bool:
+        return done % self.spec.log_every == 0 or done == self.state.max_steps
+
+    def is_checkpoint_step(self, done: int) -> bool:
+        every = self.spec.checkpoint.every
+        return bool(every and done % every == 0) or done == self.state.max_steps
+
+    def progress_text(self) -> str:
+        return f"step {self.state.step}/{self.state.max_steps}"
+
+    def log_step(self, stats: StepStats, stop_request: StopRequest) -> list[float]:
+        """The steps since the last log step, summed over ranks, to every output; returns the ranks' stop votes."""
+        # The stop flags ride along: no reduction of their own at log steps.
+        logged, votes = self.interval.summed(stop_request.vote(stats.seconds, self.device))
+        self.train_loss = logged.loss
+        now = time.perf_counter()
+        self.state.tokens += int(logged.tokens)
+        tokens_per_second = logged.tokens / (now - self.interval_start)
+        # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
+        norm = None if stats.grad_norm is None else stats.grad_norm.item()
+        self.metrics.logged(logged.loss, stats.lr, norm, tokens_per_second)
+        self.tracker.log(
+            stats.step,
+            {
+                "train/loss": logged.loss,
+                "train/accuracy": logged.accuracy,
+                "train/learning_rate": stats.lr,
+                "train/grad_norm": norm,
+                "train/tokens_per_second": tokens_per_second,
+            },
+        )
+        progress = {"loss": logged.loss, "accuracy": logged.accuracy, "tokens_per_second": tokens_per_second}
+        self.progress.report(stats.step, self.state.max_steps, progress | {"step": stats.step})
+        self.report_checkpoint()  # a background save may have finished since
+        self.log(
+            f"{self.progress_text()} | loss {logged.loss:.4f} | accuracy {logged.accuracy:.4f}"
+            f" | lr {stats.lr:.2e} | {tokens_per_second:,.0f} tok/s"
+        )
+        if not math.isfinite(logged.loss):
+            raise_non_finite("training loss", logged.loss, stats.step, self.checkpoints)
+        self.interval.zero()
+        self.interval_start = now
+        return votes
+
+    def evaluate_periodically(self, stats: StepStats) -> float | None:
+        """An epoch's line at its end; the estimate there and every `evalEvery` steps, but for the last step's."""
+        done, last = stats.step, stats.step == self.state.max_steps
+        if stats.ended_epoch is not None:
+            summed, _ = self.epoch_totals.summed()
+            self.log(f"epoch {stats.ended_epoch} | train loss {summed.loss:.4f} | accuracy {summed.accuracy:.4f}")
+            self.epoch_totals.zero()
+            if not last:  # the last evaluation is the final one
+                return self.report_eval(f"epoch {stats.ended_epoch}").loss
+        elif self.spec.eval_every and done % self.spec.eval_every == 0 and not last:
+            return self.report_eval(self.progress_text()).loss
+        return None
+
+    def checkpoint(self) -> Evaluation | None:
+        """Save this step, with `keepBest` evaluating it first when nothing did; returns the final evaluation when
+        the last step's keepBest made it.
+
+        keepBest compares like with like: every checkpoint's loss, the last one's too, is the periodic estimate
+        over the same `evalBatches` batches (the whole split when 0: then the last one's is the exact final
+        evaluation as well, made once).
+        """
+        state, final = self.state, None
+        if self.spec.checkpoint.keep_best and state.val_loss is None:
+            last = state.step == state.max_steps
+            if last and self.estimate_batches is self.val_batches:
+                final = self.final_evaluation()
+                state.val_loss = final.loss
+            else:  # the last step's estimate is for keepBest alone: the final evaluation is what gets reported
+                state.val_loss = self.report_eval(f"{self.progress_text()} (checkpoint)", track=not last).loss
+        if state.val_loss is not None and not math.isfinite(state.val_loss):
+            raise_non_finite("validation loss", state.val_loss, state.step, self.checkpoints)
+        if state.val_loss is not None and (state.best_val_loss is None or state.val_loss < state.best_val_loss):
+            state.best_val_loss, state.best_step = state.val_loss, state.step
+        self.save()
+        return final
+
+    def final_evaluation(self) -> Evaluation:
+        """The final model over the whole validation split, reported like every evaluation."""
+        return self.report_eval(f"{self.progress_text()} (final)", self.val_batches, predict=self.predict)
+
+    def report_eval(
+        self,
+        prefix: str,
+        loader: DataLoader | None = None,
+        track: bool = True,
+        predict: bool = False,
+    ) -> Evaluation:
+        """Evaluate on `loader` (the periodic estimate's by default), then log it, and with `track` report it."""
+        with self.watchdog.long_work("evaluation"):
+            result = evaluate(self.model, loader or self.estimate_batches, self.dist, self.amp_dtype, predict)
+        self.metrics.evaluated(result.loss, result.accuracy)
+        if track:
+            self.tracker.log(self.state.step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
+        self.log(f"{prefix} | val loss {result.loss:.4f} | val accuracy {result.accuracy:.4f}")
         return result
 
-    def report_checkpoint() -> None:
-        metrics.checkpoint_saved(checkpoints.last_save)
-        tracker.checkpoint_saved(checkpoints.last_save)
+    def save(self, wait: bool = False) -> None:
+        state = self.state
+        state.interval_totals, state.epoch_totals = self.interval.saved(), self.epoch_totals.saved()
+        state.epoch, state.position = self.batches.epoch, self.batches.position
+        with self.watchdog.long_work("checkpoint save"):
+            self.checkpoints.save(wait=wait)
+        self.report_checkpoint()
 
-    def save(wait: bool = False) -> None:
-        state.interval_totals, state.epoch_totals = interval.saved(), epoch_totals.saved()
-        state.epoch, state.position = batches.epoch, batches.position
-        with watchdog.long_work("checkpoint save"):
-            checkpoints.save(model, optimizer, scaler, state, wait=wait)
-        report_checkpoint()
+    def report_checkpoint(self) -> None:
+        self.metrics.checkpoint_saved(self.checkpoints.last_save)
+        self.tracker.checkpoint_saved(self.checkpoints.last_save)
 
-    # Summed on each rank, over ranks when logged; on resume rank 0 carries the saved sums.
-    carried = dist.is_main and saved is not None
-    interval = Totals(device, state.interval_totals if carried else None)  # since the last log line
-    epoch_totals = Totals(device, state.epoch_totals if carried else None)  # since the epoch began
-    stream = metrics.timed(iter(batches))  # measures the data wait
-    is_ddp = isinstance(forward_model, DDP)
-    train_loss = float("nan")
-    final_eval: Evaluation | None = None
-    grad_norm: torch.Tensor | None = None  # measured by clipping
-    # Each rank draws its own dropout masks; a resume puts back exactly the generator state it saved.
-    torch.manual_seed(spec.seed + dist.rank)
-    if saved_rng is not None:
-        set_rng_state(saved_rng, device)
-    first_step = state.step + 1
-    reuse_freed_memory()
-    started = interval_start = time.perf_counter()
-    with StopRequest(dist) as stop_request, watchdog, progress:
-        while state.step < state.max_steps:
-            step_started, step_tokens = time.perf_counter(), 0
-            lr = lr_at(state.step, state.max_steps, spec.optimizer.lr, spec.schedule)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            epochs_before = batches.completed_epochs
-            if slowdown:
-                time.sleep(slowdown)
-            for micro in range(spec.grad_accum):
-                watchdog.waiting_for_data(True)
-                batch = to_device(next(stream), device)
-                watchdog.waiting_for_data(False)
-                last_micro = micro == spec.grad_accum - 1
-                with contextlib.nullcontext() if last_micro or not is_ddp else forward_model.no_sync():
-                    with autocast(device, amp_dtype):
-                        loss_sum, correct, count, _ = batch_stats(forward_model, batch, options, train_stats)
-                        loss = loss_sum / count / spec.grad_accum
-                    scaler.scale(loss).backward()
-                tokens = batch["input_ids"].numel()
-                interval.add(loss_sum, correct, count, tokens)
-                epoch_totals.add(loss_sum, correct, count, tokens)
-                step_tokens += tokens
-            if sync is not None:
-                sync.backward_done()
-            if spec.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.samples += samples_per_step
-            step_seconds = time.perf_counter() - step_started
-            metrics.step_done(state.step, step_seconds, spec.batch_size * spec.grad_accum, step_tokens)
-            watchdog.step_done(state.step, step_seconds)
-            done, max_steps = state.step, state.max_steps
-            if done == first_step:
-                settle_heap()
-                step_timeouts(dist)  # the first step (compile, warm-up) had the long bound
-
-            stop_votes = None
-            if done % spec.log_every == 0 or done == max_steps:
-                # The stop flags ride along: no reduction of their own at log steps.
-                logged, stop_votes = interval.summed(stop_request.vote(step_seconds, device))
-                train_loss = logged.loss
-                now = time.perf_counter()
-                state.tokens += int(logged.tokens)
-                tokens_per_second = logged.tokens / (now - interval_start)
-                # grad_norm.item(): one more read at a step that already waits for the all-reduce above.
-                norm = None if grad_norm is None else grad_norm.item()
-                metrics.logged(train_loss, lr, norm, tokens_per_second)
-                tracker.log(
-                    done,
-                    {
-                        "train/loss": train_loss,
-                        "train/accuracy": logged.accuracy,
-                        "train/learning_rate": lr,
-                        "train/grad_norm": norm,
-                        "train/tokens_per_second": tokens_per_second,
-                    },
-                )
-                progress.report(
-                    done,
-                    max_steps,
-                    {
-                        "loss": train_loss,
-                        "accuracy": logged.accuracy,
-                        "tokens_per_second": tokens_per_second,
-                        "step": done,
-                    },
-                )
-                report_checkpoint()  # a background save may have finished since
-                log(
-                    f"step {done}/{max_steps} | loss {train_loss:.4f} | accuracy {logged.accuracy:.4f}"
-                    f" | lr {lr:.2e} | {tokens_per_second:,.0f} tok/s"
-                )
-                if not math.isfinite(train_loss):
-                    raise_non_finite("training loss", train_loss, done, checkpoints)
-                interval.zero()
-                interval_start = now
-            state.val_loss = None
-            if batches.completed_epochs > epochs_before:
-                epoch = batches.completed_epochs
-                summed, _ = epoch_totals.summed()
-                log(f"epoch {epoch} | train loss {summed.loss:.4f} | accuracy {summed.accuracy:.4f}")
-                epoch_totals.zero()
-                if done < max_steps:  # the last evaluation is the final one, done by the caller
-                    state.val_loss = report_eval(f"epoch {epoch}").loss
-            elif spec.eval_every and done % spec.eval_every == 0 and done < max_steps:
-                state.val_loss = report_eval(f"step {done}/{max_steps}").loss
-
-            if stop_request.agreed(done, step_seconds, stop_votes):
-                save(wait=True)  # synchronous, after any background save still running
-                log(f"stop requested (SIGTERM): saved {step_name(done)} at step {done}/{max_steps}")
-                return result(state, batches, train_loss, started, preempted=True)
-            if (spec.checkpoint.every and done % spec.checkpoint.every == 0) or done == max_steps:
-                if spec.checkpoint.keep_best and done == max_steps:  # exact: it is the final report's too
-                    final_eval = report_eval(f"step {done}/{max_steps} (final)", val_batches)
-                    state.val_loss = final_eval.loss
-                elif spec.checkpoint.keep_best and state.val_loss is None:
-                    state.val_loss = report_eval(f"step {done}/{max_steps} (checkpoint)").loss
-                if state.val_loss is not None and not math.isfinite(state.val_loss):
-                    raise_non_finite("validation loss", state.val_loss, done, checkpoints)
-                if state.val_loss is not None and (state.best_val_loss is None or state.val_loss < state.best_val_loss):
-                    state.best_val_loss, state.best_step = state.val_loss, done
-                save()
-    checkpoints.wait()
-    report_checkpoint()
-    return result(state, batches, train_loss, started, preempted=False, final_eval=final_eval)
+    def result(self, final_eval: Evaluation | None) -> TrainResult:
+        return TrainResult(
+            steps=self.state.step,
+            epochs=self.batches.epochs_done,
+            samples=self.state.samples,
+            tokens=self.state.tokens,
+            train_loss=self.train_loss,
+            seconds=time.perf_counter() - self.started,
+            final_eval=final_eval,
+        )
 
 
 def settle_heap() -> None:
@@ -475,29 +520,16 @@ def reuse_freed_memory() -> None:
         mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A loss summed over every rank is not finite: every rank raises this at the same step, so it is the job's
+    failure, not one rank's (trainer.failures.Failure.everywhere)."""
+
+
 def raise_non_finite(what: str, value: float, step: int, checkpoints: Checkpointer) -> None:
     """Stop before a diverged model can be saved over good checkpoints."""
     newest = checkpoints.committed()
     where = checkpoints.store.describe()
     kept = f"{newest[-1][1]} in {where} is the newest checkpoint" if newest else "no checkpoint yet"
-    raise FloatingPointError(f"{what} is {value} at step {step}; {kept} (lower optimizer.lr or set gradClip)")
-
-
-def result(
-    state: TrainerState,
-    batches: TrainBatches,
-    train_loss: float,
-    started: float,
-    preempted: bool,
-    final_eval: Evaluation | None = None,
-) -> TrainResult:
-    return TrainResult(
-        steps=state.step,
-        epochs=batches.epochs_done,
-        samples=state.samples,
-        tokens=state.tokens,
-        train_loss=train_loss,
-        seconds=time.perf_counter() - started,
-        preempted=preempted,
-        final_eval=final_eval,
+    raise NonFiniteLoss(
+        f"the {what} went non-finite ({value}) at step {step}; {kept} (lower optimizer.lr or set gradClip)"
     )

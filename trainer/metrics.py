@@ -120,7 +120,18 @@ class TrainingMetrics:
         flops = flops_per_token(model, spec.model.block_size)
         peak = peak_flops(dist.device)
         self.flops_per_peak = flops / peak if flops and peak else None
+        self.describe_run(spec, dist)
+        self.define_step_series(planned_steps)
+        self.define_log_series()
+        self.define_checkpoint_series()
+        self.define_straggler_series()
+        self.reported_save: SaveStats | None = None
+        self._step_data_wait = 0.0
+        if port and dist.local_rank == 0:
+            self.serve(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory)
 
+    def describe_run(self, spec: TrainingSpec, dist: Dist) -> None:
+        """Series set once: what runs, its attempt, when it started."""
         info = {
             "job_name": os.environ.get(JOB_NAME_ENV, ""),
             "task": spec.task,
@@ -136,6 +147,9 @@ class TrainingMetrics:
         self.gauge("start_timestamp_seconds", "Unix time this trainer process started training.").labels(self.rank).set(
             time.time()
         )
+
+    def define_step_series(self, planned_steps: int) -> None:
+        """Series every step updates."""
         self.steps = self.counter("steps", "Optimizer steps completed by this rank (this process).")
         self.step = self.gauge(
             Metric.STEP, "Optimizer step of the run this rank has finished (continues after a resume)."
@@ -152,6 +166,9 @@ class TrainingMetrics:
         self.data_wait = self.histogram(
             "data_wait_seconds", "Time one step waited for its batches (next() on the data stream).", DATA_WAIT_BUCKETS
         ).labels(self.rank)
+
+    def define_log_series(self) -> None:
+        """Series of the values a log step or an evaluation has already reduced."""
         self.train_loss = self.gauge(Metric.TRAIN_LOSS, "Mean training loss of all ranks over the last log interval.")
         self.learning_rate = self.gauge("learning_rate", "Learning rate at the last log step.")
         self.grad_norm = self.gauge("grad_norm", "Global gradient norm before clipping, at the last log step.")
@@ -173,6 +190,8 @@ class TrainingMetrics:
                 ("peak", "Most GPU memory held by tensors on this rank since it started."),
             )
         }
+
+    def define_checkpoint_series(self) -> None:
         # From the first checkpoint on: before that there is no save to describe.
         self.checkpoint_duration = self.histogram(
             "checkpoint_save_duration_seconds", "Time to write one checkpoint.", CHECKPOINT_BUCKETS
@@ -180,6 +199,8 @@ class TrainingMetrics:
         self.checkpoint_size = self.gauge("checkpoint_size_bytes", "Size of the last checkpoint.")
         self.checkpoint_time = self.gauge(Metric.CHECKPOINT_TIME, "Unix time the last checkpoint was committed.")
         self.checkpoint_step = self.gauge(Metric.CHECKPOINT_STEP, "Step of the last committed checkpoint (step-N).")
+
+    def define_straggler_series(self) -> None:
         # From the watchdog thread (trainer.watchdog), once every rank has stepped: stragglers.
         self.step_time_ratio_gauge = self.gauge(
             "step_time_ratio_to_median",
@@ -192,10 +213,6 @@ class TrainingMetrics:
         self.slowest_ratio_gauge = self.gauge(
             Metric.SLOWEST_RANK_RATIO, "Rank 0 only: the step time ratio of the slowest rank."
         )
-        self.reported_save: SaveStats | None = None
-        self._step_data_wait = 0.0
-        if port and dist.local_rank == 0:
-            self.serve(port, os.environ.get(METRICS_HOST_ENV) or "0.0.0.0", directory)
 
     def counter(self, name: str, documentation: str) -> Counter:
         return Counter(PREFIX + name, documentation, ["rank"], registry=self.registry).labels(self.rank)

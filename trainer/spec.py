@@ -160,7 +160,9 @@ class CheckpointSpec(SpecModel):
     every: int = Field(500, ge=0, description="Save a checkpoint every N steps and at the end; 0: only at the end.")
     keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones go once a new one is committed.")
     keep_best: bool = Field(
-        True, description="Also keep the checkpoint with the lowest validation loss (evaluated at each save)."
+        True,
+        description="Also keep the checkpoint with the lowest validation loss, evaluated at each save as a periodic"
+        " evaluation is (evalBatches): every checkpoint, the last one included, is ranked by the same estimate.",
     )
     async_save: bool = Field(
         False, description="Write checkpoints from a background thread while training goes on (state copied first)."

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +49,8 @@ class Workload:
     val: Dataset
     data: Plan  # the prepared dataset it reads
     collate: Collate | None = None
+    # The final report needs every validation example's prediction: the loop's final evaluation keeps them.
+    predict: bool = field(default=False, kw_only=True)
 
 
 class PreparationFailed(RuntimeError):

@@ -4,7 +4,8 @@
                                                  datasets and model
     final_report(spec, dist, work, log, evaluated)
                   -> dict                        the final evaluation, as report.json holds it (`evaluated`:
-                                                 the loop's of the final model on the whole validation split)
+                                                 the loop's of the final model on the whole validation split,
+                                                 with every prediction when Workload.predict)
     sample(spec, work, log) -> None              rank 0, after the export: text from the final model
 
 `trainer.__main__` runs any task the same way: load, train, report, export, sample.

@@ -12,7 +12,7 @@ import numpy as np
 from trainer import stdlib_docstrings
 from trainer.data import LabelledExamples, PadCollator, check_enough_samples, eval_loader
 from trainer.dist import Dist
-from trainer.loop import Evaluation, autocast_dtype, evaluate, gather_predictions
+from trainer.loop import Evaluation, autocast_dtype, evaluate
 from trainer.models import build_classifier
 from trainer.prepare import TOKENIZER_DIR
 from trainer.report import classification_report, format_report
@@ -67,6 +67,7 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> ClassificationWorkloa
         PadCollator(tokenizer.pad_token_id),
         labels=labels,
         test=LabelledExamples(plan.entry, "test", manifest) if "test" in splits else None,
+        predict="test" not in splits,
     )
 
 
@@ -75,17 +76,19 @@ def final_report(
     dist: Dist,
     work: ClassificationWorkload,
     log: Callable[[str], None],
-    evaluated: Evaluation | None,
+    evaluated: Evaluation,
 ) -> dict[str, Any]:
     """Loss, accuracy and per-class precision/recall/F1 on the test split (else val): the same for any world size.
 
-    Evaluated here whatever `evaluated` holds: the report needs every example's prediction, which the training
-    loop's evaluation does not gather."""
-    split, dataset = ("test", work.test) if work.test is not None else ("val", work.val)
-    pairs: list[tuple[int, int]] = []
-    loader = eval_loader(dataset, dist, spec.batch_size, work.collate)
-    result = evaluate(work.model, loader, dist, autocast_dtype(spec.precision, dist.device), predictions=pairs)
-    metrics = classification_report(work.labels, dataset.labels, gather_predictions(pairs, dist, len(dataset)))
+    Without a test split, `evaluated` (the loop's final evaluation, with every prediction: Workload.predict) is
+    the report's; a test split is evaluated here."""
+    split, dataset, result = "val", work.val, evaluated
+    if work.test is not None:
+        split, dataset = "test", work.test
+        loader = eval_loader(dataset, dist, spec.batch_size, work.collate)
+        result = evaluate(work.model, loader, dist, autocast_dtype(spec.precision, dist.device), predict=True)
+    assert result.predictions is not None
+    metrics = classification_report(work.labels, dataset.labels, result.predictions)
     majority = max(metrics["per_class"].values(), key=lambda c: c["support"])["support"] / metrics["support"]
     log(
         f"final | {split} loss {result.loss:.4f} | accuracy {metrics['accuracy']:.4f}"

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import TokenBlocks, check_enough_samples, eval_loader, open_tokens, raise_block_too_long
+from trainer.data import TokenBlocks, check_enough_samples, open_tokens, raise_block_too_long
 from trainer.dist import Dist
-from trainer.loop import Evaluation, autocast_dtype, evaluate
+from trainer.loop import Evaluation
 from trainer.models import sample_tokens
 from trainer.prepare import Plan
 from trainer.spec import TrainingSpec
@@ -43,14 +43,11 @@ def blocks(
 
 
 def final_report(
-    spec: TrainingSpec, dist: Dist, work: Workload, log: Callable[[str], None], evaluated: Evaluation | None
+    spec: TrainingSpec, dist: Dist, work: Workload, log: Callable[[str], None], evaluated: Evaluation
 ) -> dict[str, Any]:
-    """Validation loss, perplexity and token accuracy of the final model (`evaluated`: the training loop's, when it
-    evaluated the final model over the whole validation split)."""
+    """Validation loss, perplexity and token accuracy of the final model (`evaluated`: the training loop's final
+    evaluation, over the whole validation split)."""
     result = evaluated
-    if result is None:
-        loader = eval_loader(work.val, dist, spec.batch_size, work.collate)
-        result = evaluate(work.model, loader, dist, autocast_dtype(spec.precision, dist.device))
     log(f"final | val loss {result.loss:.4f} | perplexity {math.exp(result.loss):.2f}")
     return {
         "task": spec.task,
