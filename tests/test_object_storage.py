@@ -65,8 +65,11 @@ def test_keeps_the_newest_and_the_best_in_the_bucket_and_prunes_only_after_a_com
 ) -> None:
     model, optimizer, scaler = training_state()
     checkpoints = checkpointer(f"s3://{bucket}/runs/a", tmp_path, keepLast=2, keepBest=True)
+    state = TrainerState()
+    checkpoints.attach(model, optimizer, scaler, state)
     for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
-        checkpoints.save(model, optimizer, scaler, TrainerState(step=step, val_loss=val_loss))
+        state.step, state.val_loss = step, val_loss
+        checkpoints.save()
         assert checkpoints.committed()[-1][0] == step
     run = s3_env.root / bucket / "runs" / "a"
     assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000005"]
@@ -82,7 +85,8 @@ def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker
     model, optimizer, scaler = training_state()
     uri = f"s3://{bucket}/run"
     checkpoints = checkpointer(uri, tmp_path, asyncSave=True)
-    checkpoints.save(model, optimizer, scaler, TrainerState(step=2))
+    checkpoints.attach(model, optimizer, scaler, TrainerState(step=2))
+    checkpoints.save()
     checkpoints.wait()
     saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     run = s3_env.root / bucket / "run"
@@ -94,7 +98,8 @@ def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker
         model.weight.add_(1.0)
     other = checkpointer(uri, tmp_path / "elsewhere")
     assert [name for _, name in other.committed()] == ["step-00000002"]
-    state, _ = other.load_latest(model, optimizer, scaler)
+    other.attach(model, optimizer, scaler, TrainerState())
+    state, _ = other.load_latest()
     assert state.step == 2
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved.items())
     other.clean()  # what a start does before training: the torn upload goes
@@ -165,8 +170,11 @@ optimizer.step()
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 spec = CheckpointSpec(dir=sys.argv[1], keepLast=2)
 checkpoints = Checkpointer(Path(sys.argv[2]), spec, Dist(0, 0, 1, torch.device("cpu")), {})
+state = TrainerState()
+checkpoints.attach(model, optimizer, scaler, state)
 for step in range(1, 1000):
-    checkpoints.save(model, optimizer, scaler, TrainerState(step=step))
+    state.step = step
+    checkpoints.save()
     print(step, flush=True)
 """
 
