@@ -341,6 +341,22 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, asy
     assert [step for step, _ in checkpoints.committed()] == [1]
 
 
+# Steps 1-5 and their val losses (3 without one): keepLast 2 with keepBest keeps steps 2 (the best), 4 and 5.
+LOSSES = [3.0, 1.0, None, 2.0, 2.5]
+
+
+def save_steps_with_losses(
+    checkpoints: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> None:
+    """A checkpoint at each step of LOSSES, each one committed before the next."""
+    state = TrainerState()
+    checkpoints.attach(model, optimizer, scaler, state)
+    for step, val_loss in enumerate(LOSSES, start=1):
+        state.step, state.val_loss = step, val_loss
+        checkpoints.save()
+        assert checkpoints.committed()[-1][0] == step
+
+
 def test_keeps_the_newest_and_the_best_and_prunes_only_after_a_commit(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -351,12 +367,7 @@ def test_keeps_the_newest_and_the_best_and_prunes_only_after_a_commit(tmp_path: 
         run_dir = tmp_path / f"best-{keep_best}"
         run_dir.mkdir()
         checkpoints = Checkpointer(run_dir, CheckpointSpec(keepLast=2, keepBest=keep_best), dist, {})
-        state = TrainerState()
-        checkpoints.attach(model, optimizer, scaler, state)
-        for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
-            state.step, state.val_loss = step, val_loss
-            checkpoints.save()
-            assert checkpoints.committed()[-1][0] == step
+        save_steps_with_losses(checkpoints, model, optimizer, scaler)
         kept[keep_best] = sorted(p.name for p in run_dir.iterdir())
     assert kept[True] == ["latest", "step-00000002", "step-00000004", "step-00000005"]
     assert kept[False] == ["latest", "step-00000004", "step-00000005"]

@@ -29,6 +29,7 @@ from test_checkpoint import (
     kill_all,
     processes_with_marker,
     read_until_step,
+    save_steps_with_losses,
     start,
     training,
     uninterrupted,  # noqa: F401 (a fixture: the weights of the same run, uninterrupted, on the local disk)
@@ -65,12 +66,7 @@ def test_keeps_the_newest_and_the_best_in_the_bucket_and_prunes_only_after_a_com
 ) -> None:
     model, optimizer, scaler = training_state()
     checkpoints = checkpointer(f"s3://{bucket}/runs/a", tmp_path, keepLast=2, keepBest=True)
-    state = TrainerState()
-    checkpoints.attach(model, optimizer, scaler, state)
-    for step, val_loss in enumerate([3.0, 1.0, None, 2.0, 2.5], start=1):
-        state.step, state.val_loss = step, val_loss
-        checkpoints.save()
-        assert checkpoints.committed()[-1][0] == step
+    save_steps_with_losses(checkpoints, model, optimizer, scaler)
     run = s3_env.root / bucket / "runs" / "a"
     assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000005"]
     assert (run / "latest").read_text() == "step-00000005\n"
