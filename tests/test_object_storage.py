@@ -34,6 +34,7 @@ from test_checkpoint import (
     training,
     uninterrupted,  # noqa: F401 (a fixture: the weights of the same run, uninterrupted, on the local disk)
 )
+from test_tracking import mlflow_env  # noqa: F401 (a fixture: MLflow's file store in the test's directory)
 
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
@@ -142,6 +143,8 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     run = s3.root / bucket / "run"
     assert not (run / "report.json").exists()
     committed = sorted(path.name for path in run.glob("step-*") if (path / MARKER).exists())
+    # Each checkpoint uploads the events so far before its marker: a kill loses none from before the newest one.
+    assert bool(committed) <= bool(list((run / "tensorboard").glob("events.out.tfevents.*")))
 
     second_node = os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "node-b")}
     output = finish(start(section, env=second_node, config=config))
@@ -230,6 +233,38 @@ def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
     assert json.loads((run / "report.json").read_text())["world_size"] == 2
     assert (run / "final" / "model.safetensors").is_file() and (run / "step-00000006" / MARKER).is_file()
     assert not (tmp_path / "runs").exists()  # no claim stands in locally: nothing on the volume's path
+
+
+def test_a_resume_on_another_node_goes_on_in_the_same_mlflow_run(
+    s3: S3Server,
+    bucket: str,
+    tmp_path: Path,
+    write_spec,
+    corpus_file: Path,
+    mlflow_env: dict[str, str],  # noqa: F811 (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trackers' run ids go to the bucket with the checkpoints: a resume on an empty node cache reports to the
+    run it started, as a resume on the volume does."""
+    spec = object_storage_spec(corpus_file, s3, bucket)
+    spec["training"] |= {"maxSteps": 2, "reportTo": ["tensorboard", "mlflow"]}
+    env = os.environ | s3.env() | mlflow_env
+    first = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env | {NODE_CACHE_ENV: str(tmp_path / "node-a")})
+    assert first.returncode == 0, first.stdout + first.stderr
+    run = s3.root / bucket / "team" / "tiny"
+    run_id = json.loads((run / "tracking.json").read_text())["mlflow"]
+
+    spec["training"] |= {"maxSteps": 4, "checkpoint": {"every": 2, "allowConfigChange": True}}
+    second = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env | {NODE_CACHE_ENV: str(tmp_path / "node-b")})
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from step-00000002" in second.stdout
+    assert json.loads((run / "tracking.json").read_text()) == {"mlflow": run_id}
+    from mlflow.tracking import MlflowClient
+
+    for name, value in mlflow_env.items():  # the reader here opens the same store
+        monkeypatch.setenv(name, value)
+    history = MlflowClient().get_metric_history(run_id, "train/loss")
+    assert [metric.step for metric in history] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from trainer.loop import NonFiniteLoss, Trainer
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
-from trainer.rundir import export_final, prepare_run_dir, publish, remove_if_empty, write_report
+from trainer.rundir import export_final, prepare_run_dir, publish, remove_if_empty, restore_run_ids, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.storage import S3Store, run_dir_of
 from trainer.tasks import load
@@ -64,6 +64,7 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     created = [path for path in (run_dir, *run_dir.parents) if not path.exists()] if dist.is_main else []
     if dist.is_main:
         prepare_run_dir(run_dir)
+        restore_run_ids(run_dir, checkpoints.store)
     try:
         torch.manual_seed(spec.seed)
         task, work = load(spec, dist, run_dir)

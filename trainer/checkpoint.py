@@ -36,6 +36,7 @@ import torch.distributed as torch_dist
 
 from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
+from trainer.rundir import RUN_RECORDS, publish
 from trainer.spec import CheckpointSpec, SpecError
 from trainer.storage import open_store
 from trainer.totals import Sums
@@ -356,6 +357,7 @@ class Checkpointer:
             (staging / STATE).write_text(json.dumps(snapshot.state, indent=2) + "\n")
             files = {path.name: path.stat().st_size for path in staging.iterdir()}
             (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
+            publish(self.run_dir, self.store, RUN_RECORDS)  # first: a committed checkpoint implies them
             self.store.commit(staging, name, MARKER)
             shutil.rmtree(staging, ignore_errors=True)  # what an upload leaves (a local commit renamed it away)
             self.store.write_text(LATEST_CHECKPOINT, name + "\n")

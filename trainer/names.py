@@ -33,6 +33,9 @@ EXIT_PREEMPTED = 143  # stopped by SIGTERM after saving (128 + SIGTERM); the nex
 # The run directory's pointer to its newest complete checkpoint, `step-<N>` (8 digits).
 LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
+# The run directory's TensorBoard event files, and the MLflow/W&B run ids a resume goes on in (trainer/tracking.py).
+TENSORBOARD_DIR = "tensorboard"
+RUN_IDS = "tracking.json"
 # The largest context a named GPT-2 size (model.size) takes: its position embeddings.
 GPT2_POSITIONS = 1024
 # Set by Kubeflow Trainer v2's TrainJobStatus plugin (v2.3, feature gate TrainJobStatus) on the trainer pods:

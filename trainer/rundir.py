@@ -3,7 +3,8 @@
 Everything is written under a temporary name and renamed into place, so a reader
 never sees a half-written export or report. On object storage (`checkpoint.dir: s3://...`) the
 run directory is a node-local cache whose export, TensorBoard events and report are uploaded at
-the end, the report last: a report in the bucket means its export is complete there too.
+the end, the report last: a report in the bucket means its export is complete there too. The
+events and the trackers' run ids also go up with every checkpoint (RUN_RECORDS).
 """
 
 from __future__ import annotations
@@ -17,20 +18,32 @@ from typing import Any
 
 import torch
 
+from trainer.names import RUN_IDS, TENSORBOARD_DIR
 from trainer.spec import SpecError
 from trainer.storage import Store
 
 FINAL = "final"
 REPORT = "report.json"
 # What a finished run uploads to object storage from its local run directory, in this order.
-PUBLISHED = ("tensorboard", FINAL, REPORT)
+PUBLISHED = (TENSORBOARD_DIR, FINAL, REPORT)
+# What every checkpoint also uploads, before its marker: a run killed outright keeps its events up to its newest
+# checkpoint, and a resume on another node goes on in the same MLflow/W&B runs.
+RUN_RECORDS = (TENSORBOARD_DIR, RUN_IDS)
 
 
-def publish(run_dir: Path, store: Store) -> None:
-    """Make the finished run's files durable in `store` (nothing to do where the run directory is the store)."""
-    for name in PUBLISHED:
+def publish(run_dir: Path, store: Store, names: tuple[str, ...] = PUBLISHED) -> None:
+    """Make the run's files durable in `store` (nothing to do where the run directory is the store)."""
+    for name in names:
         if (run_dir / name).exists():
             store.publish(run_dir / name, name)
+
+
+def restore_run_ids(run_dir: Path, store: Store) -> None:
+    """The trackers' run ids from `store` when this node's run directory lacks them (a resume on another node)."""
+    target = run_dir / RUN_IDS
+    if not target.exists():
+        with contextlib.suppress(FileNotFoundError):
+            target.write_bytes(store.read_bytes(RUN_IDS))
 
 
 def prepare_run_dir(path: Path) -> Path:

@@ -27,11 +27,9 @@ import threading
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
-from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV
+from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV, RUN_IDS, TENSORBOARD_DIR
 from trainer.spec import SpecError, TrainingSpec
 
-TENSORBOARD_DIR = "tensorboard"
-RUN_IDS = "tracking.json"
 # What to install for each tracker.
 PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"}
 # W&B's x-axis for every value: W&B drops a value logged at an earlier step than the last one (its own step
