@@ -98,7 +98,7 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
     try:
         store.read_bytes(LATEST_CHECKPOINT)
         before = json.loads(store.read_bytes(RUN_DATASET))
-    except FileNotFoundError:  # no checkpoint yet, or none that recorded its data
+    except (FileNotFoundError, NotADirectoryError):  # no checkpoint yet, none that recorded its data, no run dir
         return
     for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
