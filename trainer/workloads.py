@@ -136,7 +136,8 @@ def prepared(
 ) -> tuple[Plan, dict[str, Any]]:
     """The dataset's plan and manifest: from the cache, else prepared by rank 0 (or the chart's prepare Job)."""
     plan = make_plan(spec, run_dir, tokenizer, builtin)
-    check_same_sources(spec, run_dir, lambda: plan.sources)
+    if builtin is not None:  # other data was checked before the run directory was touched (check_resumed_data)
+        check_same_sources(spec, run_dir, lambda: plan.sources)
     manifest = find_manifest(plan)
     if manifest is None:
         prepares = dist.is_main and not os.environ.get(PREPARED_BY_JOB_ENV)
