@@ -9,7 +9,7 @@ INSTALL := $(UV_INSTALL) --python $(BIN)/python
 # The floors tier's environment: every dependency pyproject.toml declares at the oldest version it allows.
 FLOORS_VENV ?= .venv-floors
 
-.PHONY: demo test floors-env e2e e2e-binaries image bench lint install dev chart k8s prometheus
+.PHONY: demo test test-prerequisites floors-env e2e e2e-binaries image bench lint install dev chart k8s prometheus
 
 $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,10 @@ prometheus:
 # The e2e tier's etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, training operator, Trainer v2
 # manager and JobSet controller, its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
 # pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into ~/.cache/ddpjob/bin the first time (about 25 minutes of compiling on 2
-# busy cores, plus downloads; docs/testing.md), found there afterwards.
-e2e-binaries: dev
-	$(BIN)/python tests/e2e/cluster_binaries.py
+# busy cores, plus downloads; docs/testing.md), found there afterwards. The script needs only the standard library,
+# so on a fresh machine the builds start at once, not after the venv.
+e2e-binaries:
+	$(PYTHON) tests/e2e/cluster_binaries.py
 
 # The training image from the Dockerfile, with podman (tools from the distribution's packages when missing, as root
 # or with sudo); where the real base cannot be pulled, on a stand-in made once per machine (about 4 minutes), then
@@ -50,7 +51,12 @@ image: dev
 	.ci/install-container-tools
 	$(BIN)/python tests/image.py
 
-test: dev prometheus e2e-binaries floors-env image
+# What the suite needs, made side by side: on a fresh machine the Go builds keep both cores busy for about 20
+# minutes, while the venvs, Prometheus and the image's base mostly download and write (docs/testing.md).
+test-prerequisites:
+	$(MAKE) -j5 dev prometheus e2e-binaries floors-env image
+
+test: test-prerequisites
 	$(BIN)/python -m pytest
 	$(FLOORS_VENV)/bin/python -m pytest $(FLOOR_TESTS)
 

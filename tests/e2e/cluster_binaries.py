@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,37 +334,48 @@ def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
 
 def ensure_binaries() -> Binaries:
     (CACHE / "build").mkdir(parents=True, exist_ok=True)
-    kubernetes = build_kubernetes()
+    # Two builds at a time (each already compiles on both cores): while one downloads its modules or links, which
+    # is mostly one core's work, the other compiles. The Kubernetes commands are the longest; the rest follow one
+    # by one beside them.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kubernetes = pool.submit(build_kubernetes)
+        built = {
+            "training_operator": pool.submit(
+                build_main,
+                "training-operator",
+                TRAINING_OPERATOR_MODULE,
+                f"{TRAINING_OPERATOR_MODULE}/cmd/training-operator.v1",
+                TRAINING_OPERATOR_VERSION,
+            ),
+            "trainer_controller_manager": pool.submit(
+                build_main,
+                "trainer-controller-manager",
+                TRAINER_MODULE,
+                f"{TRAINER_MODULE}/cmd/trainer-controller-manager",
+                TRAINER_VERSION,
+            ),
+            "jobset_controller": pool.submit(build_main, "jobset", JOBSET_MODULE, JOBSET_MODULE, JOBSET_VERSION),
+            "containerd": pool.submit(containerd_command, "containerd"),
+            "containerd_shim": pool.submit(containerd_command, "containerd-shim-runc-v2"),
+            "ctr": pool.submit(containerd_command, "ctr"),
+            "coredns": pool.submit(build_coredns),
+            "pause": pool.submit(build_pause),
+            "versitygw": pool.submit(build_versitygw),
+        }
+        commands = kubernetes.result()
+        paths = {name: future.result() for name, future in built.items()}
     return Binaries(
-        etcd=kubernetes["etcd"],
-        kube_apiserver=kubernetes["kube-apiserver"],
-        kube_controller_manager=kubernetes["kube-controller-manager"],
-        kubectl=kubernetes["kubectl"],
-        training_operator=build_main(
-            "training-operator",
-            TRAINING_OPERATOR_MODULE,
-            f"{TRAINING_OPERATOR_MODULE}/cmd/training-operator.v1",
-            TRAINING_OPERATOR_VERSION,
-        ),
+        etcd=commands["etcd"],
+        kube_apiserver=commands["kube-apiserver"],
+        kube_controller_manager=commands["kube-controller-manager"],
+        kubectl=commands["kubectl"],
+        kube_scheduler=commands["kube-scheduler"],
+        kubelet=commands["kubelet"],
+        kube_proxy=commands["kube-proxy"],
         pytorchjob_crd=pytorchjob_crd(),
-        trainer_controller_manager=build_main(
-            "trainer-controller-manager",
-            TRAINER_MODULE,
-            f"{TRAINER_MODULE}/cmd/trainer-controller-manager",
-            TRAINER_VERSION,
-        ),
-        jobset_controller=build_main("jobset", JOBSET_MODULE, JOBSET_MODULE, JOBSET_VERSION),
-        kube_scheduler=kubernetes["kube-scheduler"],
-        kubelet=kubernetes["kubelet"],
-        kube_proxy=kubernetes["kube-proxy"],
-        containerd=containerd_command("containerd"),
-        containerd_shim=containerd_command("containerd-shim-runc-v2"),
-        ctr=containerd_command("ctr"),
-        coredns=build_coredns(),
-        pause=build_pause(),
-        versitygw=build_versitygw(),
         trainer_source=download_module(TRAINER_MODULE, TRAINER_VERSION),
         jobset_source=download_module(JOBSET_MODULE, JOBSET_VERSION),
+        **paths,
     )
 
 
