@@ -762,6 +762,13 @@ def test_helm_refuses_a_long_name_that_bypasses_ctl() -> None:
         render_chart(values, "r")
 
 
+def test_helm_refuses_fewer_gpus_than_processes_that_bypass_ctl() -> None:
+    values = {"name": "g", "procsPerNode": 4, "resources": {"gpu": 2}, "training": TRAIN}
+    with pytest.raises(RenderError, match=r"resources.gpu: 2 GPU\(s\) per pod for procsPerNode 4"):
+        render_chart(values, "r")
+    render_chart(values | {"resources": {"gpu": 4}}, "r")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad values: one line from ctl; Helm's own message for values files that skip ctl.
 

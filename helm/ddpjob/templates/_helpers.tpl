@@ -184,6 +184,10 @@ GPUs (extended resources require limit = request); no CPU limit, whose throttlin
 {{- $memory := printf "%dMi" (add $trainer (include "ddpjob.mebibytes" $r.shm | int64)) -}}
 {{- $requests := dict "cpu" (default (toString (mul (int $names.cpuPerProcess) $procs)) $r.cpu) "memory" $memory "ephemeral-storage" $r.cache -}}
 {{- $limits := dict "memory" $memory -}}
+{{- /* NCCL gives each process a GPU of its own; ctl's spec model refuses this too, for values files it never saw. */ -}}
+{{- if and (gt (int $r.gpu) 0) (lt (int $r.gpu) $procs) -}}
+{{- fail (printf "resources.gpu: %d GPU(s) per pod for procsPerNode %d: each process needs a GPU of its own" (int $r.gpu) $procs) -}}
+{{- end -}}
 {{- if gt (int $r.gpu) 0 }}
 {{- $_ := set $requests "nvidia.com/gpu" (int $r.gpu) -}}
 {{- $_ := set $limits "nvidia.com/gpu" (int $r.gpu) -}}
