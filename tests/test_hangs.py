@@ -6,6 +6,7 @@ names it and its last step, dumps stacks and exits retryably; running the job ag
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -28,13 +29,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
 from test_checkpoint import uninterrupted as uninterrupted  # the fixture: an uninterrupted run of the same spec
+from torch.distributed import HashStore
 
 from ctl.processes import free_port
 from ctl.progress import metrics_progress
 from ctl.tables import progress_text
 from trainer.checkpoint import step_name
 from trainer.dist import Dist, StopRequest
-from trainer.names import EXIT_HUNG, SLOW_RANK_ENV
+from trainer.frozen import beat_path
+from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
+from trainer.spec import TimeoutsSpec
+from trainer.watchdog import Watchdog
 
 T = TypeVar("T")
 RULE_TESTS = REPO / "tests" / "rules"
@@ -204,6 +209,27 @@ def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_
     )
     assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), outputs[1]
     assert outputs[1].splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), outputs[1]
+
+
+def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank frozen just after a checkpoint save is held to the step's limit, not to longWorkSeconds: the beat its
+    launcher reads changes when the save ends, not a poll later (the e2e frozen-rank job waited 30 minutes so)."""
+    monkeypatch.setenv(HEARTBEAT_DIR_ENV, str(tmp_path))
+    timeouts = TimeoutsSpec(hangFloorSeconds=FLOOR)
+    dist = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), timeouts=timeouts, store=HashStore())
+
+    def limit() -> float | None:
+        beat = beat_path(tmp_path, os.getpid())  # replaced atomically, never removed while watched
+        return json.loads(beat.read_text())["limit"] if beat.exists() else None
+
+    with Watchdog(dist, None, metrics=None) as watchdog:
+        watchdog.step_done(1, 0.01)
+        with watchdog.long_work("checkpoint save"):
+            poll("the save's beat", lambda: limit() == timeouts.long_work_seconds or None, time.monotonic() + 30)
+        assert limit() == FLOOR
+    assert not beat_path(tmp_path, os.getpid()).exists()  # a rank no longer watched leaves no beat
 
 
 def test_pods_get_the_nccl_flight_recorder_by_default_and_the_spec_env_overrides_it() -> None:

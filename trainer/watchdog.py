@@ -115,6 +115,7 @@ class Watchdog:
         self.stopped = threading.Event()
         # Where this rank's launcher looks for a rank that is frozen as a whole (trainer.frozen); unset without one.
         self.beats = Path(os.environ[HEARTBEAT_DIR_ENV]) if HEARTBEAT_DIR_ENV in os.environ else None
+        self.beat_lock = threading.Lock()  # the watch thread and the end of one-off work both write the beat
         # Two threads: the store may be served by a rank that is frozen too (elastic jobs: rank 0's process),
         # and then a store call blocks; the watch itself never waits on the store for longer than a poll.
         self.threads = [
@@ -158,6 +159,10 @@ class Watchdog:
             yield
         finally:
             self.one_off, self.progress = None, time.monotonic()
+            # At once, not at the next poll: a rank frozen right after must be held to the step's limit, not
+            # longWorkSeconds (while the watch thread runs: the beat of a rank no longer watched is removed).
+            if self.spec.watchdog and self.threads[0].is_alive():
+                self.beat()
 
     @property
     def phase(self) -> str:
@@ -194,13 +199,19 @@ class Watchdog:
             if self.peer_report:
                 self.exit_hung(f"{self.peer_report} (found by another rank)")
             stalled = time.monotonic() - self.progress
-            limit, why = self.limit()
             if not self.spec.watchdog:
                 continue
-            if self.beats is not None:  # from this thread: it never waits on the store, a frozen peer's or not
-                write_beat(self.beats, Beat(os.getpid(), self.dist.rank, self.step, limit, why, self.poll))
+            limit, why = self.beat()  # from this thread: it never waits on the store, a frozen peer's or not
             if stalled > limit:
                 self.found_hung(stalled, limit, why)
+
+    def beat(self) -> tuple[float, str]:
+        """The limit that holds now, with why; left for this rank's launcher too, where it has one."""
+        limit, why = self.limit()
+        if self.beats is not None:
+            with self.beat_lock:
+                write_beat(self.beats, Beat(os.getpid(), self.dist.rank, self.step, limit, why, self.poll))
+        return limit, why
 
     def publish(self) -> None:
         waited = self.sync.waited_seconds if self.sync else 0.0

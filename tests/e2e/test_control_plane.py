@@ -511,7 +511,8 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     spec = job_spec(marker, training=training, restartPolicy="ExitCode")
     apply_rendered(cluster, spec, namespace)
     master, worker = Replica("master", 0).pod_name(spec.name), Replica("worker", 0).pod_name(spec.name)
-    wait_for_log(cluster, namespace, master, "step 100/600")
+    # Stopped midway between checkpoints (100 and 150): a rank frozen inside a save is given longWorkSeconds.
+    wait_for_log(cluster, namespace, master, "step 120/600")
     first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
     marked = processes_with_marker(marker)
     # The trainer of global rank 1, below its launcher (which the operator gives RANK=1 too, the pod's node rank).
