@@ -38,8 +38,8 @@ prometheus:
 
 # The e2e tier's etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, training operator, Trainer v2
 # manager and JobSet controller, its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
-# pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into ~/.cache/ddpjob/bin the first time (about 25 minutes of compiling on 2
-# busy cores, plus downloads; docs/testing.md), found there afterwards. The script needs only the standard library,
+# pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into ~/.cache/ddpjob/bin the first time (about 15 minutes with the
+# downloads, two builds at a time on 2 busy cores; docs/testing.md), found there afterwards. The script needs only the standard library,
 # so on a fresh machine the builds start at once, not after the venv.
 e2e-binaries:
 	$(PYTHON) tests/e2e/cluster_binaries.py
@@ -51,7 +51,7 @@ image: dev
 	.ci/install-container-tools
 	$(BIN)/python tests/image.py
 
-# What the suite needs, made side by side: on a fresh machine the Go builds keep both cores busy for about 20
+# What the suite needs, made side by side: on a fresh machine the Go builds keep both cores busy for about 15
 # minutes, while the venvs, Prometheus and the image's base mostly download and write (docs/testing.md).
 test-prerequisites:
 	$(MAKE) -j5 dev prometheus e2e-binaries floors-env image
