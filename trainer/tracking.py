@@ -2,9 +2,10 @@
 
 `training.reportTo` names the trackers (default: tensorboard). TensorBoard's event files go to
 `<run dir>/tensorboard`, on the shared volume in a cluster, so `tensorboard --logdir` on the volume
-shows every run. MLflow and W&B take their configuration and credentials from their own environment
-variables (MLFLOW_TRACKING_URI, WANDB_API_KEY, WANDB_PROJECT, ...), which a spec sets by reference
-(`env` with `valueFrom.secretKeyRef`, `envFrom`): no secret is ever a spec value.
+shows every run (on object storage, a new file after each checkpoint: `Tracker.seal_events`). MLflow
+and W&B take their configuration and credentials from their own environment variables
+(MLFLOW_TRACKING_URI, WANDB_API_KEY, WANDB_PROJECT, ...), which a spec sets by reference (`env` with
+`valueFrom.secretKeyRef`, `envFrom`): no secret is ever a spec value.
 
 Each library is imported only when named; a named one that is not installed is bad input, found by
 `check_installed` before any work. A resumed run goes on in the same MLflow/W&B run (their ids are kept
