@@ -464,9 +464,9 @@ class Trainer:
         state = self.state
         state.interval_totals, state.epoch_totals = self.interval.saved(), self.epoch_totals.saved()
         state.epoch, state.position = self.batches.epoch, self.batches.position
-        if isinstance(self.checkpoints.store, S3Store):  # the volume's event file stays open: nothing to upload
-            self.tracker.seal_events()
         with self.watchdog.long_work("checkpoint save"):
+            if isinstance(self.checkpoints.store, S3Store):  # the volume's event file stays open: nothing to upload
+                self.tracker.seal_events()
             self.checkpoints.save(wait=wait)
         self.report_checkpoint()
 
