@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import REPO, run_ctl, tiny_spec
+from conftest import REPO, run_ctl, tensorboard_scalars, tiny_spec
 from s3server import S3Server
 from test_checkpoint import (
     EVERY,
@@ -40,7 +40,9 @@ from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
 from trainer.location import NODE_CACHE_ENV
 from trainer.names import EXIT_BAD_INPUT
-from trainer.spec import CheckpointSpec, SpecError
+from trainer.rundir import publish
+from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
+from trainer.tracking import Tracker
 
 
 @pytest.fixture
@@ -103,6 +105,41 @@ def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker
     assert sorted(path.name for path in run.iterdir()) == ["latest", "step-00000002"]
 
 
+def test_each_checkpoint_uploads_only_the_event_files_closed_since_the_one_before(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """The trainer closes the TensorBoard event file before each save on object storage; the save uploads the files
+    the bucket lacks: one more object per checkpoint, the earlier ones never written again, however long the run.
+    Every value comes back from the bucket after the end's upload."""
+    model, optimizer, scaler = training_state()
+    checkpoints = checkpointer(f"s3://{bucket}/run", tmp_path)
+    state = TrainerState()
+    checkpoints.attach(model, optimizer, scaler, state)
+    spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "corpus.txt"}})
+    tracker = Tracker(spec, True, checkpoints.run_dir, None)
+    events = s3_env.root / bucket / "run" / "tensorboard"
+
+    def objects() -> dict[str, tuple[int, int]]:
+        """Each event object's file in the server's store: a new upload of it would be a new inode or mtime."""
+        return {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in events.iterdir()}
+
+    uploaded: dict[str, tuple[int, int]] = {}
+    for step in range(1, 8):
+        tracker.log(step, {"train/loss": 1 / step})
+        if step % 2 == 0:
+            state.step = step
+            tracker.seal_events()  # as the trainer does before each save on object storage
+            checkpoints.save()
+            now = objects()
+            assert now.items() >= uploaded.items() and len(now) == len(uploaded) + 1
+            uploaded = now
+    publish(checkpoints.run_dir, checkpoints.store)  # the end's upload: the file still open, step 7
+    assert objects().items() >= uploaded.items() and len(objects()) == len(uploaded) + 1
+    assert len({name.split(".")[3] for name in objects()}) == 4  # each opened in its own second: read in order
+    tracker.close(0)
+    assert tensorboard_scalars(events.parent)["train/loss"] == [(step, pytest.approx(1 / step)) for step in range(1, 8)]
+
+
 def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
     s3: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,7 +188,8 @@ def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_
     assert (f"resuming from {committed[-1]}:" in output) if committed else ("resuming" not in output), output
     assert_bitwise_equal(safetensors.torch.load_file(run / "final" / "model.safetensors"), uninterrupted)
     assert json.loads((run / "report.json").read_text())["steps"] == STEPS
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    # From both nodes' event files, each step once: the resume drops what the killed run logged after its checkpoint.
+    assert [step for step, _ in tensorboard_scalars(run)["train/loss"]] == list(range(1, STEPS + 1))
 
 
 SAVER = """
@@ -231,6 +269,9 @@ def test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket(
         "tensorboard",
     ]
     assert json.loads((run / "report.json").read_text())["world_size"] == 2
+    # An event file per checkpoint and one for the rest: every logged step comes back from the bucket.
+    assert len(list((run / "tensorboard").iterdir())) == 4
+    assert [step for step, _ in tensorboard_scalars(run)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert (run / "final" / "model.safetensors").is_file() and (run / "step-00000006" / MARKER).is_file()
     assert not (tmp_path / "runs").exists()  # no claim stands in locally: nothing on the volume's path
 

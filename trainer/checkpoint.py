@@ -36,7 +36,7 @@ import torch.distributed as torch_dist
 
 from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
-from trainer.rundir import RUN_RECORDS, publish
+from trainer.rundir import RUN_RECORDS, event_files, publish
 from trainer.spec import CheckpointSpec, SpecError
 from trainer.storage import open_store
 from trainer.totals import Sums
@@ -188,6 +188,9 @@ class Snapshot:
     optimizer: dict[str, Any]
     rng: list[dict[str, Any]]
     state: dict[str, Any]
+    # The TensorBoard event files to upload, listed as the save starts: on object storage the trainer has just closed
+    # the current one (Tracker.seal_events), so none of these is still written to while a background save uploads it.
+    events: list[Path]
 
 
 class Checkpointer:
@@ -314,6 +317,7 @@ class Checkpointer:
                 optimizer=to_cpu({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, staging),
                 rng=rngs,
                 state={"config_hash": self.config_hash, "config": self.config, "trainer": asdict(state)},
+                events=event_files(self.run_dir),
             )
             if background:
                 self.pending = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=True)
@@ -357,7 +361,7 @@ class Checkpointer:
             (staging / STATE).write_text(json.dumps(snapshot.state, indent=2) + "\n")
             files = {path.name: path.stat().st_size for path in staging.iterdir()}
             (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
-            publish(self.run_dir, self.store, RUN_RECORDS)  # first: a committed checkpoint implies them
+            publish(self.run_dir, self.store, RUN_RECORDS, snapshot.events)  # first: its marker implies them
             self.store.commit(staging, name, MARKER)
             shutil.rmtree(staging, ignore_errors=True)  # what an upload leaves (a local commit renamed it away)
             self.store.write_text(LATEST_CHECKPOINT, name + "\n")

@@ -4,7 +4,7 @@ Everything is written under a temporary name and renamed into place, so a reader
 never sees a half-written export or report. On object storage (`checkpoint.dir: s3://...`) the
 run directory is a node-local cache whose export, TensorBoard events and report are uploaded at
 the end, the report last: a report in the bucket means its export is complete there too. The
-events and the trackers' run ids also go up with every checkpoint (RUN_RECORDS).
+events and the trackers' run ids also go up with every checkpoint (RUN_RECORDS), each event file once.
 """
 
 from __future__ import annotations
@@ -24,15 +24,32 @@ from trainer.storage import Store
 
 FINAL = "final"
 REPORT = "report.json"
-# What a finished run uploads to object storage from its local run directory, in this order.
-PUBLISHED = (TENSORBOARD_DIR, FINAL, REPORT)
-# What every checkpoint also uploads, before its marker: a run killed outright keeps its events up to its newest
-# checkpoint, and a resume on another node goes on in the same MLflow/W&B runs.
-RUN_RECORDS = (TENSORBOARD_DIR, RUN_IDS)
+# What a finished run uploads to object storage from its local run directory after its TensorBoard events, in
+# this order.
+PUBLISHED = (FINAL, REPORT)
+# What every checkpoint also uploads after the event files closed by then, before its marker: a run killed outright
+# keeps its events up to its newest checkpoint, and a resume on another node goes on in the same MLflow/W&B runs.
+RUN_RECORDS = (RUN_IDS,)
 
 
-def publish(run_dir: Path, store: Store, names: tuple[str, ...] = PUBLISHED) -> None:
-    """Make the run's files durable in `store` (nothing to do where the run directory is the store)."""
+def event_files(run_dir: Path) -> list[Path]:
+    """The run's TensorBoard event files, by name."""
+    return sorted((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def publish(run_dir: Path, store: Store, names: tuple[str, ...] = PUBLISHED, events: list[Path] | None = None) -> None:
+    """Make the run's files durable in `store` (nothing to do where the run directory is the store): its TensorBoard
+    `events` (every event file by default), then `names`.
+
+    An event file goes up only when the store lacks it at its size. On object storage each checkpoint closes the
+    current one (Tracker.seal_events), which then never changes: each file is uploaded once, and a checkpoint
+    uploads only the events since the one before, however long the run.
+    """
+    files = event_files(run_dir) if events is None else events
+    uploaded = store.sizes(TENSORBOARD_DIR) if files else {}  # no listing without TensorBoard
+    for file in files:
+        if uploaded.get(file.name) != file.stat().st_size:
+            store.publish(file, f"{TENSORBOARD_DIR}/{file.name}")
     for name in names:
         if (run_dir / name).exists():
             store.publish(run_dir / name, name)

@@ -2,9 +2,10 @@
 
 `training.reportTo` names the trackers (default: tensorboard). TensorBoard's event files go to
 `<run dir>/tensorboard`, on the shared volume in a cluster, so `tensorboard --logdir` on the volume
-shows every run. MLflow and W&B take their configuration and credentials from their own environment
-variables (MLFLOW_TRACKING_URI, WANDB_API_KEY, WANDB_PROJECT, ...), which a spec sets by reference
-(`env` with `valueFrom.secretKeyRef`, `envFrom`): no secret is ever a spec value.
+shows every run (on object storage, a new file after each checkpoint: `Tracker.seal_events`). MLflow
+and W&B take their configuration and credentials from their own environment variables
+(MLFLOW_TRACKING_URI, WANDB_API_KEY, WANDB_PROJECT, ...), which a spec sets by reference (`env` with
+`valueFrom.secretKeyRef`, `envFrom`): no secret is ever a spec value.
 
 Each library is imported only when named; a named one that is not installed is bad input, found by
 `check_installed` before any work. A resumed run goes on in the same MLflow/W&B run (their ids are kept
@@ -21,9 +22,11 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import math
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
@@ -52,11 +55,27 @@ class TensorBoard:
         # purge_step: events at or after it, from the attempt that was interrupted, are dropped on reading.
         purge = None if resumed_step is None else resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+        self.opened = time.time()  # when the current event file was opened, or just after
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        opens = self.writer.file_writer is None  # the first value after `seal` opens a new file
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()  # log steps are rare: a reader (and a killed run) sees every value at once
+        if opens:
+            self.opened = time.time()
+
+    def seal(self) -> None:
+        """Close the current event file, which then never changes; the writer opens a new one at the next value.
+
+        TensorBoard reads a directory's event files in name order, and a name is the second its file was opened in,
+        then a count of the process's files ("9" sorts after "10"): a file is closed only in a later second than it
+        was opened in, so the next one sorts after it. Only checkpoints under a second apart wait for that.
+        """
+        if self.writer.file_writer is None:  # nothing logged since the last seal
+            return
+        time.sleep(max(0.0, math.floor(self.opened) + 1 - time.time()))
+        self.writer.close()
 
     def close(self, exit_code: int) -> None:
         self.writer.close()
@@ -144,6 +163,13 @@ class Tracker:
         present = {key: float(value) for key, value in values.items() if value is not None}
         for tracker in self.trackers.values():
             tracker.log(step, present)
+
+    def seal_events(self) -> None:
+        """Before a checkpoint on object storage: the TensorBoard events so far in closed files, which the checkpoint
+        uploads (trainer.rundir.publish) and no later one uploads again."""
+        board = self.trackers.get("tensorboard")
+        if isinstance(board, TensorBoard):
+            board.seal()
 
     def checkpoint_saved(self, save: SaveStats | None) -> None:
         """The newest committed checkpoint, once (a background save is reported when the loop sees it done)."""
