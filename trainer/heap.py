@@ -2,10 +2,10 @@
 object they created kept out of its passes.
 
 Importing the trainer (torch, transformers' GPT-2) creates about 650,000 objects, nearly all of them alive for
-the whole process (about 10,000 in garbage cycles). While they import, the collector passes over the growing heap
-again and again, for nothing: a fifth of the trainer's import CPU, about 1 s, and 0.2 s of torchrun's agent's
-(docs/performance.md). An entry module calls `gc.disable()` before its imports and `resume_collection()` after
-them; this module imports nothing heavy, so it can come first.
+the whole process (about 10,000 in garbage cycles). Left to itself, the collector passes over that heap again and
+again for nothing, while it grows and afterwards: about 1 s of the trainer's CPU to its first step, 0.2 s of
+torchrun's agent's (docs/performance.md). An entry module calls `gc.disable()` before its imports and
+`resume_collection()` after them; this module imports nothing heavy.
 """
 
 from __future__ import annotations
