@@ -13,12 +13,15 @@ stdout; everything else (every rank's own line, warnings, errors) to stderr.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import NoReturn
+
+gc.disable()  # while torch and transformers import: trainer/heap.py
 
 import torch
 import transformers
@@ -27,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.checkpoint import Checkpointer
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
+from trainer.heap import resume_collection
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
@@ -37,6 +41,8 @@ from trainer.storage import S3Store, run_dir_of
 from trainer.tasks import load
 from trainer.tracking import check_installed, finish
 from trainer.workloads import PreparationFailed, check_resumed_data
+
+resume_collection()
 
 
 def run(spec: TrainingSpec, dist: Dist) -> int:

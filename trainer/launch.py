@@ -21,6 +21,7 @@ The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import traceback
@@ -28,14 +29,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
+gc.disable()  # while torch imports: trainer/heap.py
+
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
 from trainer.frozen import FrozenRanks
+from trainer.heap import resume_collection
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
+
+resume_collection()
 
 
 def main() -> None:

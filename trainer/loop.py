@@ -9,7 +9,6 @@ cross-entropy of the model's logits against `labels` either way.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import gc
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainer.checkpoint import Checkpointer, TrainerState, set_rng_state, step_name
 from trainer.data import Collate, PadCollator, TrainBatches, eval_loader, evenly_spaced
 from trainer.dist import Dist, StopRequest, step_timeouts
+from trainer.heap import freeze
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
 from trainer.progress import ProgressReporter
@@ -492,13 +492,11 @@ def settle_heap() -> None:
     After the first step the heap holds the model, the data, compiled code and torch.compile's
     tracing garbage. Left alone, the collector's next full pass scans all of it: a third of a
     second for a small model on a CPU, at a different step on each rank, and every other rank
-    waits for it at the next all-reduce. Here all ranks pay once, at the same step. At exit the
-    interpreter's last collection sees everything again: extension modules that check for leaked
-    objects then find none.
+    waits for it at the next all-reduce. Here all ranks pay once, at the same step (the imports'
+    objects were frozen at the start, trainer/heap.py).
     """
     gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
+    freeze()
 
 
 # glibc's mallopt parameters, and the largest mmap threshold its own heuristic goes up to on 64-bit.
