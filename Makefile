@@ -38,9 +38,10 @@ prometheus:
 
 # The e2e tier's etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, training operator, Trainer v2
 # manager and JobSet controller, its node's kubelet, kube-proxy, containerd (with its shim and ctr), CoreDNS and
-# pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into ~/.cache/ddpjob/bin the first time (about 15 minutes with the
-# downloads, two builds at a time on 2 busy cores; docs/testing.md), found there afterwards. The script needs only the standard library,
-# so on a fresh machine the builds start at once, not after the venv.
+# pause, and the S3 server of the object-storage tests (versitygw), built from their Go modules into
+# ~/.cache/ddpjob/bin the first time (about 15 minutes with the downloads, two builds at a time on 2 busy cores;
+# docs/testing.md), found there afterwards. The script needs only the standard library, so on a fresh machine the
+# builds start at once, not after the venv.
 e2e-binaries:
 	$(PYTHON) tests/e2e/cluster_binaries.py
 
