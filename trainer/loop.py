@@ -31,7 +31,6 @@ from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
 from trainer.progress import ProgressReporter
 from trainer.spec import ScheduleSpec, TrainingSpec
-from trainer.storage import S3Store
 from trainer.totals import Totals
 from trainer.tracking import Tracker
 from trainer.watchdog import GradientSync, Watchdog, test_slowdown
@@ -465,7 +464,7 @@ class Trainer:
         state.interval_totals, state.epoch_totals = self.interval.saved(), self.epoch_totals.saved()
         state.epoch, state.position = self.batches.epoch, self.batches.position
         with self.watchdog.long_work("checkpoint save"):
-            if isinstance(self.checkpoints.store, S3Store):  # the volume's event file stays open: nothing to upload
+            if self.checkpoints.store.uploads:  # the volume's event file stays open: nothing to upload
                 self.tracker.seal_events()
             self.checkpoints.save(wait=wait)
         self.report_checkpoint()

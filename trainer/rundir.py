@@ -45,6 +45,8 @@ def publish(run_dir: Path, store: Store, names: tuple[str, ...] = PUBLISHED, eve
     current one (Tracker.seal_events), which then never changes: each file is uploaded once, and a checkpoint
     uploads only the events since the one before, however long the run.
     """
+    if not store.uploads:
+        return
     files = event_files(run_dir) if events is None else events
     uploaded = store.sizes(TENSORBOARD_DIR) if files else {}  # no listing without TensorBoard
     for file in files:

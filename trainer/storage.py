@@ -47,6 +47,8 @@ S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 class Store(Protocol):
     """A run directory's top level: folders of files, each folder committed whole."""
 
+    uploads: bool  # the run directory is a local copy whose files `publish` uploads (else it is the store itself)
+
     def names(self) -> list[str]: ...
     def sizes(self, folder: str) -> dict[str, int]: ...
     def read_bytes(self, path: str) -> bytes: ...
@@ -69,6 +71,8 @@ def fsync_path(path: Path) -> None:
 
 class LocalStore:
     """A directory on a (shared) filesystem: commit is an fsynced atomic rename."""
+
+    uploads = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -183,6 +187,8 @@ def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
 
 class S3Store:
     """A prefix in an S3 bucket; files are staged and read back through a local directory (`cache`)."""
+
+    uploads = True
 
     def __init__(self, location: S3Location, cache: Path) -> None:
         self.location = location
