@@ -21,10 +21,12 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-gc.disable()  # while torch and transformers import: trainer/heap.py
+gc.disable()  # while torch imports: trainer/heap.py
+# transformers, where a task imports it, reads these then: errors only, and no progress bars.
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 import torch
-import transformers
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.checkpoint import Checkpointer
@@ -58,8 +60,6 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
         f"rank {dist.rank} of {dist.world_size} on {socket.gethostname()} ({dist.device})", file=sys.stderr, flush=True
     )
     clear_shared_directory(dist)
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
     run_dir = run_dir_of(spec.checkpoint, spec.task)
     checkpoints = Checkpointer(run_dir, spec.checkpoint, dist, spec.to_values())
     if isinstance(checkpoints.store, S3Store):  # every rank reads the bucket; rank 0 also writes to it

@@ -12,6 +12,7 @@ Evaluation shards with `ShardSampler`, which never pads, so no sample is counted
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from trainer.dist import Dist
 from trainer.spec import SpecError
 
 SPECIAL_TOKEN = "<|endoftext|>"
+SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token")  # the char vocabulary's one special token plays all three
 Collate = Callable[[list[Any]], dict[str, torch.Tensor]]
 
 
@@ -47,18 +49,23 @@ class CharVocab:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] if i < len(self.chars) else SPECIAL_TOKEN for i in ids)
 
-    def to_hf_tokenizer(self):  # -> transformers.PreTrainedTokenizerFast
-        """The same mapping as a transformers tokenizer, so `final/` loads with AutoTokenizer."""
-        from tokenizers import Tokenizer, decoders, models
-        from transformers import PreTrainedTokenizerFast
+    def __len__(self) -> int:
+        return self.size
+
+    def save_pretrained(self, directory: Path) -> None:
+        """The same mapping as a transformers tokenizer (tokenizer.json and its config), so `final/` loads with
+        AutoTokenizer; written with `tokenizers` alone, since importing transformers costs seconds a process."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models
 
         vocab = {c: i for i, c in enumerate(self.chars)} | {SPECIAL_TOKEN: self.special_id}
         # BPE without merges splits text into single characters; Fuse joins them back.
         backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=SPECIAL_TOKEN))
         backend.decoder = decoders.Fuse()
-        return PreTrainedTokenizerFast(
-            tokenizer_object=backend, unk_token=SPECIAL_TOKEN, eos_token=SPECIAL_TOKEN, bos_token=SPECIAL_TOKEN
-        )
+        backend.add_special_tokens([AddedToken(SPECIAL_TOKEN, special=True, normalized=False)])
+        directory.mkdir(parents=True, exist_ok=True)
+        backend.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"} | dict.fromkeys(SPECIAL_ROLES, SPECIAL_TOKEN)
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def open_tokens(entry: Path, split: str, manifest: dict[str, Any]) -> np.ndarray:

@@ -1,7 +1,7 @@
-"""Models built from the spec: GPT-2 through transformers, for every task.
+"""Models built from the spec, every one a GPT-2 whose `final/` export loads with transformers' Auto classes.
 
-Using transformers' GPT-2 classes (never a private GPT) means every `final/` export
-loads with `AutoModelForCausalLM` / `AutoModelForSequenceClassification` as is.
+A language model built from a config is trainer/gpt.py's plain-torch GPT-2, saved in GPT-2's format; a
+pretrained model and every classifier are transformers' own classes, imported only then (seconds per process).
 """
 
 from __future__ import annotations
@@ -11,15 +11,9 @@ import os
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    GPT2Config,
-    GPT2ForSequenceClassification,
-    GPT2LMHeadModel,
-    PreTrainedModel,
-)
 
+from trainer.gpt import GPT, GPTConfig
+from trainer.heap import importing
 from trainer.names import GPT2_POSITIONS
 from trainer.spec import ModelSpec, SpecError
 from trainer.text import check_pretrained_source
@@ -44,34 +38,20 @@ def check_positions_fit(positions: int, width: int) -> None:
         )
 
 
-def gpt2_config(spec: ModelSpec, vocab_size: int, eos_id: int, **extra: Any) -> GPT2Config:
+def gpt_config(spec: ModelSpec, vocab_size: int, eos_id: int) -> GPTConfig:
     """A named GPT-2 size, or the spec's own dimensions; random weights come later."""
     n_layer, n_head, n_embd = GPT2_SIZES[spec.size] if spec.size else (spec.n_layer, spec.n_head, spec.n_embd)
     if not spec.size:
         check_positions_fit(spec.block_size, n_embd)
-    return GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=GPT2_POSITIONS if spec.size else spec.block_size,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=spec.dropout,
-        embd_pdrop=spec.dropout,
-        attn_pdrop=spec.dropout,
-        # GPT-2's tanh-approximated GELU as one kernel: its default, "gelu_new", is the same formula written out in
-        # seven elementwise ops, which took a quarter of a CPU step of the baby GPT (docs/performance.md).
-        activation_function="gelu_pytorch_tanh",
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        **extra,
-    )
+    positions = GPT2_POSITIONS if spec.size else spec.block_size
+    return GPTConfig(vocab_size, positions, n_embd, n_layer, n_head, spec.dropout, eos_id)
 
 
-def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> PreTrainedModel:
+def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
     check_pretrained_source(spec.pretrained, "model.pretrained")
     try:
-        model = auto_class.from_pretrained(spec.pretrained, **kwargs)
+        with importing():  # the model's transformers module
+            model = auto_class.from_pretrained(spec.pretrained, **kwargs)
     except (OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"model.pretrained: cannot load {spec.pretrained!r}: {reason}") from None
@@ -81,7 +61,7 @@ def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> PreTrain
     return model
 
 
-def fit_vocabulary(model: PreTrainedModel, tokenizer: Any) -> PreTrainedModel:
+def fit_vocabulary(model: Any, tokenizer: Any) -> Any:
     """Grow the embeddings when the tokenizer knows more tokens than the pretrained model."""
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
@@ -89,24 +69,31 @@ def fit_vocabulary(model: PreTrainedModel, tokenizer: Any) -> PreTrainedModel:
     return model
 
 
-def build_char_gpt(spec: ModelSpec, vocab_size: int, special_id: int) -> GPT2LMHeadModel:
+def build_char_gpt(spec: ModelSpec, vocab_size: int, special_id: int) -> GPT:
     """A randomly initialised GPT-2 with a character vocabulary."""
-    return GPT2LMHeadModel(gpt2_config(spec, vocab_size, special_id))
+    return GPT(gpt_config(spec, vocab_size, special_id))
 
 
-def build_causal_lm(spec: ModelSpec, tokenizer: Any) -> PreTrainedModel:
+def build_causal_lm(spec: ModelSpec, tokenizer: Any) -> torch.nn.Module:
     if spec.pretrained:
+        with importing():
+            from transformers import AutoModelForCausalLM
+
         return fit_vocabulary(from_pretrained(AutoModelForCausalLM, spec), tokenizer)
-    return GPT2LMHeadModel(gpt2_config(spec, len(tokenizer), tokenizer.eos_token_id))
+    return GPT(gpt_config(spec, len(tokenizer), tokenizer.eos_token_id))
 
 
-def build_classifier(spec: ModelSpec, tokenizer: Any, labels: list[str]) -> PreTrainedModel:
+def build_classifier(spec: ModelSpec, tokenizer: Any, labels: list[str]) -> torch.nn.Module:
     """GPT2ForSequenceClassification: the last non-pad token's state feeds a linear head."""
+    with importing():
+        from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
+
     names = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
     if spec.pretrained:
         model = from_pretrained(AutoModelForSequenceClassification, spec, num_labels=len(labels), **names)
         return fit_vocabulary(model, tokenizer)
-    return GPT2ForSequenceClassification(gpt2_config(spec, len(tokenizer), tokenizer.eos_token_id, **names))
+    config = gpt_config(spec, len(tokenizer), tokenizer.eos_token_id)
+    return GPT2ForSequenceClassification(GPT2Config(**config.gpt2_values(), **names))
 
 
 def forward_options(model: torch.nn.Module) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
+from trainer.heap import importing
 from trainer.location import is_s3
 from trainer.spec import SpecError
 from trainer.storage import s3_sources
@@ -37,7 +38,9 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
 def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> PreTrainedTokenizerFast
     """A GPT-2-style byte-level BPE trained on `texts`; its one special token is eos = pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+
+    with importing():
+        from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -67,11 +70,12 @@ def check_pretrained_source(source: str, key: str) -> None:
 
 def load_tokenizer(source: str, key: str):  # -> PreTrainedTokenizerBase
     """From a directory (or a hub id when the network allows); pad = eos when it has no pad token."""
-    from transformers import AutoTokenizer
-
     check_pretrained_source(source, key)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        with importing():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"{key}: cannot load a tokenizer from {source!r}: {reason}") from None

@@ -44,7 +44,7 @@ class Workload:
     """What a task hands the training loop (trainer/tasks adds its own fields)."""
 
     model: torch.nn.Module
-    tokenizer: Any  # a transformers tokenizer, exported with the model
+    tokenizer: Any  # a transformers tokenizer or a CharVocab: its len() and save_pretrained(), with the model
     train: Dataset
     val: Dataset
     data: Plan  # the prepared dataset it reads

@@ -26,7 +26,7 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> CharWorkload:
     vocab = CharVocab(list(manifest["chars"]))
     train_set, val_set = blocks(spec, dist, plan, manifest, "characters")
     model = build_char_gpt(spec.model, vocab.size, vocab.special_id)
-    return CharWorkload(model, vocab.to_hf_tokenizer(), train_set, val_set, plan, vocab=vocab)
+    return CharWorkload(model, vocab, train_set, val_set, plan, vocab=vocab)
 
 
 def sample(spec: TrainingSpec, work: CharWorkload, log: Callable[[str], None]) -> None:
