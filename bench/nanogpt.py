@@ -281,12 +281,14 @@ def prepare(workdir: Path, size: str) -> dict[str, Any]:
     }
 
 
-def commands(workdir: Path, name: str, procs: int, settings: Path) -> dict[str, list[str]]:
+def commands(workdir: Path, name: str, procs: int, settings: Path, round_number: int) -> dict[str, list[str]]:
     worker = [str(Path(__file__).resolve()), "--worker", str(settings)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     spec = str(workdir / f"{name}.yaml")
+    # A run directory per round: in the last one's, `ctl run` would resume the finished run and train nothing.
+    run_dir = workdir / "runs" / f"{name}-{round_number}"
     return {
-        "ddpjob": [sys.executable, "-m", "ctl", "run", spec, "--run-dir", str(workdir / "runs" / name)],
+        "ddpjob": [sys.executable, "-m", "ctl", "run", spec, "--run-dir", str(run_dir)],
         "reference": [*torchrun, *worker] if procs > 1 else [sys.executable, *worker],
     }
 
@@ -348,7 +350,7 @@ def main() -> None:
                 settings.write_text(json.dumps(data | lengths | fields))
                 runs: dict[str, list[Run]] = {"ddpjob": [], "reference": []}
                 for round_number in range(1, rounds + 1):
-                    for runner, command in commands(workdir, name, procs, settings).items():
+                    for runner, command in commands(workdir, name, procs, settings, round_number).items():
                         warmup = lengths["log_every"]
                         run = measure_with_retry(
                             runner, command, workdir, warmup, steps, round_number, retried, threads

@@ -66,6 +66,17 @@ def test_nanogpt_bench_runs_ddpjob_and_the_reference_at_1_and_2_processes() -> N
     assert result["retried"] == []
 
 
+def test_each_nanogpt_round_of_ddpjob_trains_in_a_run_directory_of_its_own(tmp_path: Path) -> None:
+    """In the round before's directory, `ctl run` resumes a finished run: a round that trains nothing."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from nanogpt import commands
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    run_dirs = {tuple(commands(tmp_path, "p1-eager", 1, tmp_path / "s.json", n)["ddpjob"]) for n in (1, 2)}
+    assert len(run_dirs) == 2
+
+
 def test_checkpoint_bench_saves_sync_and_async_to_the_disk_and_a_bucket() -> None:
     result = run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1")
     assert_finite(result, "async_stall_ratio")

@@ -87,11 +87,11 @@ def test_a_char_gpt_trainer_builds_its_model_without_importing_transformers() ->
     """transformers costs about 1.8 CPU seconds per process over torch (docs/performance.md): only the tasks that
     use it import it."""
     code = (
-        "import sys, trainer.__main__\n"
+        "import sys, torch, trainer.__main__\n"
         "from trainer.models import build_char_gpt\n"
         "from trainer.spec import ModelSpec\n"
-        "model = build_char_gpt(ModelSpec.model_validate({'nLayer': 1, 'nHead': 1, 'nEmbd': 8, 'blockSize': 8}), 5, 4)\n"
-        "print(model(input_ids=__import__('torch').zeros(1, 8, dtype=__import__('torch').long)).logits.shape)\n"
+        "spec = ModelSpec.model_validate({'nLayer': 1, 'nHead': 1, 'nEmbd': 8, 'blockSize': 8})\n"
+        "print(build_char_gpt(spec, 5, 4)(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape)\n"
         "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
