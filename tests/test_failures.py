@@ -20,7 +20,7 @@ from conftest import processes_with_marker, run_ctl, start_ctl, tiny_spec
 from ctl.cli import app
 from ctl.local import keep_logs
 from trainer.failures import Failure, root_cause
-from trainer.models import gpt2_config
+from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
 
@@ -278,7 +278,7 @@ def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_li
 def test_a_position_table_larger_than_the_machine_names_model_block_size() -> None:
     spec = ModelSpec(nLayer=1, nHead=2, nEmbd=32, blockSize=10**13)  # 1.2 PB of weights: no machine has that
     with pytest.raises(SpecError, match=r"^model\.blockSize: 10000000000000 positions x nEmbd 32 take \d+ GiB"):
-        gpt2_config(spec, vocab_size=100, eos_id=0)
+        gpt_config(spec, vocab_size=100, eos_id=0)
 
 
 def test_logs_stay_where_they_are_when_there_is_no_run_directory(tmp_path: Path) -> None:
