@@ -61,11 +61,12 @@ test: test-prerequisites
 	$(BIN)/python -m pytest
 	$(FLOORS_VENV)/bin/python -m pytest $(FLOOR_TESTS)
 
-# The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution;
-# what they pull in, and the dev tools, at their newest), under the tests that reach each of them:
-# pydantic, typer and helm (spec, chart, CLI, shell completion); torch, transformers, tokenizers, safetensors,
-# prometheus-client, tensorboard, numpy and obstore (2-process runs of each workload, compile, checkpoint and
-# resume, trainer/gpt.py's GPT-2 exchanged with transformers' both ways, metrics, TensorBoard event files, checkpoints in a bucket). urllib3 is reached only by the cluster commands (the e2e tier).
+# The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution; what they pull
+# in, and the dev tools, at their newest), under the tests that reach each of them: pydantic, typer and helm (spec,
+# chart, CLI, shell completion); torch, transformers, tokenizers, safetensors, prometheus-client, tensorboard, numpy
+# and obstore (2-process runs of each workload, compile, checkpoint and resume, trainer/gpt.py's GPT-2 exchanged with
+# transformers' both ways, metrics, TensorBoard event files, checkpoints in a bucket). urllib3 is reached only by the
+# cluster commands (the e2e tier).
 # The generated chart files are left out: their exact text follows the newest pydantic.
 FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
 	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
