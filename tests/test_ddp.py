@@ -9,9 +9,12 @@ import torch
 import yaml
 from conftest import run_ctl, tiny_spec
 from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.dist import cuda_device
-from trainer.spec import SpecError
+from ctl.processes import free_port
+from trainer.dist import Dist, cuda_device
+from trainer.loop import wrap_model
+from trainer.spec import SpecError, TrainingSpec
 
 STEPS = 6
 
@@ -92,3 +95,20 @@ def test_a_node_with_fewer_gpus_than_processes_is_bad_input_naming_procs_per_nod
     assert cuda_device(0, 1) == torch.device("cuda", 0)
     with pytest.raises(SpecError, match=r"^procsPerNode: 2 processes on this node, but 1 GPU\(s\) visible to it"):
         cuda_device(1, 1)
+
+
+def test_one_process_trains_its_model_without_ddp(monkeypatch, corpus_file) -> None:
+    """torchrun's one process still joins a process group (the store, the watchdog), but has no gradients to
+    exchange: DDP's all-reduce at every step would only wake gloo's threads, which preempt the compute threads."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    spec = TrainingSpec.model_validate(tiny_spec(corpus_file)["training"])
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        one = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        forward, sync = wrap_model(spec, one, torch.nn.Linear(2, 2))
+        assert one.is_distributed
+        assert not isinstance(forward, DDP)
+        assert sync is None
+    finally:
+        torch.distributed.destroy_process_group()

@@ -197,7 +197,9 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
         torch.backends.cudnn.allow_tf32 = True
     model.to(dist.device).train()
     forward_model = torch.compile(Scored(model)) if spec.compile else Scored(model)
-    if not dist.is_distributed:
+    # One process has no gradients to exchange: DDP's per-step all-reduce would only wake gloo's threads, which on
+    # a CPU preempt the compute threads several times a step (docs/performance.md).
+    if dist.world_size == 1:
         return forward_model, None
     device = dist.device
     ddp = DDP(forward_model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
