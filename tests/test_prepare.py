@@ -302,8 +302,8 @@ def waiting_rank() -> Dist:
 
 
 def with_wait_bound(spec: TrainingSpec, seconds: int) -> TrainingSpec:
-    """`spec` with `timeouts.longWorkSeconds` below what the model allows (10 s), to keep the test short."""
-    return spec.model_copy(update={"timeouts": spec.timeouts.model_copy(update={"long_work_seconds": seconds})})
+    """`spec` with `timeouts.prepareStallSeconds` below what the model allows (10 s), to keep the test short."""
+    return spec.model_copy(update={"timeouts": spec.timeouts.model_copy(update={"prepare_stall_seconds": seconds})})
 
 
 def test_ranks_waiting_for_a_prepare_job_that_never_prepares_give_up_naming_the_dataset(tmp_path, monkeypatch) -> None:
@@ -327,7 +327,7 @@ def test_ranks_waiting_for_a_prepare_job_that_never_prepares_give_up_naming_the_
     assert isinstance(failure, PreparationFailed), failure
     (line,) = str(failure).splitlines()
     assert line.startswith(f"the prepare Job news-prepare has not prepared dataset {plan.fingerprint} ({plan.entry})")
-    assert "no progress from it for 1 s (training.timeouts.longWorkSeconds)" in line
+    assert "no progress from it for 1 s (training.timeouts.prepareStallSeconds)" in line
     assert "`kubectl logs job/news-prepare`" in line and "`ctl prepare SPEC`" in line
     assert not plan.entry.exists()
 
@@ -358,7 +358,7 @@ def test_a_prepare_job_showing_progress_is_waited_for_past_the_bound(tmp_path, m
 
 def test_ranks_waiting_for_a_prepare_job_that_crashes_exit_at_once_with_its_cause(tmp_path, monkeypatch) -> None:
     """The prepare Job's command fails for a reason that is not the data (its metrics port is taken): the waiting
-    rank fails with that line at once, not after `longWorkSeconds` without progress."""
+    rank fails with that line at once, not after `prepareStallSeconds` without progress."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("some text to prepare\n" * 100)
     # Without the record, the rank would give up after this bound with another line.

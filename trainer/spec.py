@@ -192,9 +192,15 @@ class TimeoutsSpec(SpecModel):
     long_work_seconds: int = Field(
         1800,
         ge=10,
-        description="Bound for one-off work: the first step (compile, warm-up), checkpoint saves, evaluations,"
-        " and the barriers around them, which run on a process group of their own with this timeout. Also how"
-        " long training pods wait for a prepare Job (prepare.enabled) that shows no progress before they give up.",
+        description="Bound for one-off work: joining the process group, the first step (compile, warm-up),"
+        " checkpoint saves, evaluations, and the barriers around them, which run on a process group of their own"
+        " with this timeout.",
+    )
+    prepare_stall_seconds: int = Field(
+        1800,
+        ge=10,
+        description="How long training pods wait for a prepare Job (prepare.enabled) that shows no progress before"
+        " they give up.",
     )
     watchdog: bool = Field(
         True,

@@ -200,13 +200,13 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
     """Poll for rank 0's (or the prepare Job's) outcome: the store's key, the manifest, or the Job's error file.
 
     Rank 0 failing ends the whole group (torchrun), so its wait needs no bound. The prepare Job is another
-    pod: when it has shown no progress (Plan.progress_path) for `training.timeouts.longWorkSeconds`, it has
+    pod: when it has shown no progress (Plan.progress_path) for `training.timeouts.prepareStallSeconds`, it has
     died or never ran, and the rank gives up instead of waiting forever.
     """
     store, key = rendezvous_store(), outcome_key(plan)
     job = os.environ.get(PREPARED_BY_JOB_ENV)
     who = f"the prepare Job {job}" if job else "rank 0"
-    bound = plan.spec.timeouts.long_work_seconds
+    bound = plan.spec.timeouts.prepare_stall_seconds
     started = logged = time.monotonic()
     started_at = time.time()
     done_at: float | None = None
@@ -236,8 +236,8 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
         progress, last_sign = job_progress(plan, started_at) if job else ("", math.inf)
         if time.time() - last_sign > bound:  # the Job's node's clock may differ a little: the bound is long
             raise PreparationFailed(
-                f"{who} has not prepared dataset {plan.fingerprint} ({plan.entry}): no progress from it for"
-                f" {bound} s (training.timeouts.longWorkSeconds), after {time.monotonic() - started:.0f} s of waiting;"
+                f"{who} has not prepared dataset {plan.fingerprint} ({plan.entry}): no progress from it for {bound} s"
+                f" (training.timeouts.prepareStallSeconds), after {time.monotonic() - started:.0f} s of waiting;"
                 f" see `kubectl logs job/{job}`, or prepare it with `ctl prepare SPEC`, then start the job again"
             )
         if time.monotonic() - logged >= WAIT_LOG_S:

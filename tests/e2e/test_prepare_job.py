@@ -50,10 +50,10 @@ pytestmark = pytest.mark.e2e
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CLAIM_MOUNT_PATH = StorageSpec().mount_path  # where the pods see the claim
-LONG_WORK_S = 10  # training.timeouts.longWorkSeconds: how long the ranks wait for a prepare Job that shows no progress
-# The same timeout bounds the ranks' rendezvous (init_process_group), which on the tier's node has taken more than
-# 10 s while a prepare Job tokenized on both cores: the tests that do not wait for a dead Job keep its default.
-DEFAULT_LONG_WORK_S = TimeoutsSpec().long_work_seconds
+# training.timeouts.prepareStallSeconds: how long the ranks wait for a prepare Job that shows no progress. Only that
+# bound is short: the ranks' rendezvous has taken more than 10 s on the tier's node while a prepare Job tokenized on
+# both cores, and it keeps longWorkSeconds' default.
+PREPARE_STALL_S = 10
 SIGKILLED = 128 + signal.SIGKILL  # what a node reports for a container killed by SIGKILL (OOM killer, lost node)
 
 
@@ -62,7 +62,7 @@ def prepare_job_spec(
     name: str,
     corpus: list[Path],
     backoff_limit: int = 0,
-    long_work_s: int = DEFAULT_LONG_WORK_S,
+    prepare_stall_s: int = TimeoutsSpec().prepare_stall_seconds,
     **values: Any,
 ) -> Any:
     """A tiny causal-lm job (its BPE trained while the data is prepared) on 2 pods, restartPolicy ExitCode, its
@@ -71,7 +71,7 @@ def prepare_job_spec(
     training = {
         "task": "causal-lm",
         "tokenizer": {"vocabSize": 300},
-        "timeouts": {"longWorkSeconds": long_work_s},
+        "timeouts": {"prepareStallSeconds": prepare_stall_s},
     }
     prepare = {"enabled": True, "cpu": "250m", "memory": "1Gi", "backoffLimit": backoff_limit}
     train = [f"{CLAIM_MOUNT_PATH}/corpus/{path.name}" for path in corpus]
@@ -190,7 +190,7 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """The prepare pod's process killed by SIGKILL (as the OOM killer or a lost node ends it) while it tokenizes, the
-    Job out of retries: its progress line stops, every rank gives up after training.timeouts.longWorkSeconds with
+    Job out of retries: its progress line stops, every rank gives up after training.timeouts.prepareStallSeconds with
     exit code 1 and one line naming the Job, the dataset and what to run next; under restartPolicy ExitCode the job
     fails without a retry. `ctl wait` exits 100, `ctl status` shows the Job killed and failed, `ctl logs` the line."""
     skip_on_external_cluster(cluster)
@@ -198,7 +198,7 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     name = f"kill-{marker[:6]}"
     corpus = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB: a few seconds of work, the Job is killed amid it
     claim = put_on_claim(cluster, namespace, name, {path.name: path.read_bytes() for path in corpus})
-    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, long_work_s=LONG_WORK_S))
+    spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, prepare_stall_s=PREPARE_STALL_S))
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
@@ -217,7 +217,7 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     line = (
         f"error: the prepare Job {name}-prepare has not prepared dataset {fingerprint} ({in_pod(claim, entry)}): no"
         " progress from"
-        f" it for {LONG_WORK_S} s (training.timeouts.longWorkSeconds), after "
+        f" it for {PREPARE_STALL_S} s (training.timeouts.prepareStallSeconds), after "
     )
     said = ctl("logs", name).stdout.splitlines()[-1]  # rank 0's pod's last line (after torchrun's report)
     assert said.startswith(line) and said.endswith(
