@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data import CharVocab
@@ -18,7 +18,7 @@ __all__ = ["final_report", "load", "sample"]
 
 @dataclass
 class CharWorkload(Workload):
-    vocab: CharVocab = field(kw_only=True)  # the prepared data's characters: encodes the sample's prompt
+    tokenizer: CharVocab  # the prepared data's characters: encodes the sample's prompt
 
 
 def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> CharWorkload:
@@ -26,8 +26,8 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> CharWorkload:
     vocab = CharVocab(list(manifest["chars"]))
     train_set, val_set = blocks(spec, dist, plan, manifest, "characters")
     model = build_char_gpt(spec.model, vocab.size, vocab.special_id)
-    return CharWorkload(model, vocab, train_set, val_set, plan, vocab=vocab)
+    return CharWorkload(model, vocab, train_set, val_set, plan)
 
 
 def sample(spec: TrainingSpec, work: CharWorkload, log: Callable[[str], None]) -> None:
-    generate(spec, work, work.vocab.encode, work.vocab.decode, log)
+    generate(spec, work, work.tokenizer.encode, work.tokenizer.decode, log)
