@@ -18,6 +18,10 @@ FRESH_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # The training pods' variables that the prepare Job's pod (the same template) must not get: it has no torchrun, no
 # rendezvous and no shared metrics directory, and it is the job the others wait for.
 PREPARE_DENIED_ENV = (SHUTDOWN_TIMEOUT_ENV, FRESH_RDZV_STORE_ENV, METRICS_DIR_ENV, PREPARED_BY_JOB_ENV)
+# Refusals that ctl's spec model makes and the chart makes again for values files ctl never saw (`helm install -f`):
+# formats that Python's % and Go's printf read alike.
+POD_NAME_TOO_LONG = 'name: too long: pod name "%s" would have %d characters (at most %d)'
+GPUS_BELOW_PROCESSES = "resources.gpu: %d GPU(s) per pod for procsPerNode %d: each process needs a GPU of its own"
 # What a pod gets per torchrun process when the spec leaves resources.cpu/memory unset.
 CPU_PER_PROCESS = 2
 MEMORY_MIB_PER_PROCESS = 4096

@@ -262,6 +262,7 @@ def chart_names() -> dict[str, Any]:
             "s3SecretKey": S3_SECRET_KEY_ENV,
         },
         "prepareDeniedEnv": list(names.PREPARE_DENIED_ENV),
+        "refusals": {"podNameTooLong": names.POD_NAME_TOO_LONG, "gpusBelowProcesses": names.GPUS_BELOW_PROCESSES},
         "cpuPerProcess": names.CPU_PER_PROCESS,
         "memoryMiPerProcess": names.MEMORY_MIB_PER_PROCESS,
         "kinds": {

@@ -15,7 +15,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
-from ctl.names import CPU_PER_PROCESS, DNS_LABEL_MAX, MEMORY_MIB_PER_PROCESS
+from ctl.names import (
+    CPU_PER_PROCESS,
+    DNS_LABEL_MAX,
+    GPUS_BELOW_PROCESSES,
+    MEMORY_MIB_PER_PROCESS,
+    POD_NAME_TOO_LONG,
+)
 from trainer.location import S3Location
 from trainer.names import EXIT_HUNG
 from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
@@ -438,10 +444,7 @@ class JobSpec(SpecModel):
                 f" and maxNodes ({self.elastic.max_nodes})"
             )
         if 0 < self.resources.gpu < self.procs_per_node:
-            raise ValueError(
-                f"resources.gpu: {self.resources.gpu} GPU(s) per pod for procsPerNode {self.procs_per_node}:"
-                " each process needs a GPU of its own"
-            )
+            raise ValueError(GPUS_BELOW_PROCESSES % (self.resources.gpu, self.procs_per_node))
         if self.storage.uri and self.storage.existing_claim:
             raise ValueError(
                 "storage.existingClaim: no claim is mounted with storage.uri (runs in the bucket); set one"
@@ -456,9 +459,7 @@ class JobSpec(SpecModel):
             raise ValueError(f"metrics.port: {self.metrics.port} is already {port}, the rendezvous port")
         longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:
-            raise ValueError(
-                f"name: too long: pod name {longest!r} would have {len(longest)} characters (at most {DNS_LABEL_MAX})"
-            )
+            raise ValueError(POD_NAME_TOO_LONG % (longest, len(longest), DNS_LABEL_MAX))
         return self
 
     @property

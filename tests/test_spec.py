@@ -46,7 +46,7 @@ BAD_SPECS = [
     ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
     ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
-    ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f"name: too long: pod name '{LONG_NAME}-worker-0'"),
+    ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f'name: too long: pod name "{LONG_NAME}-worker-0"'),
     (
         "missing-data-path",
         {"training": {"data": {"train": None}}},

@@ -13,9 +13,10 @@ model keeps those pod names within 63 characters; this check covers `helm instal
 {{- define "ddpjob.fullname" -}}
 {{- $name := required "name is required: the job's name (a DNS-1035 label)" .Values.name -}}
 {{- $longest := include "ddpjob.longestPodName" . -}}
-{{- $max := int (include "ddpjob.names" . | fromJson).dnsLabelMax -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
+{{- $max := int $names.dnsLabelMax -}}
 {{- if gt (len $longest) $max -}}
-{{- fail (printf "name: too long: pod name %q would have %d characters (at most %d)" $longest (len $longest) $max) -}}
+{{- fail (printf $names.refusals.podNameTooLong $longest (len $longest) $max) -}}
 {{- end -}}
 {{- $name -}}
 {{- end }}
@@ -186,7 +187,7 @@ GPUs (extended resources require limit = request); no CPU limit, whose throttlin
 {{- $limits := dict "memory" $memory -}}
 {{- /* NCCL gives each process a GPU of its own; ctl's spec model refuses this too, for values files it never saw. */ -}}
 {{- if and (gt (int $r.gpu) 0) (lt (int $r.gpu) $procs) -}}
-{{- fail (printf "resources.gpu: %d GPU(s) per pod for procsPerNode %d: each process needs a GPU of its own" (int $r.gpu) $procs) -}}
+{{- fail (printf $names.refusals.gpusBelowProcesses (int $r.gpu) $procs) -}}
 {{- end -}}
 {{- if gt (int $r.gpu) 0 }}
 {{- $_ := set $requests "nvidia.com/gpu" (int $r.gpu) -}}
