@@ -317,7 +317,7 @@ class Checkpointer:
                 optimizer=to_cpu({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, staging),
                 rng=rngs,
                 state={"config_hash": self.config_hash, "config": self.config, "trainer": asdict(state)},
-                events=event_files(self.run_dir),
+                events=event_files(self.run_dir) if self.store.uploads else [],  # on a volume they are in place
             )
             if background:
                 self.pending = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=True)
