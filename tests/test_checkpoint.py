@@ -341,6 +341,22 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, asy
     assert [step for step, _ in checkpoints.committed()] == [1]
 
 
+def test_a_save_on_a_volume_lists_no_event_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TensorBoard event files are listed for an upload only (object storage): on a volume the run directory is
+    the store, and a save leaves them where they are, however many the run has written."""
+    listed: list[Path] = []
+    monkeypatch.setattr("trainer.checkpoint.event_files", lambda run_dir: listed.append(run_dir) or [])
+    model = torch.nn.Linear(4, 4)
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    checkpoints = Checkpointer(tmp_path, CheckpointSpec(keepLast=2), dist, {"maxSteps": 10})
+    checkpoints.attach(
+        model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False), TrainerState(step=1)
+    )
+    checkpoints.save()
+    assert committed_steps(tmp_path) == [1]
+    assert listed == []
+
+
 # Steps 1-5 and their val losses (3 without one): keepLast 2 with keepBest keeps steps 2 (the best), 4 and 5.
 LOSSES = [3.0, 1.0, None, 2.0, 2.5]
 
