@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ctl.processes import free_port
-from trainer.dist import Dist, cuda_device
+from trainer.dist import barrier, cuda_device, init_distributed
 from trainer.loop import wrap_model
 from trainer.spec import SpecError, TrainingSpec
 
@@ -97,18 +97,20 @@ def test_a_node_with_fewer_gpus_than_processes_is_bad_input_naming_procs_per_nod
         cuda_device(1, 1)
 
 
-def test_one_process_trains_its_model_without_ddp(monkeypatch, corpus_file) -> None:
-    """torchrun's one process still joins a process group (the store, the watchdog), but has no gradients to
-    exchange: DDP's all-reduce at every step would only wake gloo's threads, which preempt the compute threads."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+def test_one_process_under_torchrun_has_the_store_but_no_process_group_and_no_ddp(monkeypatch, corpus_file) -> None:
+    """torchrun's one worker has no peer: no process group (gloo's event loop would wake every 10 ms) and no DDP
+    (its all-reduce at every step would wake gloo's threads), which both preempt the compute threads on a CPU. The
+    watchdog and the barriers still have torchrun's store."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "one", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # no agent here: rank 0 serves the store, as torch does then
     spec = TrainingSpec.model_validate(tiny_spec(corpus_file)["training"])
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        one = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-        forward, sync = wrap_model(spec, one, torch.nn.Linear(2, 2))
-        assert one.is_distributed
-        assert not isinstance(forward, DDP)
-        assert sync is None
-    finally:
-        torch.distributed.destroy_process_group()
+    one = init_distributed(spec.timeouts)
+    assert not torch.distributed.is_initialized() and not one.is_distributed
+    barrier(one)
+    one.store.set("key", "value")
+    assert one.store.get("key") == b"value"
+    forward, sync = wrap_model(spec, one, torch.nn.Linear(2, 2))
+    assert not isinstance(forward, DDP)
+    assert sync is None

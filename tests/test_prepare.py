@@ -446,7 +446,7 @@ def test_a_prepared_dataset_clears_the_failure_recorded_for_it(tmp_path, monkeyp
     assert record.startswith("failed RuntimeError: metrics: cannot serve on"), record
 
     monkeypatch.setenv(METRICS_PORT_ENV, "0")  # rank 0 prepares, without a prepare Job
-    prepare_now(plan, None)
+    prepare_now(plan, None, None)
     assert plan.manifest_path.exists() and not plan.error_path.exists()
 
     plan.error_path.write_text(record)  # as an attempt that failed beside a successful one would leave it

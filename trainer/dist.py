@@ -1,7 +1,7 @@
 """Process group and rank helpers: torchrun env in, a small `Dist` handle out.
 
-Without torchrun (plain `python -m trainer`) the trainer runs as a single process
-with no process group; every collective here is then a no-op.
+One process (plain `python -m trainer`, or torchrun's with one worker) has no process group
+(it has no peer); every collective here is then a no-op. Under torchrun it has the store.
 
 Timeouts (`training.timeouts`, docs/hangs.md): the process group starts with the long
 bound, which covers the first step (compile, warm-up); `step_timeouts()` shortens it to
@@ -65,7 +65,8 @@ def cuda_device(local_rank: int, visible: int) -> torch.device:
 
 
 def init_distributed(timeouts: TimeoutsSpec) -> Dist:
-    """Join the process group torchrun describes: NCCL on CUDA, gloo on CPU."""
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU), and its store; one process only
+    the store."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,19 +75,22 @@ def init_distributed(timeouts: TimeoutsSpec) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if "TORCHELASTIC_RUN_ID" in os.environ or world_size > 1:
+    if "TORCHELASTIC_RUN_ID" not in os.environ and world_size == 1:
+        return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, timeouts=timeouts)
+    timeout = timedelta(seconds=timeouts.long_work_seconds)
+    control_group = None
+    if world_size == 1:
+        # No peer: no process group, whose gloo event loop alone wakes every 10 ms, preempting a compute thread
+        # each time (1.5% of a CPU step, docs/performance.md). torchrun's store still serves the watchdog.
+        store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
+    else:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        torch_dist.init_process_group(
-            backend,
-            timeout=timedelta(seconds=timeouts.long_work_seconds),
-            device_id=device if device.type == "cuda" else None,
-        )
+        torch_dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
         control_group = torch_dist.new_group(backend="gloo") if backend == "nccl" else None
-        # torchrun gives every attempt a fresh store (the chart makes elastic rendezvous do so too): no stale
-        # keys. Not keyed by TORCHELASTIC_RESTART_COUNT, which differs between nodes after an elastic restart.
-        store = torch_dist.PrefixStore("ddpjob/", _get_default_store())
-        return Dist(rank, local_rank, world_size, device, timeouts, control_group, store)
-    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, timeouts=timeouts)
+        store = _get_default_store()
+    # torchrun gives every attempt a fresh store (the chart makes elastic rendezvous do so too): no stale keys.
+    # Not keyed by TORCHELASTIC_RESTART_COUNT, which differs between nodes after an elastic restart.
+    return Dist(rank, local_rank, world_size, device, timeouts, control_group, torch_dist.PrefixStore("ddpjob/", store))
 
 
 def step_timeouts(dist: Dist) -> None:

@@ -197,8 +197,7 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
         torch.backends.cudnn.allow_tf32 = True
     model.to(dist.device).train()
     forward_model = torch.compile(Scored(model)) if spec.compile else Scored(model)
-    # One process has no gradients to exchange: DDP's per-step all-reduce would only wake gloo's threads, which on
-    # a CPU preempt the compute threads several times a step (docs/performance.md).
+    # One process has no gradients to exchange, nor a process group (trainer.dist).
     if dist.world_size == 1:
         return forward_model, None
     device = dist.device

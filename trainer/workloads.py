@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as torch_dist
 from torch.utils.data import Dataset
 
 from trainer.data import Collate
@@ -127,10 +126,6 @@ def spec_sources(spec: TrainingSpec) -> dict[str, list[Source]]:
     return {split: stat_sources(paths, f"data.{split}") for split, paths in split_files(spec, None).items()}
 
 
-def rendezvous_store() -> Any:
-    return torch_dist.distributed_c10d._get_default_store() if torch_dist.is_initialized() else None
-
-
 def prepared(
     spec: TrainingSpec, dist: Dist, run_dir: Path, tokenizer: Any, builtin: dict[str, Path] | None = None
 ) -> tuple[Plan, dict[str, Any]]:
@@ -141,7 +136,7 @@ def prepared(
     manifest = find_manifest(plan)
     if manifest is None:
         prepares = dist.is_main and not os.environ.get(PREPARED_BY_JOB_ENV)
-        manifest = prepare_now(plan, tokenizer) if prepares else wait_for(plan, dist)
+        manifest = prepare_now(plan, tokenizer, dist.store) if prepares else wait_for(plan, dist)
     else:
         say(f"rank {dist.rank}: prepared data {plan.entry} ({manifest['splits']['train']['tokens']:,} train tokens)")
     return plan, manifest
@@ -171,12 +166,12 @@ def find_manifest(plan: Plan) -> dict[str, Any] | None:
 
 def outcome_key(plan: Plan) -> str:
     # Per attempt: a restarted group must not read the previous attempt's outcome.
-    return f"ddpjob/prepared/{plan.fingerprint}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"prepared/{plan.fingerprint}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def prepare_now(plan: Plan, tokenizer: Any) -> dict[str, Any]:
-    """Rank 0 prepares; the outcome (or the one-line bad-data error) goes to the waiting ranks through the store."""
-    store = rendezvous_store()
+def prepare_now(plan: Plan, tokenizer: Any, store: Any) -> dict[str, Any]:
+    """Rank 0 prepares; the outcome (or the one-line bad-data error) goes to the waiting ranks through the `store`
+    (Dist.store; None without torchrun)."""
     workers = worker_count(plan.spec.data)
     say(f"preparing {plan.entry} with {workers} process(es)")
     # Rank 0 is its pod's local rank 0, which serves the pod's metrics: the preparation's until training starts.
@@ -203,7 +198,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
     pod: when it has shown no progress (Plan.progress_path) for `training.timeouts.prepareStallSeconds`, it has
     died or never ran, and the rank gives up instead of waiting forever.
     """
-    store, key = rendezvous_store(), outcome_key(plan)
+    store, key = dist.store, outcome_key(plan)
     job = os.environ.get(PREPARED_BY_JOB_ENV)
     who = f"the prepare Job {job}" if job else "rank 0"
     bound = plan.spec.timeouts.prepare_stall_seconds
