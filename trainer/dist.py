@@ -81,7 +81,7 @@ def init_distributed(timeouts: TimeoutsSpec) -> Dist:
     control_group = None
     if world_size == 1:
         # No peer: no process group, whose gloo event loop alone wakes every 10 ms, preempting a compute thread
-        # each time (1.5% of a CPU step, docs/performance.md). torchrun's store still serves the watchdog.
+        # each time (about 1% of a CPU step, docs/performance.md). torchrun's store still serves the watchdog.
         store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
     else:
         backend = "nccl" if device.type == "cuda" else "gloo"
