@@ -19,6 +19,8 @@ from ctl.names import COMPONENT_LABEL, INSTANCE_LABEL, PREPARE_COMPONENT
 DELETE_WAIT_S = 300
 # The training objects rendered with a TrainJob, deleted with it (selected by the chart's instance label).
 TRAINING_RUNTIMES = (f"/apis/{TRAINJOB.api_version}", RUNTIME_PLURAL)
+# How long a job is applied again while its operator's webhook has not yet seen the runtime applied before it.
+RUNTIME_SEEN_WAIT_S = 30
 
 
 def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind = DEFAULT_KIND) -> None:
@@ -83,7 +85,23 @@ def submit(
                 " create: the runtime and the other objects passed the server dry run, the TrainJob was not sent"
             )
         return job
-    return apply(target, job, dry_run=dry_run)
+    return apply_job(target, job, dry_run=dry_run)
+
+
+def apply_job(target: Target, job: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+    """Apply the job, its runtime (if its kind has one) applied already. Trainer v2's webhook looks the runtime up in
+    its operator's informer cache, which can lag the API server by a moment: while it denies the job for a runtime
+    the API server has, the job is applied again, for up to RUNTIME_SEEN_WAIT_S."""
+    runtime = kind_of(job).runtime_name(job)
+    deadline = time.monotonic() + RUNTIME_SEEN_WAIT_S
+    while True:
+        try:
+            return apply(target, job, dry_run=dry_run)
+        except ClusterError as error:
+            unseen = runtime is not None and f'"{runtime}" not found' in str(error) and runtime_exists(target, runtime)
+            if not unseen or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def clear_prepare_job(target: Target, name: str, replace: bool) -> None:

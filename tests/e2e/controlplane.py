@@ -58,6 +58,8 @@ from local_processes import LOOPBACK, start_process, terminate_group, wait_until
 from oci import busybox_image
 
 from ctl.cluster import Target, apply
+from ctl.jobs import apply_job
+from ctl.kinds import KINDS
 from ctl.processes import free_port
 
 ADMIN_USER = "ddpjob-e2e-admin"
@@ -411,9 +413,11 @@ def start_controller_manager(plane: ControlPlane, binary: Path, certs: dict[str,
 
 
 def server_side_apply(client: kubernetes.client.ApiClient, obj: dict[str, Any], dry_run: bool = False) -> Any:
-    """`ctl`'s own server-side apply, in the object's namespace (cluster-scoped objects ignore it).
+    """`ctl`'s own server-side apply, in the object's namespace (cluster-scoped objects ignore it); a job as
+    `ctl submit` applies it (again while its operator's webhook has not yet seen its runtime).
     Returns the object as the API server stored it (or would have, with `dry_run`)."""
-    return apply(Target(client, obj["metadata"].get("namespace", "default")), obj, dry_run)
+    target = Target(client, obj["metadata"].get("namespace", "default"))
+    return (apply_job if obj["kind"] in KINDS else apply)(target, obj, dry_run)
 
 
 def install_crds(plane: ControlPlane, crd_files: list[Path]) -> None:

@@ -39,7 +39,10 @@ from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 from s3server import s3_server
 
+from ctl import jobs as ctl_jobs
 from ctl import kinds as job_kinds
+from ctl.cluster import ClusterError, Target, apply
+from ctl.jobs import RUNTIME_SEEN_WAIT_S, apply_job
 from ctl.kinds import JobKind
 from ctl.kinds.pytorchjob import REPLICA_TYPE_LABEL
 from ctl.operator_env import Replica, operator_env, replicas
@@ -318,7 +321,10 @@ def test_kubectl_server_side_apply_accepts_the_rendered_examples(
             assert rendered.returncode == 0, rendered.stderr
             manifest = tmp_path / example.name
             manifest.write_text(rendered.stdout)
-        result = kubectl("apply", "--server-side", *dry_run, "-f", str(manifest))
+        command = ("apply", "--server-side", *dry_run, "-f", str(manifest))
+        result = kubectl(*command)
+        if kind is TRAINJOB and "not found" in result.stderr:  # as docs/trainer-v2.md says: the webhook lagged
+            result = kubectl(*command)
         assert result.returncode == 0, f"{manifest.name}: {result.stderr}"
         assert f"{kind.resource}/" in result.stdout and ("(server dry run)" in result.stdout) == bool(dry_run)
         if kind is TRAINJOB:
@@ -985,6 +991,38 @@ def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name
             return progress
         time.sleep(0.5)
     raise AssertionError(f"no progress in {JOB_TIMEOUT_S} s")
+
+
+def test_a_trainjob_denied_before_the_webhook_sees_its_runtime_is_applied_again(
+    cluster: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer v2's webhook looks a TrainJob's runtime up in its operator's cache, which can lag the API server
+    just after `ctl submit` applied the runtime (a CI run met it: `TrainingRuntime ... not found`, exit 1). That lag
+    cannot be provoked on demand, so the webhook's real denial, taken while no runtime existed, is replayed once
+    after the runtime is applied; a job whose runtime is really missing gets that denial at once."""
+    name = f"lag-{uuid.uuid4().hex[:6]}"
+    spec = job_spec(name, name=name, apiKind="TrainJob", runPolicy={"suspend": True})
+    objects = {m.obj["kind"]: m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}} for m in render(spec)}
+    target = Target(cluster.client(), namespace)
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=f'"{name}" not found') as denied:
+        apply_job(target, objects["TrainJob"])
+    assert time.monotonic() - started < RUNTIME_SEEN_WAIT_S / 2, "a missing runtime was waited for"
+
+    apply(target, objects["TrainingRuntime"])
+    calls = 0
+
+    def lagging(*args: Any, **options: Any) -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise denied.value
+        return apply(*args, **options)
+
+    monkeypatch.setattr(ctl_jobs, "apply", lagging)
+    assert apply_job(target, objects["TrainJob"])["metadata"]["name"] == name
+    assert calls >= 2
+    assert TRAINJOB.get(cluster, namespace, name)["spec"]["runtimeRef"]["name"] == name
 
 
 @pytest.mark.parametrize("kind", KINDS)
