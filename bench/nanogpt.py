@@ -15,12 +15,13 @@ non-overlapping blocks (the reference's over its ranks, as ddpjob's).
 
 The data is prepared once (`ctl prepare`) before anything is timed and both read the same token file:
 preparation is excluded on both sides. Runs are interleaved, ddpjob then the reference, round after round,
-at 1 and 2 processes, with and without `training.compile` (nanoGPT's `compile`). Threads are each
+at 1 and 2 processes, with and without `training.compile` (nanoGPT's `compile`); round r seeds both sides with
+1336 + r, so that the final losses are compared over seeds rather than on one. Threads are each
 runner's own choice (`ctl run` and torchrun set OMP_NUM_THREADS per process; one process gets torch's
 default). Reported per configuration: wall time from start to exit (median over rounds) and to the step
-N line, the final validation loss, the time to a target validation loss (first evaluation at or below it;
-default: 1.02x the higher of the two final losses of that round), CPU s/step of all of a run's processes,
-and the ratios ddpjob / reference.
+N line, the final validation loss (mean over the rounds), the time to a target validation loss (first
+evaluation at or below it; default: 1.02x the higher of the two final losses of that round), CPU s/step of
+all of a run's processes, and the ratios ddpjob / reference.
 
     python bench/nanogpt.py                          # 2000 steps, 1 and 2 processes, compile off and on, 1 round
     python bench/nanogpt.py --procs 2 --no-compile --steps 500 --rounds 3
@@ -147,7 +148,7 @@ def reference(settings: dict[str, Any]) -> None:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     master = rank == 0
-    torch.manual_seed(SEED + rank)
+    torch.manual_seed(settings["seed"] + rank)
     tokens = np.memmap(settings["tokens"], dtype=settings["dtype"], mode="r", shape=(settings["count"],))
     cut = int(len(tokens) * (1 - VAL_FRACTION))
     splits = {"train": tokens[:cut], "val": tokens[cut:]}
@@ -228,7 +229,7 @@ def print_final_loss(model: GPT, val: np.ndarray, rank: int, world: int, batch: 
 # --- The driver --------------------------------------------------------------------------------
 
 
-def job_spec(workdir: Path, size: str, procs: int, compile_: bool, steps: int) -> dict[str, Any]:
+def job_spec(workdir: Path, size: str, procs: int, compile_: bool, steps: int, seed: int = SEED) -> dict[str, Any]:
     """The reference's settings as a ddpjob spec, as a user would write it."""
     lengths = LENGTHS[size]
     return {
@@ -258,7 +259,7 @@ def job_spec(workdir: Path, size: str, procs: int, compile_: bool, steps: int) -
             "evalEvery": lengths["eval_every"],
             "evalBatches": lengths["eval_iters"],  # nanoGPT's estimate; the final evaluation is whole either way
             "logEvery": lengths["log_every"],
-            "seed": SEED,
+            "seed": seed,
             # nanoGPT keeps the best checkpoint, written at an evaluation that improved; its script samples nothing.
             "checkpoint": {"every": lengths["eval_every"], "keepLast": 1},
             "sample": {"maxNewTokens": 0},
@@ -284,7 +285,7 @@ def prepare(workdir: Path, size: str) -> dict[str, Any]:
 def commands(workdir: Path, name: str, procs: int, settings: Path, round_number: int) -> dict[str, list[str]]:
     worker = [str(Path(__file__).resolve()), "--worker", str(settings)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    spec = str(workdir / f"{name}.yaml")
+    spec = str(workdir / f"{name}-{round_number}.yaml")
     # A run directory per round: in the last one's, `ctl run` would resume the finished run and train nothing.
     run_dir = workdir / "runs" / f"{name}-{round_number}"
     return {
@@ -298,7 +299,7 @@ def summary(runs: list[Run], steps: int, target: float) -> dict[str, Any]:
     return {
         "wall_seconds": statistics.median(run.wall for run in runs),
         "seconds_to_last_step": statistics.median(run.step_times[steps] for run in runs),
-        "final_val_loss": statistics.median(run.val_losses[-1][1] for run in runs),
+        "final_val_loss": statistics.mean(run.val_losses[-1][1] for run in runs),  # over the rounds' seeds
         "seconds_to_target": statistics.median(reached),
         "cpu_seconds_per_step": statistics.median(run.usage_per_step().cpu_seconds for run in runs),
     }
@@ -342,14 +343,17 @@ def main() -> None:
         for procs in args.procs:
             for compile_ in compiles:
                 name = f"p{procs}-{'compile' if compile_ else 'eager'}"
-                (workdir / f"{name}.yaml").write_text(yaml.safe_dump(job_spec(workdir, size, procs, compile_, steps)))
-                settings = workdir / f"{name}.json"
                 out = workdir / "runs" / f"{name}-reference"
                 out.mkdir(parents=True)
-                fields = {"compile": compile_, "steps": steps, "out": str(out)}
-                settings.write_text(json.dumps(data | lengths | fields))
                 runs: dict[str, list[Run]] = {"ddpjob": [], "reference": []}
                 for round_number in range(1, rounds + 1):
+                    # Each round its own seed, the same on both sides: the final loss is compared over seeds.
+                    seed = SEED + round_number - 1
+                    spec = job_spec(workdir, size, procs, compile_, steps, seed)
+                    (workdir / f"{name}-{round_number}.yaml").write_text(yaml.safe_dump(spec))
+                    settings = workdir / f"{name}-{round_number}.json"
+                    fields = {"compile": compile_, "steps": steps, "out": str(out), "seed": seed}
+                    settings.write_text(json.dumps(data | lengths | fields))
                     for runner, command in commands(workdir, name, procs, settings, round_number).items():
                         warmup = lengths["log_every"]
                         run = measure_with_retry(
