@@ -20,8 +20,8 @@ at 1 and 2 processes, with and without `training.compile` (nanoGPT's `compile`);
 runner's own choice (`ctl run` and torchrun set OMP_NUM_THREADS per process; one process gets torch's
 default). Reported per configuration: wall time from start to exit (median over rounds) and to the step
 N line, the final validation loss (mean over the rounds), the time to a target validation loss (first
-evaluation at or below it; default: 1.02x the higher of the two final losses of that round), CPU s/step of
-all of a run's processes, and the ratios ddpjob / reference.
+evaluation at or below it; default: 1.02x the highest final loss of the configuration's runs), CPU s/step
+of all of a run's processes, and the ratios ddpjob / reference.
 
     python bench/nanogpt.py                          # 2000 steps, 1 and 2 processes, compile off and on, 1 round
     python bench/nanogpt.py --procs 2 --no-compile --steps 500 --rounds 3
