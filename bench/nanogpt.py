@@ -282,14 +282,19 @@ def prepare(workdir: Path, size: str) -> dict[str, Any]:
     }
 
 
-def commands(workdir: Path, name: str, procs: int, settings: Path, round_number: int) -> dict[str, list[str]]:
+def round_files(workdir: Path, name: str, round_number: int) -> tuple[Path, Path]:
+    """A round's ddpjob spec and the reference's settings (each round has its own seed)."""
+    return workdir / f"{name}-{round_number}.yaml", workdir / f"{name}-{round_number}.json"
+
+
+def commands(workdir: Path, name: str, procs: int, round_number: int) -> dict[str, list[str]]:
+    spec, settings = round_files(workdir, name, round_number)
     worker = [str(Path(__file__).resolve()), "--worker", str(settings)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    spec = str(workdir / f"{name}-{round_number}.yaml")
     # A run directory per round: in the last one's, `ctl run` would resume the finished run and train nothing.
     run_dir = workdir / "runs" / f"{name}-{round_number}"
     return {
-        "ddpjob": [sys.executable, "-m", "ctl", "run", spec, "--run-dir", str(run_dir)],
+        "ddpjob": [sys.executable, "-m", "ctl", "run", str(spec), "--run-dir", str(run_dir)],
         "reference": [*torchrun, *worker] if procs > 1 else [sys.executable, *worker],
     }
 
@@ -349,12 +354,11 @@ def main() -> None:
                 for round_number in range(1, rounds + 1):
                     # Each round its own seed, the same on both sides: the final loss is compared over seeds.
                     seed = SEED + round_number - 1
-                    spec = job_spec(workdir, size, procs, compile_, steps, seed)
-                    (workdir / f"{name}-{round_number}.yaml").write_text(yaml.safe_dump(spec))
-                    settings = workdir / f"{name}-{round_number}.json"
+                    spec, settings = round_files(workdir, name, round_number)
+                    spec.write_text(yaml.safe_dump(job_spec(workdir, size, procs, compile_, steps, seed)))
                     fields = {"compile": compile_, "steps": steps, "out": str(out), "seed": seed}
                     settings.write_text(json.dumps(data | lengths | fields))
-                    for runner, command in commands(workdir, name, procs, settings, round_number).items():
+                    for runner, command in commands(workdir, name, procs, round_number).items():
                         warmup = lengths["log_every"]
                         run = measure_with_retry(
                             runner, command, workdir, warmup, steps, round_number, retried, threads

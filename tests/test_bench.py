@@ -73,7 +73,7 @@ def test_each_nanogpt_round_of_ddpjob_trains_in_a_run_directory_of_its_own(tmp_p
         from nanogpt import commands
     finally:
         sys.path.remove(str(REPO / "bench"))
-    run_dirs = {tuple(commands(tmp_path, "p1-eager", 1, tmp_path / "s.json", n)["ddpjob"]) for n in (1, 2)}
+    run_dirs = {tuple(commands(tmp_path, "p1-eager", 1, n)["ddpjob"]) for n in (1, 2)}
     assert len(run_dirs) == 2
 
 
