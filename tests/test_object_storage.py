@@ -106,13 +106,17 @@ def test_resumes_from_the_bucket_exactly_and_ignores_a_folder_without_its_marker
 
 
 def test_each_checkpoint_uploads_only_the_event_files_closed_since_the_one_before(
-    s3_env: S3Server, bucket: str, tmp_path: Path
+    s3_env: S3Server, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainer closes the TensorBoard event file before each save on object storage; the save uploads the files
     the bucket lacks: one more object per checkpoint, the earlier ones never written again, however long the run.
-    Every value comes back from the bucket after the end's upload."""
+    The bucket's event files are listed once, not at each checkpoint. Every value comes back from the bucket after
+    the end's upload."""
     model, optimizer, scaler = training_state()
     checkpoints = checkpointer(f"s3://{bucket}/run", tmp_path)
+    listed: list[str] = []
+    listing = checkpoints.store.listing
+    monkeypatch.setattr(checkpoints.store, "listing", lambda folder: listed.append(folder) or listing(folder))
     state = TrainerState()
     checkpoints.attach(model, optimizer, scaler, state)
     spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "corpus.txt"}})
@@ -136,6 +140,7 @@ def test_each_checkpoint_uploads_only_the_event_files_closed_since_the_one_befor
     publish(checkpoints.run_dir, checkpoints.store)  # the end's upload: the file still open, step 7
     assert objects().items() >= uploaded.items() and len(objects()) == len(uploaded) + 1
     assert len({name.split(".")[3] for name in objects()}) == 4  # each opened in its own second: read in order
+    assert listed.count("tensorboard") == 1
     tracker.close(0)
     assert tensorboard_scalars(events.parent)["train/loss"] == [(step, pytest.approx(1 / step)) for step in range(1, 8)]
 

@@ -58,6 +58,7 @@ class Store(Protocol):
     def delete(self, folder: str, marker: str) -> None: ...
     def local(self, folder: str) -> Path: ...
     def publish(self, local: Path, path: str) -> None: ...  # a file or folder of the local run directory
+    def publish_new(self, files: list[Path], folder: str) -> None: ...  # those `folder` lacks at their size
     def describe(self, folder: str = "") -> str: ...
 
 
@@ -119,6 +120,9 @@ class LocalStore:
         return str(self.root / folder) if folder else str(self.root)
 
     def publish(self, local: Path, path: str) -> None:
+        """Nothing to do: the run directory is the store."""
+
+    def publish_new(self, files: list[Path], folder: str) -> None:
         """Nothing to do: the run directory is the store."""
 
 
@@ -194,6 +198,9 @@ class S3Store:
         self.location = location
         self.cache = cache
         self.store = s3_client(location.bucket, location.prefix)
+        # What `publish_new` knows each of its folders to hold, name -> size: listed at its first call, then kept by
+        # its own uploads (one process writes there: rank 0 of the run's current attempt).
+        self.published: dict[str, dict[str, int]] = {}
 
     @s3_errors
     def names(self) -> list[str]:
@@ -287,6 +294,25 @@ class S3Store:
         files = sorted(file for file in local.rglob("*") if file.is_file()) if local.is_dir() else [local]
         for file in files:
             obstore.put(self.store, f"{path}/{file.relative_to(local)}" if local.is_dir() else path, file)
+
+    def publish_new(self, files: list[Path], folder: str) -> None:
+        """Upload each of `files` into `folder` unless the bucket has it there at its size. The files are closed ones
+        (trainer.tracking.Tracker.seal_events), never written again: the folder is listed at the first call, and a
+        file found there or put since is not looked at again. So a run that adds a file at every checkpoint does not
+        list the bucket's, nor stat its own, at every checkpoint."""
+        if not files:
+            return
+        first = folder not in self.published
+        if first:
+            self.published[folder] = self.sizes(folder)
+        known = self.published[folder]
+        for file in files:
+            if not first and file.name in known:
+                continue
+            size = file.stat().st_size
+            if known.get(file.name) != size:
+                self.publish(file, f"{folder}/{file.name}")
+                known[file.name] = size
 
     def check(self, writable: bool) -> None:
         """SpecError naming checkpoint.dir when the bucket cannot be listed (missing, refused credentials, no
