@@ -5,9 +5,12 @@ An asynchronous one stalls it only while the state is copied to CPU memory; a ba
 thread writes the copy while training goes on (which it slows down meanwhile, by sharing the
 CPU: reported too). Both through the trainer's own Checkpointer,
 on the GPT-2 124M shape with AdamW state (about 1.5 GB on disk), in one process; then the same saves to an S3
-bucket (checkpoint.dir: s3://...), as ratios to the local disk's stalls measured in the same run:
+bucket (checkpoint.dir: s3://...), as ratios to the local disk's stalls measured in the same run. Last, what a
+checkpoint to the bucket spends uploading TensorBoard's events late in a long run against early in a short one: each
+checkpoint there closes an event file (trainer.tracking.Tracker.seal_events), so a run has as many as checkpoints.
 
     python bench/checkpoint.py [--layers 12 --embd 768 --repeats 2 --dir /path/on/the/target/disk --uri s3://b/p]
+                               [--event-files 10 1000]
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from s3server import s3_server  # noqa: E402
 from bench.peers import gpt2  # noqa: E402
 from trainer.checkpoint import Checkpointer, TrainerState  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
+from trainer.names import TENSORBOARD_DIR  # noqa: E402
+from trainer.rundir import event_files, publish  # noqa: E402
 from trainer.spec import CheckpointSpec  # noqa: E402
+from trainer.storage import open_store  # noqa: E402
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]
 
@@ -106,6 +112,22 @@ def measure(run_dir: Path, uri: str | None, state: State, repeats: int) -> Measu
     return measured
 
 
+def event_upload_seconds(run_dir: Path, uri: str, earlier: int) -> float:
+    """A checkpoint's upload of the TensorBoard events after `earlier` checkpoints, each of which closed an event file:
+    what `Checkpointer` does before each marker (trainer.rundir.publish), timed over the last few of one store's."""
+    store = open_store(uri, run_dir)
+    folder = run_dir / TENSORBOARD_DIR
+    folder.mkdir(parents=True)
+
+    def checkpoint(index: int) -> None:
+        (folder / f"events.out.tfevents.{index:08d}.bench").write_bytes(bytes(512))  # the file the save closed
+        publish(run_dir, store, (), event_files(run_dir))
+
+    for index in range(earlier):
+        checkpoint(index)
+    return statistics.median(seconds(lambda i=i: checkpoint(i)) for i in range(earlier, earlier + 5))
+
+
 @contextlib.contextmanager
 def bucket(work_dir: Path, uri: str | None) -> Iterator[str]:
     """`uri` (a real bucket, credentials from the AWS variables), or a bucket of a local S3 server (versitygw, as the
@@ -126,12 +148,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--uri", default=None, help="s3://bucket/prefix to save to (default: a local S3 server's)")
+    parser.add_argument(
+        "--event-files",
+        type=int,
+        nargs=2,
+        default=[10, 1000],
+        metavar=("SHORT", "LONG"),
+        help="checkpoints before the one whose event upload is timed, in a short run and a long one",
+    )
     args = parser.parse_args()
     state = trained_state(args.layers, args.embd)
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-", dir=args.dir) as tmp:
         local = measure(Path(tmp) / "local", None, state, args.repeats)
         with bucket(Path(tmp) / "s3", args.uri) as uri:
             remote = measure(Path(tmp) / "s3-cache", uri, state, args.repeats)
+            events = {n: event_upload_seconds(Path(tmp) / f"events-{n}", f"{uri}-{n}", n) for n in args.event_files}
     median = statistics.median
     sync, background, slowdown = (median(v) for v in (local.stalls["sync"], local.stalls["async"], local.slowdowns))
     s3_sync, s3_background = (median(remote.stalls[mode]) for mode in ("sync", "async"))
@@ -147,6 +178,11 @@ def main() -> None:
         f"to the bucket ({args.uri or 'a local versitygw'}): stall sync {s3_sync:.2f} s ({s3_sync / sync:.2f}x the"
         f" local disk's), async {s3_background:.3f} s ({s3_background / background:.2f}x)"
     )
+    short, long = args.event_files
+    print(
+        f"event upload per checkpoint to the bucket: {events[short] * 1000:.1f} ms after {short} checkpoints,"
+        f" {events[long] * 1000:.1f} ms after {long} ({events[long] / events[short]:.2f}x)"
+    )
     result = {
         "parameters": params,
         "checkpoint_bytes": local.size,
@@ -158,6 +194,8 @@ def main() -> None:
         "s3_stall_seconds": {"sync": round(s3_sync, 3), "async": round(s3_background, 3)},
         "s3_save_seconds": round(median(remote.writes["sync"]), 3),
         "s3_vs_local_stall_ratio": {"sync": round(s3_sync / sync, 3), "async": round(s3_background / background, 3)},
+        "event_upload_seconds": {str(n): round(v, 4) for n, v in events.items()},
+        "event_upload_ratio": round(events[long] / events[short], 3),
     }
     print(json.dumps(result))
 

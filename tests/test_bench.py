@@ -78,9 +78,11 @@ def test_each_nanogpt_round_of_ddpjob_trains_in_a_run_directory_of_its_own(tmp_p
 
 
 def test_checkpoint_bench_saves_sync_and_async_to_the_disk_and_a_bucket() -> None:
-    result = run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1")
+    result = run_bench("checkpoint.py", "--layers", "1", "--embd", "64", "--repeats", "1", "--event-files", "2", "6")
     assert_finite(result, "async_stall_ratio")
     assert set(result["s3_vs_local_stall_ratio"]) == {"sync", "async"}
+    assert set(result["event_upload_seconds"]) == {"2", "6"}
+    assert_finite(result, "event_upload_ratio")
 
 
 def test_cli_bench_times_ctl() -> None:
