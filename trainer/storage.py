@@ -297,9 +297,10 @@ class S3Store:
 
     def publish_new(self, files: list[Path], folder: str) -> None:
         """Upload each of `files` into `folder` unless the bucket has it there at its size. The files are closed ones
-        (trainer.tracking.Tracker.seal_events), never written again: the folder is listed at the first call, and a
-        file found there or put since is not looked at again. So a run that adds a file at every checkpoint does not
-        list the bucket's, nor stat its own, at every checkpoint."""
+        (trainer.tracking.Tracker.seal_events), never written again, but for the one still open at the end's upload,
+        after which nothing is uploaded: the folder is listed at the first call, and a file found there or put since
+        is not looked at again. So a run that adds a file at every checkpoint does not list the bucket's, nor stat
+        its own, at every checkpoint."""
         if not files:
             return
         first = folder not in self.published
