@@ -273,13 +273,15 @@ def export(reference: str, content: str) -> Path:
         return archive
     partial = archive.with_name(archive.name + ".partial")
     partial.unlink(missing_ok=True)
+    # Older contents' archives go first, not after: with the new one beside them the disk would need 6 GB more at the
+    # peak (a CI run once ended here with "no space left on device").
+    archives = sorted(CACHE.glob(f"{name}-*.oci.tar"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for stale in archives[KEEP_ARCHIVES - 1 :]:
+        stale.unlink()
     with timed("OCI archive"):
         # Uncompressed layers: a multi-GB gzip would cost minutes here and at every import.
         podman("save", "--quiet", "--uncompressed", "--format", "oci-archive", "--output", str(partial), reference)
     partial.rename(archive)
-    archives = sorted(CACHE.glob(f"{name}-*.oci.tar"), key=lambda path: path.stat().st_mtime, reverse=True)
-    for stale in archives[KEEP_ARCHIVES:]:
-        stale.unlink()
     return archive
 
 

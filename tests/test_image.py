@@ -18,10 +18,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import image as image_module
 import pytest
 import yaml
 from conftest import REPO, run_ctl
-from image import STAND_IN_REPOSITORY, Image, ensure_image, local_image, podman_env
+from image import STAND_IN_REPOSITORY, Image, ensure_image, export, local_image, podman_env
 from packaging.requirements import Requirement
 
 from ctl.operator_env import Replica, operator_env
@@ -240,3 +241,25 @@ def test_the_image_size_and_its_archive(image: Image) -> None:
         layers = blob(manifest["digest"])
         assert layers["config"]["digest"] == f"sha256:{built['Id']}"
         assert {layer["mediaType"] for layer in layers["layers"]} == {"application/vnd.oci.image.layer.v1.tar"}
+
+
+def test_an_export_removes_the_older_archives_before_it_writes_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new content's archive is 6 GB: written beside the old one, it once filled a CI machine's disk."""
+    older = [tmp_path / f"ddpjob-0.1.0-{content}.oci.tar" for content in ("a" * 16, "b" * 16)]
+    for path in older:
+        path.write_bytes(b"an older content's image")
+    there_while_saving: list[str] = []
+
+    def podman(*args: str, **_: Any) -> str:  # podman save's file handling, without a 6 GB image
+        there_while_saving.extend(path.name for path in tmp_path.iterdir())
+        Path(args[args.index("--output") + 1]).write_bytes(b"this content's image")
+        return ""
+
+    monkeypatch.setattr(image_module, "CACHE", tmp_path)
+    monkeypatch.setattr(image_module, "podman", podman)
+    archive = export("docker.io/library/ddpjob:0.1.0", "c" * 64)
+    assert there_while_saving == []
+    assert list(tmp_path.iterdir()) == [archive]
+    assert archive.read_bytes() == b"this content's image"
