@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.data import TokenBlocks
+from trainer.gpt import ACTIVATION
 from trainer.prepare import read_texts
 from trainer.text import expand_paths
 
@@ -55,7 +56,7 @@ def gpt2(settings: dict) -> transformers.GPT2LMHeadModel:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        activation_function="gelu_pytorch_tanh",  # the trainer's (trainer/models.py)
+        activation_function=ACTIVATION,  # the trainer's
     )
     return transformers.GPT2LMHeadModel(config)
 
