@@ -76,9 +76,11 @@ FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py
 	tests/test_object_storage.py::test_ctl_run_with_storage_uri_keeps_the_run_in_the_bucket \
 	"tests/test_checkpoint.py::test_sigterm_saves_at_one_agreed_step_and_the_restart_finishes_exactly"
 
+# A new environment each time rather than `--upgrade` over the old one: `--upgrade` implies `--refresh`, which
+# fetched torch and its CUDA libraries again and unpacked another 6 GB copy into uv's cache on every run.
 floors-env: $(BIN)/uv
-	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(FLOORS_VENV)
-	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct --upgrade -e '.[train]'
+	$(BIN)/uv venv --quiet --clear --python $(PYTHON) $(FLOORS_VENV)
+	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python --resolution lowest-direct -e '.[train]'
 	$(UV_INSTALL) --python $(FLOORS_VENV)/bin/python -e '.[dev]'
 	$(call compile_venv,$(FLOORS_VENV))
 
