@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ctl.processes import free_port
 from trainer.dist import barrier, cuda_device, init_distributed
-from trainer.loop import wrap_model
+from trainer.loop import slow_precision_warning, wrap_model
 from trainer.spec import SpecError, TrainingSpec
 
 STEPS = 6
@@ -86,6 +86,21 @@ def test_bf16_compiled_ddp_stays_close_to_fp32(tmp_path, corpus_file, single_pro
     largest = max((weights[key] - single_process[key]).abs().max().item() for key in weights)
     # Above: autocast took effect. Below: 6 AdamW steps at lr 1e-3 move a weight by about 6e-3 at most.
     assert 1e-4 < largest < 6e-3, largest
+    # Rank 0 warned (stderr, in the run's logs) exactly when this CPU has no native bf16 matrix instructions.
+    rank_logs = "".join(log.read_text() for log in (tmp_path / "runs" / "bf16").glob("logs/*/node-0/*/*/0/stderr.log"))
+    assert "rank 0 of 2" in rank_logs
+    assert ("warning: precision: bf16 on a CPU without" in rank_logs) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_warned_about_only_on_a_cpu_without_its_instructions(monkeypatch, dtype) -> None:
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    monkeypatch.setattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported", lambda: True)
+    assert slow_precision_warning(dtype, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported", lambda: False)
+    assert slow_precision_warning(dtype, torch.device("cpu")).startswith(f"warning: precision: {name} on a CPU")
+    assert slow_precision_warning(dtype, torch.device("cuda", 0)) is None
+    assert slow_precision_warning(None, torch.device("cpu")) is None  # fp32
 
 
 def test_a_node_with_fewer_gpus_than_processes_is_bad_input_naming_procs_per_node(monkeypatch) -> None:
