@@ -60,6 +60,12 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def rank_log(run_dir: Path, node: int, local_rank: int) -> Path:
+    """A rank's own stderr from `ctl run`'s first attempt (torchrun's log layout under the run's logs/): exactly one."""
+    (log,) = run_dir.glob(f"logs/*/node-{node}/*/attempt_0/{local_rank}/stderr.log")
+    return log
+
+
 @pytest.fixture
 def write_spec(tmp_path: Path) -> Callable[[dict[str, Any]], Path]:
     def write(spec: dict[str, Any], name: str = "spec.yaml") -> Path:

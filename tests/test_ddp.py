@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_ctl, tiny_spec
+from conftest import rank_log, run_ctl, tiny_spec
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -87,7 +87,7 @@ def test_bf16_compiled_ddp_stays_close_to_fp32(tmp_path, corpus_file, single_pro
     # Above: autocast took effect. Below: 6 AdamW steps at lr 1e-3 move a weight by about 6e-3 at most.
     assert 1e-4 < largest < 6e-3, largest
     # Rank 0 warned (stderr, in the run's logs) exactly when this CPU has no native bf16 matrix instructions.
-    rank_logs = "".join(log.read_text() for log in (tmp_path / "runs" / "bf16").glob("logs/*/node-0/*/*/0/stderr.log"))
+    rank_logs = rank_log(tmp_path / "runs" / "bf16", 0, 0).read_text()
     assert "rank 0 of 2" in rank_logs
     assert ("warning: precision: bf16 on a CPU without" in rank_logs) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
 

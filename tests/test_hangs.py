@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import yaml
-from conftest import REPO, processes_with_marker, run_ctl, start_ctl, trainer_pids
+from conftest import REPO, processes_with_marker, rank_log, run_ctl, start_ctl, trainer_pids
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
@@ -151,7 +151,7 @@ def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_ex
     assert f"at least timeouts.hangFloorSeconds = {FLOOR}" in report.group(2)
     # Rank 0 (the one not stopped) dumped its Python stacks into its log: its training thread waits in the gradient
     # all-reduce.
-    (log,) = hung.run_dir.glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+    log = rank_log(hung.run_dir, 0, 0)
     dump = log.read_text()[log.read_text().index("Python stacks of every thread of this rank") :]
     assert re.search(r'File ".*trainer/loop\.py", line \d+ in train', dump), dump
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import processes_with_marker, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
+from conftest import processes_with_marker, rank_log, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -30,7 +30,7 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
     assert "[rank 0] sample:\n[rank 0] def " in result.stdout
     # Rank 1's own output is in its log, not on the terminal.
     assert "rank 1 of 2" not in result.stdout + result.stderr
-    (rank1,) = run_dir.glob("logs/*/node-0/*/attempt_0/1/stderr.log")
+    rank1 = rank_log(run_dir, 0, 1)
     assert rank1.read_text().startswith("rank 1 of 2 on ")
 
     report = json.loads((run_dir / "report.json").read_text())

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import REPO, run_ctl, tensorboard_scalars, tiny_spec
+from conftest import REPO, rank_log, run_ctl, tensorboard_scalars, tiny_spec
 from s3server import S3Server
 from test_checkpoint import (
     EVERY,
@@ -376,8 +376,7 @@ def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
         result = run_ctl("run", str(write_spec(spec | {"name": name})), cwd=tmp_path, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         run_cache = tmp_path / "cache" / "runs" / bucket / "team" / name  # the run's node-local side: its logs
-        (rank0,) = run_cache.glob("logs/*/node-0/*/attempt_0/0/stderr.log")
-        logs.append(rank0.read_text())
+        logs.append(rank_log(run_cache, 0, 0).read_text())
     assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
     downloads = [line for line in (s3.root.parent / "versitygw.log").read_text().splitlines() if "| GET |" in line]
     for index in range(2):
@@ -399,8 +398,7 @@ def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(
             "run", str(write_spec(object_storage_spec(corpus_file, s3, bucket) | {"name": name})), cwd=tmp_path, env=env
         )
         assert result.returncode == 0, result.stdout + result.stderr
-        (rank0,) = (tmp_path / node / "runs" / bucket / "team" / name).glob("logs/*/node-0/*/attempt_0/0/stderr.log")
-        logs.append(rank0.read_text())
+        logs.append(rank_log(tmp_path / node / "runs" / bucket / "team" / name, 0, 0).read_text())
     assert "preparing " in logs[0] and "preparing " not in logs[1] and "prepared data " in logs[1]
     (dataset,) = (s3.root / bucket / "team" / "_datasets").iterdir()
     assert (dataset / "manifest.json").is_file()

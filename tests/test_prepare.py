@@ -24,7 +24,7 @@ import pyarrow.parquet
 import pytest
 import torch
 import yaml
-from conftest import run_ctl, tiny_spec
+from conftest import rank_log, run_ctl, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -243,7 +243,7 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     run = run_ctl("run", "spec.yaml", "--set", "prepare.enabled=true", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "already prepared" in run.stderr
-    (rank_0,) = (tmp_path / "runs" / "tiny").glob("logs/*/node-0/*/attempt_0/0/stderr.log")
+    rank_0 = rank_log(tmp_path / "runs" / "tiny", 0, 0)
     assert f"rank 0: prepared data {entry}" in rank_0.read_text() and "preparing" not in run.stdout
 
     corpus.write_text(corpus.read_text() + "\nmore text\n")  # the resume would train on other data

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import REPO, processes_with_marker, run_ctl, tiny_spec
+from conftest import REPO, processes_with_marker, rank_log, run_ctl, tiny_spec
 from test_chart import ALL_SPECS, VARIANTS, crd_schema, objects, pod_templates, spec_of, trainer_container
 
 from ctl.kinds import TRAINJOB
@@ -202,7 +202,7 @@ def test_ctl_run_trains_two_trainjob_nodes_with_trainer_v2s_env(tmp_path, write_
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[rank 0] step 5/5 | loss " in result.stdout
-    (rank1,) = (tmp_path / "runs" / "tiny").glob("logs/*/node-1/*/attempt_0/0/stderr.log")
+    rank1 = rank_log(tmp_path / "runs" / "tiny", 1, 0)
     assert rank1.read_text().startswith("rank 1 of 2 on ")
     report = json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps"] == 5
