@@ -37,7 +37,7 @@ from ctl.tables import progress_text
 from trainer.checkpoint import step_name
 from trainer.dist import Dist, StopRequest
 from trainer.frozen import beat_path
-from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
+from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.spec import TimeoutsSpec
 from trainer.watchdog import Watchdog
 
@@ -164,24 +164,16 @@ def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_ex
     assert_bitwise_equal(weights(hung.run_dir), uninterrupted)
 
 
-def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_exit_hung(
-    tmp_path: Path, corpus_file: Path
-) -> None:
-    """Two nodes as on a cluster, each its own launcher with nothing above it (no `ctl run` to end the other node):
-    rank 1's whole process is stopped, watchdog included. Node 0's rank finds the job hung and its node exits
-    EXIT_HUNG; node 1's launcher finds its rank's heartbeat stale, kills it and exits EXIT_HUNG too, so that
-    restartPolicy ExitCode recreates both pods (a pod left with a stopped rank never exits, and the recreated
-    pods would wait for it at the rendezvous)."""
+def launch_two_nodes(
+    tmp_path: Path, corpus_file: Path, env: dict[str, str], **overrides: Any
+) -> tuple[list[subprocess.Popen], Path]:
+    """Two nodes as on a cluster, each its own launcher with nothing above it (no `ctl run` to end the other node),
+    one rank each; (the launchers, the run directory)."""
     run_dir = tmp_path / "run"
     config = tmp_path / "training.yaml"
-    config.write_text(yaml.safe_dump(training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR})))
-    marker = uuid.uuid4().hex
-    env = os.environ | {
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "DDPJOB_TEST_MARKER": marker,
-        SLOW_RANK_ENV: f"1:{SLOWDOWN}",  # steps long enough to stop rank 1 amid the run
-    }
+    section = training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR}) | overrides
+    config.write_text(yaml.safe_dump(section))
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | env
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
     launch.append(f"--master-port={free_port()}")
     trainer = ["-m", "trainer", "--config", str(config)]
@@ -191,24 +183,73 @@ def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_
         )
         for node in (0, 1)
     ]
+    return nodes, run_dir
+
+
+def node_outputs(nodes: list[subprocess.Popen], marker: str) -> list[str]:
+    """Each node's stderr once it has exited; whatever is left of the run is killed."""
     try:
-        poll("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
-        (rank_1,) = trainer_pids(marker, rank=1)
-        os.kill(rank_1, signal.SIGSTOP)
-        outputs = [node.communicate(timeout=120)[1] for node in nodes]
+        return [node.communicate(timeout=120)[1] for node in nodes]
     finally:
         for node in nodes:
             node.kill()
         for pid in processes_with_marker(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def assert_killed_by_its_launcher(output: str, step: str = r"\d+") -> None:
+    """Node 1's launcher killed its rank for a stale heartbeat, held to the step's limit, and exited hung."""
+    killed = re.search(
+        rf"\[rank 1\] hang: rank 1 stopped responding after step {step} .*its node's launcher killed it", output
+    )
+    assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), output
+    assert output.splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), output
+
+
+def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_exit_hung(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """Rank 1's whole process is stopped, watchdog included. Node 0's rank finds the job hung and its node exits
+    EXIT_HUNG; node 1's launcher finds its rank's heartbeat stale, kills it and exits EXIT_HUNG too, so that
+    restartPolicy ExitCode recreates both pods (a pod left with a stopped rank never exits, and the recreated
+    pods would wait for it at the rendezvous)."""
+    marker = uuid.uuid4().hex
+    # Steps long enough to stop rank 1 amid the run.
+    nodes, run_dir = launch_two_nodes(
+        tmp_path, corpus_file, {"DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
+    )
+    try:
+        poll("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
+        (rank_1,) = trainer_pids(marker, rank=1)
+        os.kill(rank_1, signal.SIGSTOP)
+    finally:
+        outputs = node_outputs(nodes, marker)
     assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs
     assert "[rank 0] hang: rank 0 completed no step for" in outputs[0], outputs[0]
-    killed = re.search(
-        r"\[rank 1\] hang: rank 1 stopped responding after step \d+ .*its node's launcher killed it", outputs[1]
-    )
-    assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), outputs[1]
-    assert outputs[1].splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), outputs[1]
+    assert_killed_by_its_launcher(outputs[1])
+
+
+def test_a_rank_frozen_as_its_peer_starts_an_evaluation_is_killed_first_and_the_peer_still_exits_hung(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """Rank 1 stops itself (the test hook) right after step 6, which rank 0 follows with a periodic evaluation:
+    rank 0 is held to longWorkSeconds there, rank 1's last heartbeat to the step's limit. Node 1's launcher kills
+    rank 1 first, so rank 0's evaluation all-reduce fails (connection reset) before its watchdog could call the job
+    hung; rank 0 finds rank 1's heartbeat stale and exits EXIT_HUNG all the same, not 1 (which restartPolicy
+    ExitCode would not retry: the e2e frozen-rank job failed so when its stop landed just before a checkpoint)."""
+    marker = uuid.uuid4().hex
+    env = {"DDPJOB_TEST_MARKER": marker, FREEZE_RANK_ENV: "1:6"}
+    nodes, _ = launch_two_nodes(tmp_path, corpus_file, env, evalEvery=6, logEvery=5)  # step 6: no log reduction
+    outputs = node_outputs(nodes, marker)
+    assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs
+    assert re.search(
+        r"\[rank 0\] hang: rank 0's collective failed \(.*\); behind: rank 1: stopped responding after step 6 .*"
+        r"the other 1 rank\(s\): last step 6, evaluation",
+        outputs[0],
+    ), outputs[0]
+    assert outputs[0].splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), outputs[0]
+    assert_killed_by_its_launcher(outputs[1])
 
 
 def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_ends(

@@ -90,6 +90,7 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
     not_the_charts = {
         "METRICS_HOST_ENV",
         "SLOW_RANK_ENV",
+        "FREEZE_RANK_ENV",
         "HEARTBEAT_DIR_ENV",  # the launcher's, for its workers
         "PROGRESS_URL_ENV",
         "PROGRESS_CA_CERT_ENV",

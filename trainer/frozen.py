@@ -29,7 +29,9 @@ from trainer.failures import Failure
 from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV
 
 # Polls past the rank's hang limit before its launcher acts: the others' watchdogs report first (they find the
-# hang at the limit and exit two polls later), with the better report, naming every rank behind.
+# hang at the limit and exit two polls later), with the better report, naming every rank behind. Those held to a
+# longer limit meanwhile (longWorkSeconds) exit hung when their collective with the killed rank fails (its heartbeat
+# in the store is stale: trainer.watchdog).
 MARGIN_POLLS = 4
 CHECK_SECONDS = 1.0
 

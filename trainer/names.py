@@ -20,6 +20,8 @@ SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 HEARTBEAT_DIR_ENV = "DDPJOB_HEARTBEAT_DIR"
 # Test hook only: "RANK:SECONDS" makes that rank sleep SECONDS in every step (a straggler on demand).
 SLOW_RANK_ENV = "DDPJOB_TEST_SLOW_RANK"
+# Test hook only: "RANK:STEP" makes that rank stop its own process (SIGSTOP) once it has completed step STEP.
+FREEZE_RANK_ENV = "DDPJOB_TEST_FREEZE_RANK"
 # What every rank exits with when its watchdog finds the job hung. Retryable: the operator's
 # restartPolicy ExitCode recreates pods for exit codes 128 and up, and the run resumes from its
 # last checkpoint. Not 128 + a signal number, so it cannot be mistaken for a process killed by one.
@@ -66,6 +68,6 @@ class Metric:
 
 # The variables above that the chart sets on the trainer container (PREPARED_BY_JOB_ENV with prepare.enabled);
 # tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
-# `ctl run` (a pod listens on every interface), SLOW_RANK_ENV by tests, PROGRESS_*_ENV by
+# `ctl run` (a pod listens on every interface), SLOW_RANK_ENV and FREEZE_RANK_ENV by tests, PROGRESS_*_ENV by
 # Trainer v2's controller, HEARTBEAT_DIR_ENV by the launcher.
 POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)

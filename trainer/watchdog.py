@@ -21,6 +21,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -36,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
 from trainer.frozen import Beat, beat_path, write_beat
-from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
+from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.tracking import finish as finish_tracking
 
 HUNG = "hung"  # store key: the first rank to find the job hung writes its report here
@@ -49,10 +50,15 @@ def heartbeat_key(rank: int) -> str:
     return f"heartbeat/{rank}"
 
 
+def test_hook(name: str, rank: int) -> float | None:
+    """This rank's value of a test hook: the variable `name` holds "RANK:VALUE"."""
+    hook_rank, _, value = os.environ.get(name, "").partition(":")
+    return float(value) if hook_rank == str(rank) else None
+
+
 def test_slowdown(rank: int) -> float:
     """Seconds this rank sleeps in every step: the straggler test hook (SLOW_RANK_ENV="RANK:SECONDS")."""
-    slow_rank, _, seconds = os.environ.get(SLOW_RANK_ENV, "").partition(":")
-    return float(seconds) if slow_rank == str(rank) else 0.0
+    return test_hook(SLOW_RANK_ENV, rank) or 0.0
 
 
 class GradientSync:
@@ -113,6 +119,7 @@ class Watchdog:
         self.busy: float | None = None
         self.peer_report: str | None = None  # another rank found the job hung (read by the heartbeat thread)
         self.stopped = threading.Event()
+        self.freeze_after = test_hook(FREEZE_RANK_ENV, dist.rank)  # the frozen-rank test hook: a step, or None
         # Where this rank's launcher looks for a rank that is frozen as a whole (trainer.frozen); unset without one.
         self.beats = Path(os.environ[HEARTBEAT_DIR_ENV]) if HEARTBEAT_DIR_ENV in os.environ else None
         self.beat_lock = threading.Lock()  # the watch thread and the end of one-off work both write the beat
@@ -138,15 +145,26 @@ class Watchdog:
             self.threads[0].join()  # the heartbeat thread may be inside a store call: it ends with the process
         if self.beats is not None:  # what follows the loop (the final save) is not watched
             beat_path(self.beats, os.getpid()).unlink(missing_ok=True)
+        if not isinstance(exc, Exception) or self.dist.store is None:
+            return
+        failed = str(exc).splitlines()[0]
         # A collective that failed because a peer found the job hung and exited: this rank is hung too.
-        if isinstance(exc, Exception) and (report := self.read(HUNG)):
-            self.exit_hung(f"{report} (this rank's collective then failed: {str(exc).splitlines()[0]})")
+        if report := self.read(HUNG):
+            self.exit_hung(f"{report} (this rank's collective then failed: {failed})")
+        # Or because a peer's launcher killed it, frozen (trainer.frozen): that comes first when this rank was held
+        # to longWorkSeconds (an evaluation, a save) and the frozen one, by its last heartbeat, to the step's limit.
+        with contextlib.suppress(Exception):  # the store's host is gone too: the failure stands as it is
+            beats = self.heartbeats()
+            if any(self.silent(beat) for beat in beats.values()):
+                self.exit_hung(f"hang: rank {self.dist.rank}'s collective failed ({failed}); {self.behind(beats)}")
 
     def step_done(self, step: int, seconds: float) -> None:
         self.step_seconds.append(seconds)
         self.wall_seconds += seconds
         self.steps += 1
         self.step, self.progress = step, time.monotonic()
+        if step == self.freeze_after:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, watchdog threads too, as a frozen one
 
     def waiting_for_data(self, waiting: bool) -> None:
         self.waiting = waiting
@@ -270,11 +288,18 @@ class Watchdog:
         silent = f"the rendezvous store did not answer within {EXIT_GRACE_POLLS * self.poll:g} s"
         self.exit_hung(f"{hang}; {behind[0] if behind else silent}")
 
+    def silent(self, beat: dict[str, Any]) -> bool:
+        """A heartbeat older than STALE_POLLS polls: its rank's process is stopped, frozen or gone (its heartbeats
+        come from a thread of their own, whatever the training thread is doing)."""
+        return time.time() - beat["time"] > STALE_POLLS * self.poll
+
     def behind(self, beats: dict[int, dict[str, Any]]) -> str:
         """Which ranks hold the others up: no heartbeat, an older step, or doing something else than most."""
         now = time.time()
         newest = max(beat["step"] for beat in beats.values())
-        phases = [beat["phase"] for beat in beats.values()]
+        # What most ranks that still answer are doing: a silent rank's last phase is no longer true.
+        answering = [beat for beat in beats.values() if not self.silent(beat)] or list(beats.values())
+        phases = [beat["phase"] for beat in answering]
         usual = max(set(phases), key=phases.count)
         lines = []
         for rank in range(self.dist.world_size):
@@ -283,7 +308,7 @@ class Watchdog:
                 lines.append(f"rank {rank}: never reached the training loop")
                 continue
             age = now - beat["time"]
-            if age > STALE_POLLS * self.poll:
+            if self.silent(beat):
                 # Its heartbeat may be a poll old; its gradients were in the others' last step (or they would lack it).
                 lines.append(
                     f"rank {rank}: stopped responding after step {max(newest, beat['step'])} (it took part in that"

@@ -517,7 +517,7 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     spec = job_spec(marker, training=training, restartPolicy="ExitCode")
     apply_rendered(cluster, spec, namespace)
     master, worker = Replica("master", 0).pod_name(spec.name), Replica("worker", 0).pod_name(spec.name)
-    # Stopped midway between checkpoints (100 and 150): a rank frozen inside a save is given longWorkSeconds.
+    # Meant midway between checkpoints (100 and 150), where the master's rank waits in a gradient all-reduce.
     wait_for_log(cluster, namespace, master, "step 120/600")
     first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
     marked = processes_with_marker(marker)
@@ -529,7 +529,10 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     master_run, worker_run = (followed() for followed in first_runs)
     logs = "\n".join([master_run, worker_run, pod_logs(cluster, namespace)])
     assert finished_as(job) == "Succeeded", logs
-    assert "[rank 0] hang: rank 0 completed no step for" in master_run, master_run
+    # The log can lag by 30 steps on a busy machine: stopped just before the checkpoint at 150, the worker's launcher
+    # kills its rank while the master's is held to longWorkSeconds in the checkpoint's evaluation, and then the
+    # master's failed all-reduce is what names the hang (tests/test_hangs.py has both cases on their own).
+    assert re.search(r"\[rank 0\] hang: rank 0( completed no step for|'s collective failed)", master_run), master_run
     assert "[rank 1] hang: rank 1 stopped responding after step" in worker_run, worker_run
     assert "its node's launcher killed it" in worker_run, worker_run
     for run in (master_run, worker_run):
