@@ -198,13 +198,17 @@ def node_outputs(nodes: list[subprocess.Popen], marker: str) -> list[str]:
                 os.kill(pid, signal.SIGKILL)
 
 
-def assert_killed_by_its_launcher(output: str, step: str = r"\d+") -> None:
-    """Node 1's launcher killed its rank for a stale heartbeat, held to the step's limit, and exited hung."""
+def assert_exited_hung(output: str) -> None:
+    assert output.splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), output
+
+
+def assert_killed_by_its_launcher(output: str, rank: int) -> None:
+    """The node's launcher killed its rank for a stale heartbeat, held to the step's limit, and exited hung."""
     killed = re.search(
-        rf"\[rank 1\] hang: rank 1 stopped responding after step {step} .*its node's launcher killed it", output
+        rf"\[rank {rank}\] hang: rank {rank} stopped responding after step \d+ .*its node's launcher killed it", output
     )
     assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), output
-    assert output.splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), output
+    assert_exited_hung(output)
 
 
 def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_exit_hung(
@@ -227,29 +231,33 @@ def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_
         outputs = node_outputs(nodes, marker)
     assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs
     assert "[rank 0] hang: rank 0 completed no step for" in outputs[0], outputs[0]
-    assert_killed_by_its_launcher(outputs[1])
+    assert_killed_by_its_launcher(outputs[1], rank=1)
 
 
+@pytest.mark.parametrize("frozen", [1, 0])
 def test_a_rank_frozen_as_its_peer_starts_an_evaluation_is_killed_first_and_the_peer_still_exits_hung(
-    tmp_path: Path, corpus_file: Path
+    tmp_path: Path, corpus_file: Path, frozen: int
 ) -> None:
-    """Rank 1 stops itself (the test hook) right after step 6, which rank 0 follows with a periodic evaluation:
-    rank 0 is held to longWorkSeconds there, rank 1's last heartbeat to the step's limit. Node 1's launcher kills
-    rank 1 first, so rank 0's evaluation all-reduce fails (connection reset) before its watchdog could call the job
-    hung; rank 0 finds rank 1's heartbeat stale and exits EXIT_HUNG all the same, not 1 (which restartPolicy
-    ExitCode would not retry: the e2e frozen-rank job failed so when its stop landed just before a checkpoint)."""
+    """Rank `frozen` stops itself (the test hook) right after step 6, which its peer follows with a periodic
+    evaluation: the peer is held to longWorkSeconds there, the frozen rank's last heartbeat to the step's limit. The
+    frozen rank's launcher kills it first, so the peer's evaluation all-reduce fails (connection reset) before its
+    watchdog could call the job hung; the peer finds the frozen rank's heartbeat stale and exits EXIT_HUNG all the
+    same, not 1 (which restartPolicy ExitCode would not retry: the e2e frozen-rank job failed so when its stop landed
+    just before a checkpoint). With rank 0 frozen, its node's launcher, whose torchrun agent serves the rendezvous
+    store, stays up for the peer to read it."""
+    peer = 1 - frozen
     marker = uuid.uuid4().hex
-    env = {"DDPJOB_TEST_MARKER": marker, FREEZE_RANK_ENV: "1:6"}
+    env = {"DDPJOB_TEST_MARKER": marker, FREEZE_RANK_ENV: f"{frozen}:6"}
     nodes, _ = launch_two_nodes(tmp_path, corpus_file, env, evalEvery=6, logEvery=5)  # step 6: no log reduction
     outputs = node_outputs(nodes, marker)
     assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs
     assert re.search(
-        r"\[rank 0\] hang: rank 0's collective failed \(.*\); behind: rank 1: stopped responding after step 6 .*"
-        r"the other 1 rank\(s\): last step 6, evaluation",
-        outputs[0],
-    ), outputs[0]
-    assert outputs[0].splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), outputs[0]
-    assert_killed_by_its_launcher(outputs[1])
+        rf"\[rank {peer}\] hang: rank {peer}'s collective failed \(.*\); behind: rank {frozen}: stopped responding"
+        r" after step 6 .*the other 1 rank\(s\): last step 6, evaluation",
+        outputs[peer],
+    ), outputs[peer]
+    assert_exited_hung(outputs[peer])
+    assert_killed_by_its_launcher(outputs[frozen], frozen)
 
 
 def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_ends(

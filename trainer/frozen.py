@@ -34,6 +34,9 @@ from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV
 # in the store is stale: trainer.watchdog).
 MARGIN_POLLS = 4
 CHECK_SECONDS = 1.0
+# Who finds a hang (a rank's watchdog, a launcher) waits this long before exiting, so its peers exit hung too, not on a
+# lost peer.
+EXIT_GRACE_POLLS = 2
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class FrozenRanks:
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="ddpjob-heartbeats-"))
         self.found: list[Failure] = []  # the ranks it killed, as hangs
+        self.grace = 0.0  # seconds to stay up once it has killed one
 
     def start(self) -> FrozenRanks:
         os.environ[HEARTBEAT_DIR_ENV] = str(self.directory)  # the workers torchrun starts inherit it
@@ -107,5 +111,12 @@ class FrozenRanks:
         )
         print(f"[rank {beat.rank}] {report}", file=sys.stderr, flush=True)
         self.found.append(Failure(EXIT_HUNG, report, time.time(), beat.rank))
+        self.grace = max(self.grace, EXIT_GRACE_POLLS * beat.poll)
         with contextlib.suppress(ProcessLookupError):
             os.kill(beat.pid, signal.SIGKILL)
+
+    def linger(self) -> None:
+        """After a kill, before the launcher exits: node 0's torchrun agent serves the rendezvous store until this
+        process ends (the failed run's frames hold it), and the other nodes' ranks, whose collective with the killed
+        rank failed, read its stale heartbeat there to exit hung too (trainer.watchdog)."""
+        time.sleep(self.grace)

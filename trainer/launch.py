@@ -59,6 +59,7 @@ def main() -> None:
         if cause.kind == Kind.STOPPED:  # another pod got the signal: this pod's trainers stopped with it and saved
             exit_stopped(EXIT_PREEMPTED, "the trainers stopped to be resumed")
         if cause.kind == Kind.HUNG:
+            frozen.linger()
             exit_stopped(EXIT_HUNG, "a rank's watchdog found the job hung; a restart resumes from the last checkpoint")
         if cause.kind == Kind.BAD_INPUT:
             quick_exit(EXIT_BAD_INPUT, f"error: {cause.message}")
