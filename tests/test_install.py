@@ -138,3 +138,24 @@ def test_ctl_run_without_the_trainer_says_what_to_install(client_venv: Path, tmp
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: ctl run needs the trainer: pip install 'ddpjob[train]' (missing: torch, ")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_dependency_missing_from_the_install_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A broken install (here Helm's engine, which `ctl render` loads, made unimportable): its one line, exit 1, not
+    Python's traceback."""
+    quickstart = REPO / "examples" / "quickstart.yaml"
+    code = f"import sys; sys.modules['helm_python'] = None; sys.argv = ['ctl', 'render', {str(quickstart)!r}]"
+    code += "; from ctl.cli import main; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        "error: the Python module 'helm_python' is missing: ddpjob's installation is incomplete (reinstall it: pip"
+        " install ddpjob)\n"
+    )

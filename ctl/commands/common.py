@@ -50,6 +50,12 @@ def mapped_errors() -> Iterator[None]:
     """ctl's errors -> their one line on stderr and their exit code (ERROR_EXITS); anything else is a bug."""
     try:
         yield
+    except ModuleNotFoundError as exc:  # one of ddpjob's own dependencies (what a command may lack is checked first)
+        raise fail(
+            f"the Python module {exc.name!r} is missing: ddpjob's installation is incomplete (reinstall it: pip install"
+            " ddpjob)",
+            EXIT_ERROR,
+        ) from None
     except Exception as exc:
         for module, name, code in ERROR_EXITS:
             error = getattr(sys.modules.get(module), name, None)
