@@ -171,7 +171,7 @@ def launch_two_nodes(
     one rank each; (the launchers, the run directory)."""
     run_dir = tmp_path / "run"
     config = tmp_path / "training.yaml"
-    section = training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR}) | overrides
+    section = training(corpus_file, run_dir, timeouts={"hangFloorSeconds": FLOOR}, **overrides)
     config.write_text(yaml.safe_dump(section))
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | env
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1"]
@@ -258,6 +258,52 @@ def test_a_rank_frozen_as_its_peer_starts_an_evaluation_is_killed_first_and_the_
     ), outputs[peer]
     assert_exited_hung(outputs[peer])
     assert_killed_by_its_launcher(outputs[frozen], frozen)
+
+
+# Rank 0 of 2, its store torch's in-process one: rank 1's heartbeat, written on a clock an hour ahead, never changes.
+WATCHING_A_FROZEN_RANK = """
+import json, time, torch
+from torch.distributed import HashStore
+from trainer.dist import Dist
+from trainer.spec import TimeoutsSpec
+from trainer.watchdog import Watchdog
+
+store = HashStore()
+timeouts = TimeoutsSpec(hangFloorSeconds=2)  # a poll of 0.5 s
+dist = Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), timeouts=timeouts, store=store)
+frozen = {"step": 8, "phase": "compute", "busy": None, "limit": 2.0, "time": time.time() + 3600}
+store.set("heartbeat/1", json.dumps(frozen))
+print(time.time(), flush=True)
+with Watchdog(dist, None, metrics=None) as watchdog:
+    watchdog.step_done(8, 0.01)
+    with watchdog.long_work("checkpoint save"):
+        time.sleep(60)
+"""
+
+
+def test_a_rank_finds_the_next_rank_frozen_from_its_heartbeat_in_the_store_while_itself_waits_in_long_work() -> None:
+    """Rank 1 froze where its launcher's kill reaches none of rank 0's waits: rank 0 at a save's barrier, on the store
+    (rank 1 frozen as it started the save, its last heartbeat still at the step's limit), or in an NCCL collective.
+    Rank 0 is held to longWorkSeconds there, so its own watch finds nothing for 30 minutes; but it reads rank 1's
+    heartbeat in the store every poll, and once nothing new came for rank 1's limit plus the launcher's margin, it
+    calls the job hung (into the store, for every rank) and exits EXIT_HUNG. A real run cannot stop a rank there on
+    demand: the collectives before a save fail with a killed peer (the tests above)."""
+    result = subprocess.run(
+        [sys.executable, "-c", WATCHING_A_FROZEN_RANK],
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == EXIT_HUNG, result.stderr
+    assert re.search(
+        r"^\[rank 0\] hang: rank 1 stopped responding after step 8 \(no new heartbeat for [45] s; its limit 2 s\):"
+        r" process stopped or frozen, or its node is gone; found by rank 0$",
+        result.stderr,
+        re.MULTILINE,
+    ), result.stderr
+    # Rank 1's limit, 4 polls (its launcher kills it then), at most a poll more to read it, and 2 polls of grace.
+    assert 2 + 6 * 0.5 <= time.time() - float(result.stdout) <= 2 + 7 * 0.5 + 2
 
 
 def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_ends(

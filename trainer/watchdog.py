@@ -36,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
-from trainer.frozen import EXIT_GRACE_POLLS, Beat, beat_path, write_beat
+from trainer.frozen import EXIT_GRACE_POLLS, MARGIN_POLLS, Beat, beat_path, write_beat
 from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.tracking import finish as finish_tracking
 
@@ -117,6 +117,8 @@ class Watchdog:
         self.published = (0.0, 0.0, 0)  # (wall, waited, steps) at the last heartbeat
         self.busy: float | None = None
         self.peer_report: str | None = None  # another rank found the job hung (read by the heartbeat thread)
+        self.frozen_neighbour: str | None = None  # the next rank is frozen (found by the heartbeat thread)
+        self.neighbour_beat: tuple[float, float] | None = None  # its last heartbeat's time, and when it was new here
         self.stopped = threading.Event()
         self.freeze_after = test_hook(FREEZE_RANK_ENV, dist.rank)  # the frozen-rank test hook: a step, or None
         # Where this rank's launcher looks for a rank that is frozen as a whole (trainer.frozen); unset without one.
@@ -207,12 +209,40 @@ class Watchdog:
             try:
                 self.publish()
                 self.straggler_ratios()
+                self.watch_neighbour()
             except Exception as exc:  # a store that does not answer must not end the heartbeats
                 print(f"[rank {self.dist.rank}] watchdog: the rendezvous store: {exc}", file=sys.stderr, flush=True)
             self.peer_report = self.read(HUNG)
 
+    def watch_neighbour(self) -> None:
+        """Every rank reads the next rank's heartbeat (one store read a poll; each rank watched by one). One older than
+        that rank's limit plus its launcher's margin is a frozen process, which its launcher kills now: the job is
+        hung, for the ranks that wait where the kill does not reach them too (a barrier on the store, an NCCL
+        collective), which would otherwise wait out longWorkSeconds."""
+        if self.dist.world_size == 1 or not self.spec.watchdog or self.frozen_neighbour:
+            return
+        rank = (self.dist.rank + 1) % self.dist.world_size
+        raw = self.read(heartbeat_key(rank))  # none yet: that rank has not reached the training loop
+        if raw is None:
+            return
+        beat, now = json.loads(raw), time.monotonic()
+        if self.neighbour_beat is None or beat["time"] != self.neighbour_beat[0]:
+            self.neighbour_beat = (beat["time"], now)  # timed on this rank's clock: nodes' clocks may differ
+        silent = now - self.neighbour_beat[1]
+        if silent > beat["limit"] + MARGIN_POLLS * self.poll:
+            report = (
+                f"hang: rank {rank} stopped responding after step {beat['step']} (no new heartbeat for {silent:.0f} s;"
+                f" its limit {beat['limit']:.0f} s): process stopped or frozen, or its node is gone; found by rank"
+                f" {self.dist.rank}"
+            )
+            self.dist.store.compare_set(HUNG, "", report)
+            self.frozen_neighbour = report
+
     def watch(self) -> None:
         while not self.stopped.wait(self.poll):
+            if self.frozen_neighbour:  # written into the store: the others exit as hung within a poll
+                time.sleep(EXIT_GRACE_POLLS * self.poll)
+                self.exit_hung(self.frozen_neighbour)
             if self.peer_report:
                 self.exit_hung(f"{self.peer_report} (found by another rank)")
             stalled = time.monotonic() - self.progress
@@ -236,7 +266,13 @@ class Watchdog:
         if self.steps > steps0:
             self.busy = ((self.wall_seconds - wall0) - (waited - waited0)) / (self.steps - steps0)
             self.published = (self.wall_seconds, waited, self.steps)
-        state = {"step": self.step, "phase": self.phase, "busy": self.busy, "time": time.time()}
+        state = {
+            "step": self.step,
+            "phase": self.phase,
+            "busy": self.busy,
+            "limit": self.limit()[0],
+            "time": time.time(),
+        }
         self.dist.store.set(heartbeat_key(self.dist.rank), json.dumps(state))
 
     def heartbeats(self) -> dict[int, dict[str, Any]]:
