@@ -34,9 +34,6 @@ from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV
 # in the store is stale: trainer.watchdog).
 MARGIN_POLLS = 4
 CHECK_SECONDS = 1.0
-# Who finds a hang (a rank's watchdog, a launcher) waits this long before exiting, so its peers exit hung too, not on a
-# lost peer.
-EXIT_GRACE_POLLS = 2
 
 
 @dataclass(frozen=True)
@@ -111,12 +108,13 @@ class FrozenRanks:
         )
         print(f"[rank {beat.rank}] {report}", file=sys.stderr, flush=True)
         self.found.append(Failure(EXIT_HUNG, report, time.time(), beat.rank))
-        self.grace = max(self.grace, EXIT_GRACE_POLLS * beat.poll)
+        self.grace = max(self.grace, MARGIN_POLLS * beat.poll)
         with contextlib.suppress(ProcessLookupError):
             os.kill(beat.pid, signal.SIGKILL)
 
     def linger(self) -> None:
         """After a kill, before the launcher exits: node 0's torchrun agent serves the rendezvous store until this
-        process ends (the failed run's frames hold it), and the other nodes' ranks, whose collective with the killed
-        rank failed, read its stale heartbeat there to exit hung too (trainer.watchdog)."""
+        process ends (the failed run's frames hold it), and the other ranks learn of the hang there (trainer.watchdog):
+        those whose collective with the killed rank failed read its stale heartbeat at once; those waiting where the
+        kill does not reach read the report of the rank that watches it, written up to a poll after the kill."""
         time.sleep(self.grace)

@@ -36,13 +36,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from trainer.dist import Dist
 from trainer.failures import Failure, write_record
-from trainer.frozen import EXIT_GRACE_POLLS, MARGIN_POLLS, Beat, beat_path, write_beat
+from trainer.frozen import MARGIN_POLLS, Beat, beat_path, write_beat
 from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.tracking import finish as finish_tracking
 
 HUNG = "hung"  # store key: the first rank to find the job hung writes its report here
 RATIOS = "step-time-ratios"  # store key: rank 0's {rank: busy time / median}
 STALE_POLLS = 3  # a heartbeat older than this many polls: the rank is frozen, stopped or gone
+EXIT_GRACE_POLLS = 2  # the finder waits this long before exiting, so its peers exit hung too, not on a lost peer
 
 
 def heartbeat_key(rank: int) -> str:
