@@ -11,8 +11,11 @@ ExitCode retries: the pods restart and the run resumes from its last checkpoint.
 Every `poll` seconds each rank's thread writes its heartbeat: last completed step, what
 it is doing, and its busy time per step (step time less the wait for the other ranks'
 gradients). Rank 0's thread reads all heartbeats and publishes each rank's busy time
-relative to the median; every rank exports its own ratio. The step itself only sets a few
-attributes: nothing on the step path talks to the network. See docs/hangs.md.
+relative to the median; every rank exports its own ratio. Each rank also reads the next
+rank's heartbeat: one that stays the same past that rank's limit and its launcher's margin
+is a frozen process (trainer.frozen), which ends the job as hung for ranks waiting where the
+launcher's kill of it does not reach. The step itself only sets a few attributes: nothing
+on the step path talks to the network. See docs/hangs.md.
 """
 
 from __future__ import annotations
