@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,14 +16,29 @@ from pathlib import Path
 from trainer.frozen import parent_pid
 
 LOCAL_ADDRESS = "127.0.0.1"
+PORTS_FROM = 20000  # free_port's lowest: above the ports services are usually configured on
 STOP_GRACE_SECONDS = 15
 
 
 def free_port() -> int:
-    """A port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as sock:
+    """A port nothing uses now, below the kernel's range for outgoing connections: one picked from that range can be
+    taken, before its server binds it, as the local end of a connection (gloo's, the store's): EADDRINUSE."""
+    low = ephemeral_ports_start()
+    for port in random.sample(range(PORTS_FROM, low), min(64, max(low - PORTS_FROM, 0))):
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind((LOCAL_ADDRESS, port))
+            return port
+    with socket.socket() as sock:  # no such range here: the kernel's pick
         sock.bind((LOCAL_ADDRESS, 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_ports_start() -> int:
+    """The first port the kernel gives outgoing connections (Linux's default where /proc does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def descendants(pids: list[int]) -> set[int]:

@@ -18,6 +18,8 @@ import yaml
 from conftest import processes_with_marker, rank_log, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ctl.processes import PORTS_FROM, ephemeral_ports_start, free_port
+
 
 def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corpus_file, marked_env) -> None:
     env, marker = marked_env
@@ -139,3 +141,11 @@ def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path, corpus
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_ports_ctl_run_picks_lie_below_those_the_kernel_gives_outgoing_connections() -> None:
+    """`ctl run`'s rendezvous and metrics ports are picked seconds before their servers bind them; from the kernel's
+    range for outgoing connections, one of the run's own connections took a metrics port meanwhile (EADDRINUSE)."""
+    ports = {free_port() for _ in range(20)}
+    assert all(PORTS_FROM <= port < ephemeral_ports_start() for port in ports), ports
+    assert len(ports) > 1  # random, not one port for every caller
