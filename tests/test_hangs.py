@@ -266,13 +266,13 @@ import json, time, torch
 from torch.distributed import HashStore
 from trainer.dist import Dist
 from trainer.spec import TimeoutsSpec
-from trainer.watchdog import Watchdog
+from trainer.watchdog import Watchdog, heartbeat_key
 
 store = HashStore()
 timeouts = TimeoutsSpec(hangFloorSeconds=2)  # a poll of 0.5 s
 dist = Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), timeouts=timeouts, store=store)
 frozen = {"step": 8, "phase": "compute", "busy": None, "limit": 2.0, "time": time.time() + 3600}
-store.set("heartbeat/1", json.dumps(frozen))
+store.set(heartbeat_key(1), json.dumps(frozen))
 print(time.time(), flush=True)
 with Watchdog(dist, None, metrics=None) as watchdog:
     watchdog.step_done(8, 0.01)
