@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 from pathlib import Path
 from typing import TextIO
+
+from trainer.names import WARNING_PREFIX
+
+# torchrun's prefix of every rank's line it shows (ranks are global, nodes may be several).
+LINE_PREFIX = "[rank ${rank}] "
+# A rank's warning line as torchrun shows it: "[rank 3] warning: ...".
+WARNING_LINE = re.compile(re.escape(LINE_PREFIX).replace(re.escape("${rank}"), r"\d+") + re.escape(WARNING_PREFIX))
 
 
 class Console:
@@ -42,13 +50,15 @@ def pump_stdout(process: subprocess.Popen, console: Console) -> None:
         console.trainer_line(line)
 
 
-def pump_stderr(process: subprocess.Popen, node: int, log: Path, console: Console | None) -> None:
-    """An agent's stderr (torchrun's own messages and reports) into the node's log; to the terminal with
-    --verbose."""
+def pump_stderr(process: subprocess.Popen, node: int, log: Path, console: Console, verbose: bool) -> None:
+    """An agent's stderr (torchrun's own messages and reports, and the stderr of the ranks it shows) into the node's
+    log; to the terminal the trainers' warning lines, or with --verbose every line."""
     assert process.stderr is not None
     with log.open("w", encoding="utf-8") as file:
         for line in process.stderr:
             file.write(line)
             file.flush()
-            if console is not None:
+            if verbose:
                 console.trainer_line(f"[node {node}] {line}", console.err)
+            elif WARNING_LINE.match(line):
+                console.trainer_line(line, console.err)

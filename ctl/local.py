@@ -6,9 +6,9 @@ a chosen TMPDIR or TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and references to Secrets or
 are the variables exported here or nothing. When any agent fails, the others are stopped: no process outlives
 the run.
 
-The terminal gets rank 0's progress (its stdout) and one line for the outcome: bad input's line
-(exit 2), the root cause of a failure (exit 1), or where a stopped run can resume (143 for SIGTERM,
-130 for Ctrl-C). Every rank's output and torchrun's own go to log files (torchrun's `--log-dir`
+The terminal gets rank 0's progress (its stdout), the trainers' warning lines and one line for the
+outcome: bad input's line (exit 2), the root cause of a failure (exit 1), or where a stopped run can
+resume (143 for SIGTERM, 130 for Ctrl-C). Every rank's output and torchrun's own go to log files (torchrun's `--log-dir`
 layout), moved into the run directory's `logs/` at the end; `--verbose` also streams them.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ctl.console import Console, pump_stderr, pump_stdout
+from ctl.console import LINE_PREFIX, Console, pump_stderr, pump_stdout
 from ctl.kinds import Replica
 from ctl.local_pods import LocalJob, LocalNode
 from ctl.operator_env import operator_env
@@ -55,8 +55,6 @@ from trainer.names import (
 # root cause (rank 0's bad input while rank 1 lost its connection to it and exited first).
 FAILURE_GRACE_SECONDS = 5
 LOGS = "logs"  # in the run directory: one folder per `ctl run`, named by its start time
-# torchrun's prefix of every rank's line it shows (ranks are global, nodes may be several).
-LINE_PREFIX = "[rank ${rank}] "
 # Set by the operator, torchrun or an outer launcher; a simulated pod must not inherit them.
 LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
@@ -125,9 +123,12 @@ def agent_env(
     env |= operator_env(spec, node.replica, address=LOCAL_ADDRESS, port=port)
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     # torchrun's flags as variables: every rank's stdout and stderr into files, and their error records
-    # next to them; the terminal gets local rank 0's stdout (rank 0's progress), or with --verbose everything.
-    env |= {"PET_LOG_DIR": str(log_dir), "PET_REDIRECTS": "3", "PET_LOG_LINE_PREFIX_TEMPLATE": LINE_PREFIX}
-    env |= {"PET_TEE": "3"} if verbose else {"PET_TEE": "1", "PET_LOCAL_RANKS_FILTER": "0"}
+    # next to them; ctl gets local rank 0's stdout (rank 0's progress) and stderr (its warnings), or with --verbose
+    # every rank's.
+    env |= {"PET_LOG_DIR": str(log_dir), "PET_REDIRECTS": "3", "PET_TEE": "3"}
+    env["PET_LOG_LINE_PREFIX_TEMPLATE"] = LINE_PREFIX
+    if not verbose:
+        env["PET_LOCAL_RANKS_FILTER"] = "0"
     if METRICS_PORT_ENV in node.container.env:  # the pod serves metrics: all nodes share loopback, a port each
         env |= {METRICS_PORT_ENV: str(metrics_port), METRICS_HOST_ENV: LOCAL_ADDRESS}
     # Share the machine's cores among all local processes instead of oversubscribing.
@@ -162,9 +163,7 @@ def start_agent(
     stderr_log = logs / f"node-{node_index}.log"
     pumps = [
         threading.Thread(target=pump_stdout, args=(process, console), daemon=True),
-        threading.Thread(
-            target=pump_stderr, args=(process, node_index, stderr_log, console if verbose else None), daemon=True
-        ),
+        threading.Thread(target=pump_stderr, args=(process, node_index, stderr_log, console, verbose), daemon=True),
     ]
     return Agent(node_index, node.replica, process, error_file), pumps
 

@@ -30,6 +30,7 @@ from trainer.dist import Dist, StopRequest, step_timeouts
 from trainer.heap import freeze
 from trainer.metrics import TrainingMetrics
 from trainer.models import forward_options, parameter_groups
+from trainer.names import WARNING_PREFIX
 from trainer.progress import ProgressReporter
 from trainer.spec import ScheduleSpec, TrainingSpec
 from trainer.totals import Totals
@@ -93,7 +94,7 @@ def slow_precision_warning(dtype: torch.dtype | None, device: torch.device) -> s
     if getattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported")():  # what oneDNN and Inductor consult
         return None
     return (
-        f"warning: precision: {name} on a CPU without native {name} matrix instructions: its matrix products run"
+        f"{WARNING_PREFIX}precision: {name} on a CPU without native {name} matrix instructions: its matrix products run"
         " tens of times slower than in fp32 here; precision: auto (fp32 on a CPU) trains faster"
     )
 

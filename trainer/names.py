@@ -49,6 +49,9 @@ PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # Set by the chart to the prepare Job's name when one prepares the data: the training pods then wait for it instead of
 # preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
+# How a trainer's warning line starts (rank 0's stderr): `ctl run` shows these lines on the terminal and leaves the
+# rest of a rank's stderr in its logs.
+WARNING_PREFIX = "warning: "
 METRICS_PREFIX = "ddpjob_"  # every metric name starts with it (trainer/metrics.py, trainer/preparation/progress.py)
 
 

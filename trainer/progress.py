@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from trainer.names import PROGRESS_CA_CERT_ENV, PROGRESS_TOKEN_ENV, PROGRESS_URL_ENV
+from trainer.names import PROGRESS_CA_CERT_ENV, PROGRESS_TOKEN_ENV, PROGRESS_URL_ENV, WARNING_PREFIX
 
 # One request's bound; the controller's own server gives up on a request after 10 s.
 REQUEST_TIMEOUT = 5.0
@@ -156,7 +156,7 @@ class ProgressReporter:
         if not self.warned:
             self.warned = True
             self.warn(
-                f"warning: cannot report progress to the TrainJob status at {self.url}: {reason};"
+                f"{WARNING_PREFIX}cannot report progress to the TrainJob status at {self.url}: {reason};"
                 " training goes on (further failures are not logged)"
             )
 

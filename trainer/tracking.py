@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
-from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV, RUN_IDS, TENSORBOARD_DIR
+from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV, RUN_IDS, TENSORBOARD_DIR, WARNING_PREFIX
 from trainer.spec import SpecError, TrainingSpec
 
 # What to install for each tracker.
@@ -185,5 +185,5 @@ class Tracker:
                 tracker.close(exit_code)
             except Exception as exc:
                 reason = next(iter(str(exc).splitlines()), "")
-                print(f"warning: {kind}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
+                print(f"{WARNING_PREFIX}{kind}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
         self.trackers = {}
