@@ -205,7 +205,9 @@ def assert_exited_hung(output: str) -> None:
 def assert_killed_by_its_launcher(output: str, rank: int) -> None:
     """The node's launcher killed its rank for a stale heartbeat, held to the step's limit, and exited hung."""
     killed = re.search(
-        rf"\[rank {rank}\] hang: rank {rank} stopped responding after step \d+ .*its node's launcher killed it", output
+        rf"\[rank {rank}\] hang: rank {rank} stopped responding \(no heartbeat for \d+ s, the last after step \d+;"
+        r".*its node's launcher killed it",
+        output,
     )
     assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), output
     assert_exited_hung(output)
@@ -297,8 +299,8 @@ def test_a_rank_finds_the_next_rank_frozen_from_its_heartbeat_in_the_store_while
     )
     assert result.returncode == EXIT_HUNG, result.stderr
     assert re.search(
-        r"^\[rank 0\] hang: rank 1 stopped responding after step 8 \(no new heartbeat for [45] s; its limit 2 s\):"
-        r" process stopped or frozen, or its node is gone; found by rank 0$",
+        r"^\[rank 0\] hang: rank 1 stopped responding \(no new heartbeat for [45] s, the last after step 8; its limit"
+        r" 2 s\): process stopped or frozen, or its node is gone; found by rank 0$",
         result.stderr,
         re.MULTILINE,
     ), result.stderr

@@ -103,8 +103,9 @@ class FrozenRanks:
 
     def kill(self, beat: Beat, age: float) -> None:
         report = (
-            f"hang: rank {beat.rank} stopped responding after step {beat.step} (no heartbeat for {age:.0f} s; limit"
-            f" {beat.limit:.0f} s: {beat.why}): process stopped or frozen; its node's launcher killed it"
+            # The beat is written once a poll: its step may be a few behind the rank's last.
+            f"hang: rank {beat.rank} stopped responding (no heartbeat for {age:.0f} s, the last after step {beat.step};"
+            f" limit {beat.limit:.0f} s: {beat.why}): process stopped or frozen; its node's launcher killed it"
         )
         print(f"[rank {beat.rank}] {report}", file=sys.stderr, flush=True)
         self.found.append(Failure(EXIT_HUNG, report, time.time(), beat.rank))

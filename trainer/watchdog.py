@@ -235,9 +235,9 @@ class Watchdog:
         silent = now - self.neighbour_beat[1]
         if silent > beat["limit"] + MARGIN_POLLS * self.poll:
             report = (
-                f"hang: rank {rank} stopped responding after step {beat['step']} (no new heartbeat for {silent:.0f} s;"
-                f" its limit {beat['limit']:.0f} s): process stopped or frozen, or its node is gone; found by rank"
-                f" {self.dist.rank}"
+                f"hang: rank {rank} stopped responding (no new heartbeat for {silent:.0f} s, the last after step"
+                f" {beat['step']}; its limit {beat['limit']:.0f} s): process stopped or frozen, or its node is gone;"
+                f" found by rank {self.dist.rank}"
             )
             self.dist.store.compare_set(HUNG, "", report)
             self.frozen_neighbour = report
