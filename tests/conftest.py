@@ -172,6 +172,21 @@ def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:
     return pids
 
 
+@contextlib.contextmanager
+def as_pid_1(command: list[str], **popen: Any) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`command` as the first process of a PID namespace of its own, as a container runs a pod's command (the kernel
+    then delivers it no signal it has no handler for); (unshare's process, the command's pid here). Needs root."""
+    unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command], **popen)
+    try:
+        children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+        while not children.read_text().split():
+            assert unshare.poll() is None, unshare.communicate()
+        yield unshare, int(children.read_text().split()[0])
+    finally:
+        unshare.kill()
+        unshare.communicate()
+
+
 @pytest.fixture
 def marked_env() -> tuple[dict[str, str], str]:
     marker = uuid.uuid4().hex

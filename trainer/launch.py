@@ -24,11 +24,49 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
+
+def stopped_line(code: int, reason: str) -> str:
+    return f"trainer.launch: {reason}; exiting with code {code}"
+
+
+def stop_while_starting(signum: int, frame: object = None) -> NoReturn:
+    """SIGTERM before torchrun starts the trainers (when it installs its own handler): while torch imports and while
+    the nodes meet at the rendezvous, for as long as a peer's pod is pending. There are no trainers yet and nothing
+    to save: the exit code of a stop after saving, and the rendezvous left open for the next start, as torchrun
+    leaves it on a signal."""
+    code = 128 + signum
+    reason = f"stopped by {signal.Signals(signum).name} before the trainers started"
+    os.write(2, f"{stopped_line(code, reason)}\n".encode())
+    os._exit(code)
+
+
+def watch_for_sigterm_while_starting() -> None:
+    """A container's PID 1 (a pod's command) gets no signal it has no handler for: without one the kernel drops the
+    kubelet's SIGTERM and the pod is held until its grace period ends in SIGKILL (120 s by default). A handler alone
+    is not enough either: Python runs it only when the main thread returns from C, and the rendezvous waits in
+    torch's store for minutes. The signal's byte, written at once to a wakeup pipe, reaches a thread of its own."""
+    signal.signal(signal.SIGTERM, stop_while_starting)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            signals = os.read(read_end, 64)
+            # Once torchrun's handler has replaced this one, the trainers exist and the signal is torchrun's.
+            if signal.SIGTERM in signals and signal.getsignal(signal.SIGTERM) is stop_while_starting:
+                stop_while_starting(signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ddpjob-sigterm-while-starting", daemon=True).start()
+
+
+watch_for_sigterm_while_starting()
 gc.disable()  # while torch imports: trainer/heap.py
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -89,7 +127,7 @@ def worker_log(failure: ProcessFailure) -> str | None:
 
 
 def exit_stopped(code: int, reason: str) -> NoReturn:
-    quick_exit(code, f"trainer.launch: {reason}; exiting with code {code}")
+    quick_exit(code, stopped_line(code, reason))
 
 
 if __name__ == "__main__":

@@ -674,15 +674,19 @@ def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
 
 def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str) -> None:
     """Deleting a running pod (as `kubectl delete pod`, or the operator on a restart, does) ends its processes;
-    the operator creates the pod again and it runs."""
+    the operator creates the pod again and it runs. Deleted as it starts (its launcher, the container's PID 1, has
+    not started its trainer yet), the pod ends at once, not when its grace period (120 s) ends in SIGKILL; so do the
+    job's pods when the job is deleted, one of them starting again."""
     marker = uuid.uuid4().hex
     spec = job_spec(marker, training={"maxSteps": 1_000_000})
     apply_rendered(cluster, spec, namespace)
     core = kubernetes.client.CoreV1Api(cluster.client())
     worker = Replica("worker", 0).pod_name(spec.name)
     first = wait_for_pod(cluster, namespace, worker, lambda pod: pod.status.phase == "Running")
+    deleted = time.monotonic()
     core.delete_namespaced_pod(worker, namespace)
     again = wait_for_pod(cluster, namespace, worker, lambda p: p.metadata.uid != first.metadata.uid)
+    assert time.monotonic() - deleted < spec.termination_grace_period_seconds / 2
     assert (
         wait_for_pod(cluster, namespace, worker, lambda p: p.status.phase == "Running").metadata.uid
         == again.metadata.uid
@@ -694,10 +698,12 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
             assert time.monotonic() < deadline, "the deleted pod's processes are still running"
             time.sleep(0.5)
     # The garbage collector removes the deleted job's pods, which ends their processes.
+    deleted = time.monotonic()
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
         V1.group, V1.version, namespace, V1.plural, spec.name
     )
     wait_for_deletion(cluster, namespace, spec.name)
+    assert time.monotonic() - deleted < spec.termination_grace_period_seconds / 2
     assert_no_process_left(cluster, marker)
 
 
