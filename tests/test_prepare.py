@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +25,13 @@ import pyarrow.parquet
 import pytest
 import torch
 import yaml
-from conftest import rank_log, run_ctl, tiny_spec
+from conftest import REPO, as_pid_1, rank_log, run_ctl, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from trainer.data import CharVocab
 from trainer.dist import Dist
-from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
+from trainer.names import EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
 from trainer.preparation import build, encode
 from trainer.prepare import MANIFEST, Builder, Plan, PrepareMetrics, make_plan, prepare_spec, read_texts
 from trainer.spec import SpecError, TrainingSpec
@@ -266,6 +267,47 @@ def test_the_prepare_jobs_command_prepares_with_several_processes(tmp_path) -> N
     assert "with 2 process(es)" in done.stderr
     (entry,) = (tmp_path / "cache").iterdir()
     assert json.loads((entry / MANIFEST).read_text())["splits"]["train"]["documents"] == 3
+
+
+def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(tmp_path, tokenizer_dir) -> None:
+    """The prepare Job's pod deleted or evicted while it tokenizes: its command, the container's PID 1, stops at the
+    kubelet's SIGTERM (a process without a handler would never get it, held until SIGKILL) with one line and exit
+    143, which the Job retries; no staging directory, dataset or progress file is left, and no failure recorded."""
+    cache = tmp_path / "cache"
+    # About 27 MB of text: 5-10 s of tokenizing, where the signal comes within 50 ms of its start.
+    data = {"train": [str(STDLIB / "*.py"), str(STDLIB / "*" / "*.py")], "prepareWorkers": 2, "cacheDir": str(cache)}
+    section = {"task": "causal-lm", "tokenizer": {"path": str(tokenizer_dir)}, "data": data}
+    config = tmp_path / "training.yaml"
+    config.write_text(yaml.safe_dump(section | {"checkpoint": {"dir": str(tmp_path / "run")}}))
+    command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    with as_pid_1(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) as (unshare, pid):
+        deadline = time.monotonic() + 60
+        while not list(cache.glob(".*.tmp-*")):  # its staging directory: tokenizing
+            assert unshare.poll() is None and time.monotonic() < deadline, unshare.communicate()
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGTERM)
+        _, stderr = unshare.communicate(timeout=30)
+    assert unshare.returncode == EXIT_PREEMPTED, stderr
+    assert stderr.splitlines()[-1] == (
+        "trainer.prepare: stopped by SIGTERM, nothing kept; the next start prepares again (exit 143)"
+    ), stderr
+    assert [path.name for path in cache.rglob("*")] == []
+
+
+def test_a_staging_directory_left_by_a_killed_process_of_the_same_pod_and_pid_is_replaced(tmp_path) -> None:
+    """A pod's processes get the same pids when it starts again (its first is always 1): the staging directory that
+    a killed preparation (SIGKILL, out of memory) left under this process's name is no live process's. It made the
+    next preparation fail (FileExistsError), and the ranks waiting for it with it."""
+    spec = training("char-gpt", [str(p) for p in SOURCES[:3]], tmp_path, prepareWorkers=1)
+    plan = make_plan(spec, tmp_path / "run", None)
+    stale = plan.entry.parent / f".{plan.entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    stale.mkdir(parents=True)
+    (stale / "train.bin").write_bytes(b"half written")
+    with PrepareMetrics.serving(0, "127.0.0.1") as metrics:  # no endpoint
+        manifest = Builder(plan, None, 1, print, metrics).build()
+    assert manifest["splits"]["train"]["documents"] == 3
+    assert sorted(path.name for path in plan.entry.parent.iterdir()) == [plan.entry.name]
 
 
 def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:

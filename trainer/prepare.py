@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from trainer.names import METRICS_HOST_ENV, METRICS_PORT_ENV
+from trainer.names import EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV
 from trainer.preparation.build import Builder, worker_count
 from trainer.preparation.encode import fast_malloc
 from trainer.preparation.plan import MANIFEST, TOKENIZER_DIR, Plan, make_plan, read_manifest
@@ -93,11 +95,23 @@ def failure_record(exc: BaseException) -> str:
     return f"failed {type(exc).__name__}: {lines[0]}" if lines else f"failed {type(exc).__name__}"
 
 
+class Stopped(BaseException):
+    """SIGTERM: not an Exception, so that no failure is recorded for the waiting ranks (the Job's next pod prepares)."""
+
+
+def stop(signum: int, frame: object) -> NoReturn:
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The chart's prepare Job: `python -m trainer.prepare --config /etc/ddpjob/training.yaml`."""
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=prepare_spec.__doc__)
     parser.add_argument("--config", required=True, type=Path, help="training.yaml (the spec's training: section)")
     args = parser.parse_args(argv)
+    # The Job's container runs this as PID 1, which ignores a signal it has no handler for (trainer/launch.py): a
+    # deleted or evicted Job's pod would be held until its grace period ends in SIGKILL, its staging directory left
+    # behind. Stopped, the pool, the staging directory and the progress file are cleaned up as on any error.
+    signal.signal(signal.SIGTERM, stop)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -109,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     except SpecError as exc:
         log(f"error: {exc}")
         sys.exit(2)
+    except Stopped:
+        log(f"trainer.prepare: stopped by SIGTERM, nothing kept; the next start prepares again (exit {EXIT_PREEMPTED})")
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -105,8 +106,12 @@ def staged(entry: Path) -> Iterator[Path]:
     else is left behind, whatever happens: neither the staging directory nor the folders made for it."""
     cache = entry.parent
     created = [p for p in (cache, *cache.parents) if not p.exists()]
-    staging = cache / f".{entry.name}.tmp-{os.getpid()}"
+    # One per process and pod: every container's first process has pid 1, and pods sharing a volume prepare the same
+    # dataset concurrently. One of this name already there was left by a killed process (a restarted pod's, whose pids
+    # repeat): no live one owns it.
+    staging = cache / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         yield staging
         with contextlib.suppress(FileExistsError, OSError):
