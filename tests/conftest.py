@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -172,19 +173,32 @@ def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:
     return pids
 
 
-@contextlib.contextmanager
-def as_pid_1(command: list[str], **popen: Any) -> Iterator[tuple[subprocess.Popen, int]]:
-    """`command` as the first process of a PID namespace of its own, as a container runs a pod's command (the kernel
-    then delivers it no signal it has no handler for); (unshare's process, the command's pid here). Needs root."""
-    unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command], **popen)
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    (mask,) = [line.split()[1] for line in status if line.startswith("SigCgt")]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def sigterm_as_pid_1(command: list[str], cwd: Path, ready: Callable[[], bool]) -> tuple[int, str]:
+    """`command` run as the first process of a PID namespace of its own, as a container runs a pod's command (the
+    kernel then delivers it no signal it has no handler for), sent SIGTERM once it has a handler and `ready()`; (its
+    exit code, its stderr). Needs root."""
+    namespace = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    unshare = subprocess.Popen([*namespace, *command], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
-        while not children.read_text().split():
-            assert unshare.poll() is None, unshare.communicate()
-        yield unshare, int(children.read_text().split()[0])
+        deadline = time.monotonic() + 60
+        while not ((pids := children.read_text().split()) and catches(int(pids[0]), signal.SIGTERM) and ready()):
+            assert unshare.poll() is None and time.monotonic() < deadline, "no SIGTERM handler, or never ready"
+            time.sleep(0.02)
+        os.kill(int(pids[0]), signal.SIGTERM)
+        _, stderr = unshare.communicate(timeout=30)
+        return unshare.returncode, stderr
     finally:
         unshare.kill()
-        unshare.communicate()
+        unshare.wait()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, as_pid_1, processes_with_marker, run_ctl, start_ctl, tiny_spec
+from conftest import processes_with_marker, run_ctl, sigterm_as_pid_1, start_ctl, tiny_spec
 
 from ctl.cli import app
 from ctl.local import keep_logs
@@ -260,14 +260,6 @@ def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Pa
     assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
 
 
-def catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
-    (mask,) = [
-        line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt")
-    ]
-    return bool(int(mask, 16) >> (signum - 1) & 1)
-
-
 @pytest.mark.parametrize("when", ["importing", "rendezvous"])
 def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path: Path, when: str) -> None:
     """A deleted pod whose launcher (its container's PID 1) has not started its trainers yet, torch still importing
@@ -276,18 +268,9 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path
     port = free_port()
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=0"]
     launch += ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "trainer", "--config", "unused.yaml"]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    with as_pid_1(launch, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) as (unshare, pid):
-        deadline = time.monotonic() + 60
-        while not catches(pid, signal.SIGTERM):  # before its handler, the signal is lost (torchrun's comes later)
-            assert unshare.poll() is None and time.monotonic() < deadline, "no SIGTERM handler"
-        if when == "rendezvous":
-            while not listening(port):  # node 0 serves the rendezvous store
-                assert unshare.poll() is None, unshare.communicate()
-                time.sleep(0.1)
-        os.kill(pid, signal.SIGTERM)
-        _, stderr = unshare.communicate(timeout=30)
-    assert unshare.returncode == EXIT_PREEMPTED, stderr
+    # Node 0 serves the rendezvous store on that port.
+    code, stderr = sigterm_as_pid_1(launch, tmp_path, lambda: when == "importing" or listening(port))
+    assert code == EXIT_PREEMPTED, stderr
     assert stderr.splitlines()[-1] == (
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pyarrow.parquet
 import pytest
 import torch
 import yaml
-from conftest import REPO, as_pid_1, rank_log, run_ctl, tiny_spec
+from conftest import rank_log, run_ctl, sigterm_as_pid_1, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -280,15 +279,8 @@ def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(t
     config = tmp_path / "training.yaml"
     config.write_text(yaml.safe_dump(section | {"checkpoint": {"dir": str(tmp_path / "run")}}))
     command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    with as_pid_1(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) as (unshare, pid):
-        deadline = time.monotonic() + 60
-        while not list(cache.glob(".*.tmp-*")):  # its staging directory: tokenizing
-            assert unshare.poll() is None and time.monotonic() < deadline, unshare.communicate()
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGTERM)
-        _, stderr = unshare.communicate(timeout=30)
-    assert unshare.returncode == EXIT_PREEMPTED, stderr
+    code, stderr = sigterm_as_pid_1(command, tmp_path, lambda: any(cache.glob(".*.tmp-*")))  # tokenizing
+    assert code == EXIT_PREEMPTED, stderr
     assert stderr.splitlines()[-1] == (
         "trainer.prepare: stopped by SIGTERM, nothing kept; the next start prepares again (exit 143)"
     ), stderr
