@@ -587,6 +587,15 @@ def test_pods_satisfy_the_restricted_pod_security_profile_with_resources(name: s
         assert [c["name"] for c in operator_pods(job)["Worker"]["initContainers"]] == ["init-pytorch"]
 
 
+@pytest.mark.parametrize(("name", "spec"), ALL_SPECS, ids=ALL_IDS)
+def test_every_pod_shares_its_process_namespace(name: str, spec: JobSpec) -> None:
+    """Its PID 1 is then the sandbox's, not the command: as PID 1 the command would drop a SIGTERM that comes
+    before Python has a handler (tests/e2e: a job deleted while its pods' Python starts)."""
+    pods = {where: pod for m in render(spec) for where, pod in pod_specs(m.obj, f"{m.kind} {m.name}").items()}
+    assert pods
+    assert {where: pod.get("shareProcessNamespace") for where, pod in pods.items()} == dict.fromkeys(pods, True)
+
+
 def test_the_operator_s_built_in_init_container_would_be_refused() -> None:
     """The check above can fail: upstream's built-in template (no securityContext) breaks the profile."""
     builtin = {"name": "init-pytorch", "image": "alpine:3.10", "command": ["sh", "-c", "nslookup job-master-0"]}

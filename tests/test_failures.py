@@ -262,9 +262,9 @@ def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Pa
 
 @pytest.mark.parametrize("when", ["importing", "rendezvous"])
 def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path: Path, when: str) -> None:
-    """A deleted pod whose launcher (its container's PID 1) has not started its trainers yet, torch still importing
-    or its node waiting at the rendezvous for a peer (here for ever): the launcher exits 143 at once with one line,
-    instead of ignoring the kubelet's SIGTERM and holding the pod until its grace period ends in SIGKILL."""
+    """A launcher as its container's PID 1 (the image run by itself) that has not started its trainers yet, torch
+    still importing or its node waiting at the rendezvous for a peer (here for ever): it exits 143 at once with one
+    line, instead of ignoring SIGTERM and holding the container until SIGKILL."""
     port = free_port()
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=0"]
     launch += ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "trainer", "--config", "unused.yaml"]

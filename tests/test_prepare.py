@@ -269,7 +269,7 @@ def test_the_prepare_jobs_command_prepares_with_several_processes(tmp_path) -> N
 
 
 def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(tmp_path, tokenizer_dir) -> None:
-    """The prepare Job's pod deleted or evicted while it tokenizes: its command, the container's PID 1, stops at the
+    """The prepare Job's pod deleted or evicted while it tokenizes: its command, here a container's PID 1, stops at the
     kubelet's SIGTERM (a process without a handler would never get it, held until SIGKILL) with one line and exit
     143, which the Job retries; no staging directory, dataset or progress file is left, and no failure recorded."""
     cache = tmp_path / "cache"

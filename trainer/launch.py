@@ -47,10 +47,11 @@ def stop_while_starting(signum: int, frame: object = None) -> NoReturn:
 
 
 def watch_for_sigterm_while_starting() -> None:
-    """A container's PID 1 (a pod's command) gets no signal it has no handler for: without one the kernel drops the
-    kubelet's SIGTERM and the pod is held until its grace period ends in SIGKILL (120 s by default). A handler alone
-    is not enough either: Python runs it only when the main thread returns from C, and the rendezvous waits in
-    torch's store for minutes. The signal's byte, written at once to a wakeup pipe, reaches a thread of its own."""
+    """As a container's PID 1 (the image run by itself; the chart's pods share their process namespace, where the
+    sandbox is PID 1) the launcher gets no signal it has no handler for: the kernel drops the SIGTERM and the
+    container is held until SIGKILL. A handler alone is not enough: Python runs it only when the main thread
+    returns from C, and the rendezvous waits in torch's store for minutes. The signal's byte, written at once to a
+    wakeup pipe, reaches a thread of its own, which also says why the launcher ended."""
     signal.signal(signal.SIGTERM, stop_while_starting)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)

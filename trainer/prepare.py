@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=prepare_spec.__doc__)
     parser.add_argument("--config", required=True, type=Path, help="training.yaml (the spec's training: section)")
     args = parser.parse_args(argv)
-    # The Job's container runs this as PID 1, which ignores a signal it has no handler for (trainer/launch.py): a
-    # deleted or evicted Job's pod would be held until its grace period ends in SIGKILL, its staging directory left
-    # behind. Stopped, the pool, the staging directory and the progress file are cleaned up as on any error.
+    # Without a handler a deleted or evicted Job's pod would end with its staging directory left behind (or, as a
+    # container's PID 1, ignore the signal until SIGKILL: trainer/launch.py). Stopped, the pool, the staging
+    # directory and the progress file are cleaned up as on any error.
     signal.signal(signal.SIGTERM, stop)
 
     def log(message: str) -> None:

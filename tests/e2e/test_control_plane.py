@@ -674,8 +674,8 @@ def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
 
 def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str) -> None:
     """Deleting a running pod (as `kubectl delete pod`, or the operator on a restart, does) ends its processes;
-    the operator creates the pod again and it runs. Deleted as it starts (its launcher, the container's PID 1, has
-    not started its trainer yet), the pod ends at once, not when its grace period (120 s) ends in SIGKILL; so do the
+    the operator creates the pod again and it runs. Deleted as it starts (its launcher has not started its trainer
+    yet), the pod ends at once, not when its grace period (120 s) ends in SIGKILL; so do the
     job's pods when the job is deleted, one of them starting again."""
     marker = uuid.uuid4().hex
     spec = job_spec(marker, training={"maxSteps": 1_000_000})
@@ -700,6 +700,44 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
     # The garbage collector removes the deleted job's pods, which ends their processes.
     deleted = time.monotonic()
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
+        V1.group, V1.version, namespace, V1.plural, spec.name
+    )
+    wait_for_deletion(cluster, namespace, spec.name)
+    assert time.monotonic() - deleted < spec.termination_grace_period_seconds / 2
+    assert_no_process_left(cluster, marker)
+
+
+SLOW_START = "slow-start"  # a ConfigMap with a sitecustomize.py, and where the pods mount it
+
+
+def test_a_job_deleted_while_its_pods_python_starts_ends_at_once(cluster: Cluster, namespace: str) -> None:
+    """Stopped before Python has run a line of the pod's command (the interpreter starting, slow on a loaded
+    node; or a pod the operator deletes as its container restarts, OnFailure's back-off limit): as its container's
+    PID 1 the process had no handler yet, the kernel dropped the kubelet's SIGTERM, and the pod was held until its
+    grace period (120 s) ended in SIGKILL. The chart's pods share one process namespace, whose PID 1 is the pod's
+    sandbox, so a SIGTERM ends the command at any point. Here every Python in the pods waits in sitecustomize."""
+    if cluster.plane is None:
+        pytest.skip("reads the pods' processes on this machine: needs the tier's node")
+    marker = uuid.uuid4().hex
+    env = [{"name": "DDPJOB_TEST_MARKER", "value": marker}, {"name": "PYTHONPATH", "value": f"/opt/{SLOW_START}"}]
+    spec = job_spec(marker, env=env)
+    client = cluster.client()
+    sitecustomize = "import sys, time\nprint('starting slowly', file=sys.stderr, flush=True)\ntime.sleep(3600)\n"
+    kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
+        namespace, {"metadata": {"name": SLOW_START}, "data": {"sitecustomize.py": sitecustomize}}
+    )
+    objects = [m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}} for m in render(spec)]
+    job = next(obj for obj in objects if obj["kind"] == V1.kind)
+    for pod in V1.replica_pods({V1.kind: job}, spec).values():
+        pod["volumes"].append({"name": SLOW_START, "configMap": {"name": SLOW_START}})
+        mount = {"name": SLOW_START, "mountPath": f"/opt/{SLOW_START}", "readOnly": True}
+        pod["containers"][0]["volumeMounts"].append(mount)
+    for obj in objects:
+        controlplane.server_side_apply(client, obj)
+    for replica in (Replica("master", 0), Replica("worker", 0)):
+        wait_for_log(cluster, namespace, replica.pod_name(spec.name), "starting slowly")
+    deleted = time.monotonic()
+    kubernetes.client.CustomObjectsApi(client).delete_namespaced_custom_object(
         V1.group, V1.version, namespace, V1.plural, spec.name
     )
     wait_for_deletion(cluster, namespace, spec.name)

@@ -106,9 +106,9 @@ def staged(entry: Path) -> Iterator[Path]:
     else is left behind, whatever happens: neither the staging directory nor the folders made for it."""
     cache = entry.parent
     created = [p for p in (cache, *cache.parents) if not p.exists()]
-    # One per process and pod: every container's first process has pid 1, and pods sharing a volume prepare the same
-    # dataset concurrently. One of this name already there was left by a killed process (a restarted pod's, whose pids
-    # repeat): no live one owns it.
+    # One per process and pod: pods' pids repeat (a container's first process is pid 1, or the same small pid after
+    # the sandbox's), and pods sharing a volume prepare the same dataset concurrently. One of this name already there
+    # was left by a killed process (a restarted pod's, whose pids repeat): no live one owns it.
     staging = cache / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         shutil.rmtree(staging, ignore_errors=True)

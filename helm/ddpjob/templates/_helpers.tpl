@@ -304,6 +304,10 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   terminationGracePeriodSeconds: {{ int .Values.terminationGracePeriodSeconds }}
+  # The sandbox's pause is PID 1 and the command is not: the kernel drops a signal that a namespace's PID 1 has no
+  # handler for, and Python has none until its first lines run (the interpreter starting, slow on a loaded node),
+  # which held a pod stopped then until its grace period ended. Pause also reaps orphaned processes.
+  shareProcessNamespace: true
   securityContext:
     runAsNonRoot: true
     runAsUser: {{ int .Values.security.runAsUser }}
