@@ -6,10 +6,10 @@ a chosen TMPDIR or TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and references to Secrets or
 are the variables exported here or nothing. When any agent fails, the others are stopped: no process outlives
 the run.
 
-The terminal gets rank 0's progress (its stdout), the trainers' warning lines and one line for the
-outcome: bad input's line (exit 2), the root cause of a failure (exit 1), or where a stopped run can
-resume (143 for SIGTERM, 130 for Ctrl-C). Every rank's output and torchrun's own go to log files (torchrun's `--log-dir`
-layout), moved into the run directory's `logs/` at the end; `--verbose` also streams them.
+The terminal gets rank 0's progress (its stdout), the trainers' warning lines and one line for the outcome: bad
+input's line (exit 2), the root cause of a failure (exit 1), or where a stopped run can resume (143 for SIGTERM, 130
+for Ctrl-C). Every rank's output and torchrun's own go to log files (torchrun's `--log-dir` layout), moved into the
+run directory's `logs/` at the end; `--verbose` also streams them.
 """
 
 from __future__ import annotations

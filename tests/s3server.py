@@ -46,12 +46,19 @@ class S3Server:
         return path
 
 
+def listening(address: str, port: int) -> bool:
+    """Whether a server accepts connections on address:port."""
+    with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1):
+        return True
+    return False
+
+
 def wait_for_port(address: str, port: int, server: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"versitygw exited with {server.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1):
+        if listening(address, port):
             return
         time.sleep(0.1)
     raise RuntimeError(f"versitygw did not listen on {address}:{port} within {START_TIMEOUT_S} s:\n{log.read_text()}")

@@ -4,11 +4,9 @@ fail, and SIGTERM handled as Ctrl-C."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import processes_with_marker, run_ctl, sigterm_as_pid_1, start_ctl, tiny_spec
+from s3server import listening
 
 from ctl.cli import app
 from ctl.local import keep_logs
@@ -269,17 +268,11 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=0"]
     launch += ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "trainer", "--config", "unused.yaml"]
     # Node 0 serves the rendezvous store on that port.
-    code, stderr = sigterm_as_pid_1(launch, tmp_path, lambda: when == "importing" or listening(port))
+    code, stderr = sigterm_as_pid_1(launch, tmp_path, lambda: when == "importing" or listening("127.0.0.1", port))
     assert code == EXIT_PREEMPTED, stderr
     assert stderr.splitlines()[-1] == (
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr
-
-
-def listening(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
-    return False
 
 
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:

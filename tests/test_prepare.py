@@ -288,12 +288,12 @@ def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(t
 
 
 def test_a_staging_directory_left_by_a_killed_process_of_the_same_pod_and_pid_is_replaced(tmp_path) -> None:
-    """A pod's processes get the same pids when it starts again (its first is always 1): the staging directory that
+    """A pod's processes get the same pids when it starts again: the staging directory that
     a killed preparation (SIGKILL, out of memory) left under this process's name is no live process's. It made the
     next preparation fail (FileExistsError), and the ranks waiting for it with it."""
     spec = training("char-gpt", [str(p) for p in SOURCES[:3]], tmp_path, prepareWorkers=1)
     plan = make_plan(spec, tmp_path / "run", None)
-    stale = plan.entry.parent / f".{plan.entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    stale = build.staging_dir(plan.entry)
     stale.mkdir(parents=True)
     (stale / "train.bin").write_bytes(b"half written")
     with PrepareMetrics.serving(0, "127.0.0.1") as metrics:  # no endpoint

@@ -100,16 +100,21 @@ class Labels:
         return labels
 
 
+def staging_dir(entry: Path) -> Path:
+    """This process's staging directory for `entry`: one per process and pod, since pods' pids repeat (a container's
+    first process is pid 1, or the same small pid after the sandbox's) and pods sharing a volume prepare the same
+    dataset concurrently. One of this name already there was left by a killed process (a restarted pod's, whose
+    pids repeat): no live one owns it."""
+    return entry.parent / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 @contextlib.contextmanager
 def staged(entry: Path) -> Iterator[Path]:
     """A staging directory beside `entry`, renamed to it once the body has written it (its manifest last). Nothing
     else is left behind, whatever happens: neither the staging directory nor the folders made for it."""
     cache = entry.parent
     created = [p for p in (cache, *cache.parents) if not p.exists()]
-    # One per process and pod: pods' pids repeat (a container's first process is pid 1, or the same small pid after
-    # the sandbox's), and pods sharing a volume prepare the same dataset concurrently. One of this name already there
-    # was left by a killed process (a restarted pod's, whose pids repeat): no live one owns it.
-    staging = cache / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    staging = staging_dir(entry)
     try:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
