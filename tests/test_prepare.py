@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
+import multiprocessing.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +34,17 @@ from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
 from trainer.preparation import build, encode
-from trainer.prepare import MANIFEST, Builder, Plan, PrepareMetrics, make_plan, prepare_spec, read_texts
+from trainer.prepare import (
+    MANIFEST,
+    Builder,
+    Plan,
+    PrepareMetrics,
+    Stopped,
+    make_plan,
+    prepare_spec,
+    read_texts,
+    stop,
+)
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import train_tokenizer
 from trainer.workloads import PreparationFailed, prepare_now, wait_for
@@ -152,6 +164,33 @@ def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypat
             assert pool.apply(encode._encode_in_pool, (["ab", "ba"],))[0].tolist() == [1, 2, 0, 2, 1]
     assert "libresolv" not in libraries[None] and "libresolv" in libraries["libresolv.so.2"]
     assert "LD_PRELOAD" not in os.environ, "this process's environment is left as it was"
+
+
+def test_a_sigterm_while_the_tokenizing_pool_starts_ends_the_pool_whole(monkeypatch, capfd) -> None:
+    """trainer.prepare's SIGTERM raises in the main thread. Arriving while the pool started its processes (here the
+    second one spawned, its start-up data not yet written), it left the first running and the second failing with
+    EOFError after the Job's last line. Now it is raised once the pool is whole, which then ends both."""
+    spawn = multiprocessing.util.spawnv_passfds
+    workers: list[int] = []
+
+    def spawned_then_signalled(path: str, args: list[bytes], passfds: tuple[int, ...]) -> int:
+        pid = spawn(path, args, passfds)
+        if any(b"spawn_main" in os.fsencode(arg) for arg in args):  # not the resource tracker's
+            workers.append(pid)
+            if len(workers) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return pid
+
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", spawned_then_signalled)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stopped), encode.encoding_pool(encode.Encoder("uint16", chars="\nab"), 2):
+            pytest.fail("a stopped start yields no pool")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(workers) == 2
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == [], "every worker ended"
+    assert "Error" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -11,7 +11,9 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
+import threading
 import types
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -214,11 +216,33 @@ def encoding_pool(encoder: Encoder, workers: int, allocator: str | None = None) 
     if workers == 1:
         yield None
         return
-    # spawn: the parent may hold threads (a process group, the tokenizer's pool) that fork would copy half-alive.
-    with without_main(), preloading(allocator):
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,))
-    with pool:
+    with contextlib.ExitStack() as stack:
+        # spawn: the parent may hold threads (a process group, the tokenizer's pool) that fork would copy half-alive.
+        # A signal handler that raises (trainer.prepare's SIGTERM) waits until the pool is whole and will be ended.
+        with without_main(), preloading(allocator), signals_held(signal.SIGTERM, signal.SIGINT):
+            stack.enter_context(pool := multiprocessing.get_context("spawn").Pool(workers, _init_pool, (encoder,)))
         yield pool
+
+
+@contextlib.contextmanager
+def signals_held(*signums: int) -> Iterator[None]:
+    """Runs the body whole: `signums` that arrive meanwhile go to their handlers at its end. An exception raised in
+    the middle of a pool's start left the processes it had started running (the pool cleans up after an Exception
+    only), and one whose start-up data the parent had not finished writing failed with EOFError."""
+    if threading.current_thread() is not threading.main_thread():  # handlers run in the main thread only
+        yield
+        return
+    arrived: list[int] = []
+    # Not a handler installed outside Python (getsignal gives None): it could not be put back.
+    held = [signum for signum in signums if signal.getsignal(signum) is not None]
+    handlers = {signum: signal.signal(signum, lambda signum, frame: arrived.append(signum)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in arrived:
+            signal.raise_signal(signum)
 
 
 def encoded(
