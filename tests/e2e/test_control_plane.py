@@ -442,12 +442,15 @@ def test_a_failing_trainer_fails_the_job(
         master = Replica("master", 0).pod_name(spec.name)
         assert "error: data.train" in wait_for_log(cluster, namespace, master, "error: ", previous=True)
     job = wait_for_job(cluster, namespace, spec.name)
+    failed = time.monotonic()
     assert finished_as(job) == "Failed", pod_logs(cluster, namespace)
     assert "data.train" in pod_logs(cluster, namespace)
     pods = pods_of(cluster, namespace, spec.name)
     if restart_policy == "OnFailure":
         assert "backoff limit" in next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Failed")
+        # Deleted as their containers restart, Python starting: not held for their grace period (120 s).
         wait_for_deletion(cluster, namespace, spec.name)
+        assert time.monotonic() - failed < spec.termination_grace_period_seconds / 2
     else:
         # The job fails with its first failed replica; the other pod may still be on its way out.
         for name in pods:
