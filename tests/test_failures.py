@@ -260,10 +260,13 @@ def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Pa
 
 
 @pytest.mark.parametrize("when", ["importing", "rendezvous"])
-def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path: Path, when: str) -> None:
+def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
+    tmp_path: Path, when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A launcher as its container's PID 1 (the image run by itself) that has not started its trainers yet, torch
     still importing or its node waiting at the rendezvous for a peer (here for ever): it exits 143 at once with one
-    line, instead of ignoring SIGTERM and holding the container until SIGKILL."""
+    line, instead of ignoring SIGTERM and holding the container until SIGKILL. It leaves no heartbeat directory."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     port = free_port()
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=0"]
     launch += ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "trainer", "--config", "unused.yaml"]
@@ -273,6 +276,7 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(tmp_path
     assert stderr.splitlines()[-1] == (
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr
+    assert list(tmp_path.glob("ddpjob-heartbeats-*")) == []
 
 
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:

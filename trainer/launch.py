@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import threading
 import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
+
+STARTED_WATCHES: list[Path] = []  # the heartbeat directory of main()'s FrozenRanks, once it exists
 
 
 def stopped_line(code: int, reason: str) -> str:
@@ -42,6 +45,8 @@ def stop_while_starting(signum: int, frame: object = None) -> NoReturn:
     leaves it on a signal."""
     code = 128 + signum
     reason = f"stopped by {signal.Signals(signum).name} before the trainers started"
+    for directory in STARTED_WATCHES:  # what its exit handlers, skipped here, would remove
+        shutil.rmtree(directory, ignore_errors=True)
     os.write(2, f"{stopped_line(code, reason)}\n".encode())
     os._exit(code)
 
@@ -85,6 +90,7 @@ resume_collection()
 
 def main() -> None:
     frozen = FrozenRanks().start()
+    STARTED_WATCHES.append(frozen.directory)
     try:
         torchrun()
         quick_exit(0)
