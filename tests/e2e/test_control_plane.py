@@ -165,11 +165,13 @@ def shipped_namespace(cluster: Cluster) -> Iterator[str]:
 def apply_rendered(cluster: Cluster, spec: JobSpec, namespace: str, dry_run: bool = False) -> list[Any]:
     client = cluster.client()
     return [
-        controlplane.server_side_apply(
-            client, m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}}, dry_run
-        )
+        controlplane.server_side_apply(client, in_namespace(m.obj, namespace), dry_run)
         for m in render(spec, namespace=namespace)
     ]
+
+
+def in_namespace(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
+    return obj | {"metadata": obj["metadata"] | {"namespace": namespace}}
 
 
 def job_spec(
@@ -700,14 +702,19 @@ def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str
         while any(old_pod in cgroups(pid).replace(b"-", b"_") for pid in processes_with_marker(marker)):
             assert time.monotonic() < deadline, "the deleted pod's processes are still running"
             time.sleep(0.5)
-    # The garbage collector removes the deleted job's pods, which ends their processes.
+    delete_job_promptly(cluster, namespace, spec)
+    assert_no_process_left(cluster, marker)
+
+
+def delete_job_promptly(cluster: Cluster, namespace: str, spec: JobSpec) -> None:
+    """Deletes the job; the garbage collector removes its pods, which ends their processes, well within their grace
+    period (not held until it ends in SIGKILL)."""
     deleted = time.monotonic()
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
         V1.group, V1.version, namespace, V1.plural, spec.name
     )
     wait_for_deletion(cluster, namespace, spec.name)
     assert time.monotonic() - deleted < spec.termination_grace_period_seconds / 2
-    assert_no_process_left(cluster, marker)
 
 
 SLOW_START = "slow-start"  # a ConfigMap with a sitecustomize.py, and where the pods mount it
@@ -729,7 +736,7 @@ def test_a_job_deleted_while_its_pods_python_starts_ends_at_once(cluster: Cluste
     kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
         namespace, {"metadata": {"name": SLOW_START}, "data": {"sitecustomize.py": sitecustomize}}
     )
-    objects = [m.obj | {"metadata": m.obj["metadata"] | {"namespace": namespace}} for m in render(spec)]
+    objects = [in_namespace(m.obj, namespace) for m in render(spec)]
     job = next(obj for obj in objects if obj["kind"] == V1.kind)
     for pod in V1.replica_pods({V1.kind: job}, spec).values():
         pod["volumes"].append({"name": SLOW_START, "configMap": {"name": SLOW_START}})
@@ -739,12 +746,7 @@ def test_a_job_deleted_while_its_pods_python_starts_ends_at_once(cluster: Cluste
         controlplane.server_side_apply(client, obj)
     for replica in (Replica("master", 0), Replica("worker", 0)):
         wait_for_log(cluster, namespace, replica.pod_name(spec.name), "starting slowly")
-    deleted = time.monotonic()
-    kubernetes.client.CustomObjectsApi(client).delete_namespaced_custom_object(
-        V1.group, V1.version, namespace, V1.plural, spec.name
-    )
-    wait_for_deletion(cluster, namespace, spec.name)
-    assert time.monotonic() - deleted < spec.termination_grace_period_seconds / 2
+    delete_job_promptly(cluster, namespace, spec)
     assert_no_process_left(cluster, marker)
 
 
