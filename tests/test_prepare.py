@@ -5,6 +5,7 @@ prepares once and runs map what it wrote."""
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import multiprocessing.util
 import os
@@ -327,9 +328,9 @@ def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(t
 
 
 def test_a_staging_directory_left_by_a_killed_process_of_the_same_pod_and_pid_is_replaced(tmp_path) -> None:
-    """A pod's processes get the same pids when it starts again: the staging directory that
-    a killed preparation (SIGKILL, out of memory) left under this process's name is no live process's. It made the
-    next preparation fail (FileExistsError), and the ranks waiting for it with it."""
+    """A killed preparation's (SIGKILL, out of memory) staging directory under this process's name, whose pid the
+    killed one had (pids repeat), is no live process's. It made the next preparation fail (FileExistsError), and
+    the ranks waiting for it with it."""
     spec = training("char-gpt", [str(p) for p in SOURCES[:3]], tmp_path, prepareWorkers=1)
     plan = make_plan(spec, tmp_path / "run", None)
     stale = build.staging_dir(plan.entry)
@@ -339,6 +340,73 @@ def test_a_staging_directory_left_by_a_killed_process_of_the_same_pod_and_pid_is
         manifest = Builder(plan, None, 1, print, metrics).build()
     assert manifest["splits"]["train"]["documents"] == 3
     assert sorted(path.name for path in plan.entry.parent.iterdir()) == [plan.entry.name]
+
+
+def killed_preparation(entry: Path) -> Path:
+    """The staging directory of a preparation of `entry` killed outright (SIGKILL, out of memory), after it had
+    written some tokens."""
+    owner = (
+        "import sys, time; from pathlib import Path; from trainer.preparation.build import staged\n"
+        "with staged(Path(sys.argv[1]), print) as staging:\n"
+        "    (staging / 'train.bin').write_bytes(b'half written'); print(staging, flush=True); time.sleep(120)\n"
+    )
+    killed = subprocess.Popen([sys.executable, "-c", owner, str(entry)], stdout=subprocess.PIPE, text=True)
+    line = killed.stdout.readline().strip()
+    killed.kill()
+    killed.wait(timeout=30)
+    assert line, "the preparation to kill never made its staging directory"
+    return Path(line)
+
+
+def age(staging: Path, seconds: float) -> None:
+    """Makes `staging`'s owner file look last touched `seconds` ago."""
+    then = time.time() - seconds
+    os.utime(staging / build.OWNER, (then, then))
+
+
+def test_staging_directories_of_killed_preparations_are_removed_and_live_ones_kept(tmp_path, capsys) -> None:
+    """A preparation killed in another pod (or in this pod's earlier container: with a shared process namespace its
+    pids do not repeat) leaves its staging directory, which filled the volume at every OOM kill until removed by
+    hand. The next preparation of that dataset removes those whose owner's lock is free and that nobody touched for
+    ABANDONED_SECONDS; a locked one, a recently touched one and one without an owner file yet stay."""
+    spec = training("char-gpt", [str(p) for p in SOURCES[:3]], tmp_path, prepareWorkers=1)
+    plan = make_plan(spec, tmp_path / "run", None)
+    abandoned, recent = killed_preparation(plan.entry), killed_preparation(plan.entry)
+    age(abandoned, build.ABANDONED_SECONDS + 5)
+    live = abandoned.with_name(f".{plan.entry.name}.tmp-another-pod-7")
+    live.mkdir()
+    (live / build.OWNER).touch()
+    age(live, 10 * build.ABANDONED_SECONDS)  # its owner frozen, say: its lock alone keeps it
+    creating = abandoned.with_name(f".{plan.entry.name}.tmp-another-pod-8")  # no owner file yet: just made
+    creating.mkdir()
+    with (live / build.OWNER).open("r+") as lock:  # another open file: held against this process's attempts too
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with PrepareMetrics.serving(0, "127.0.0.1") as metrics:  # no endpoint
+            manifest = Builder(plan, None, 1, print, metrics).build()
+    assert manifest["splits"]["train"]["documents"] == 3
+    assert f"removed {abandoned}, left by a preparation that was killed" in capsys.readouterr().out
+    left = sorted(path.name for path in plan.entry.parent.iterdir())
+    assert left == sorted([plan.entry.name, recent.name, live.name, creating.name])
+    assert not (plan.entry / build.OWNER).exists()
+
+
+def test_a_staging_directory_abandoned_while_a_preparation_runs_is_removed_after_it(tmp_path, monkeypatch) -> None:
+    """A Job killed out of memory is retried within seconds, before its staging directory counts as abandoned: the
+    retry removes it when it has finished. Meanwhile the retry's own owner file is kept fresh."""
+    monkeypatch.setattr(build, "OWNER_TOUCH_SECONDS", 0.05)
+    entry = tmp_path / "cache" / "char-gpt-0123"
+    killed = killed_preparation(entry)
+    logged: list[str] = []
+    with build.staged(entry, logged.append) as staging:
+        assert killed.exists()
+        age(killed, build.ABANDONED_SECONDS + 5)
+        age(staging, build.ABANDONED_SECONDS + 5)
+        time.sleep(0.5)
+        assert time.time() - (staging / build.OWNER).stat().st_mtime < 0.5
+        (staging / MANIFEST).write_text("{}")
+    assert logged == [f"removed {killed}, left by a preparation that was killed"]
+    assert sorted(path.name for path in entry.parent.iterdir()) == [entry.name]
+    assert sorted(path.name for path in entry.iterdir()) == [MANIFEST]
 
 
 def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:

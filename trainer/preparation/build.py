@@ -4,10 +4,13 @@ then renamed into place."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -100,27 +103,100 @@ class Labels:
         return labels
 
 
+OWNER = ".owner"  # in a staging directory: locked, and touched every OWNER_TOUCH_SECONDS, by the process writing it
+OWNER_TOUCH_SECONDS = 10.0
+# Unlocked and untouched this long: its owner is gone. Well above the touch interval plus NFS's attribute cache (up
+# to 60 s), so a live owner on another node is kept where locks are only per node (NFS `nolock`, FUSE mounts).
+ABANDONED_SECONDS = 180.0
+
+
 def staging_dir(entry: Path) -> Path:
-    """This process's staging directory for `entry`: one per process and pod, since pods' pids repeat (a container's
-    first process is pid 1, or the same small pid after the sandbox's) and pods sharing a volume prepare the same
-    dataset concurrently. One of this name already there was left by a killed process (a restarted pod's, whose
-    pids repeat): no live one owns it."""
+    """This process's staging directory for `entry`: one per process and pod, since pods sharing a volume prepare the
+    same dataset concurrently. One of this name already there was left by a killed process whose pid this one
+    reuses: no live one owns it."""
     return entry.parent / f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
+class Owner:
+    """This process's claim on its staging directory: a lock the kernel releases however the process ends (SIGKILL,
+    out of memory; NFS's server when the node is gone, at its lease's end), and a file touched while it lives."""
+
+    def __init__(self, staging: Path) -> None:
+        self.file = (staging / OWNER).open("w")
+        with contextlib.suppress(OSError):  # a filesystem without locks: its age alone tells
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.stopped = threading.Event()
+        self.toucher = threading.Thread(target=self.touch_while_alive, name="ddpjob-staging-owner", daemon=True)
+        self.toucher.start()
+
+    def touch_while_alive(self) -> None:
+        while not self.stopped.wait(OWNER_TOUCH_SECONDS):
+            with contextlib.suppress(OSError):
+                os.utime(self.file.fileno())
+
+    def now(self) -> float:
+        """The volume's time now (its server's clock on NFS): the mtime of this file, touched."""
+        os.utime(self.file.fileno())
+        return os.fstat(self.file.fileno()).st_mtime
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.toucher.join()
+        self.file.close()  # releases the lock
+
+
+def remove_abandoned(entry: Path, now: float) -> list[Path]:
+    """Removes the staging directories for `entry` whose owner is gone: their lock is free and their owner file was
+    last touched more than ABANDONED_SECONDS before `now` (the volume's time). One without an owner file is being
+    created, and is left."""
+    removed, own = [], staging_dir(entry)
+    for staging in entry.parent.glob(f".{glob.escape(entry.name)}.tmp-*"):
+        if staging == own:  # and on NFS, whose locks are per process, closing a file of ours would release ours
+            continue
+        try:
+            lock = os.open(staging / OWNER, os.O_RDWR)  # NFS grants an exclusive lock on a file open for writing only
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by its live owner: OSError
+            if now - os.fstat(lock).st_mtime > ABANDONED_SECONDS:
+                shutil.rmtree(staging, ignore_errors=True)  # the lock held: no other preparation removes it too
+                removed.append(staging)
+        except OSError:
+            pass
+        finally:
+            os.close(lock)
+    return removed
+
+
 @contextlib.contextmanager
-def staged(entry: Path) -> Iterator[Path]:
+def staged(entry: Path, log: Callable[[str], None]) -> Iterator[Path]:
     """A staging directory beside `entry`, renamed to it once the body has written it (its manifest last). Nothing
-    else is left behind, whatever happens: neither the staging directory nor the folders made for it."""
+    else is left behind, whatever happens: neither the staging directory nor the folders made for it. Staging
+    directories that killed preparations of the same dataset left are removed, before and after: a killed Job's
+    retry starts within seconds, before they count as abandoned."""
     cache = entry.parent
     created = [p for p in (cache, *cache.parents) if not p.exists()]
     staging = staging_dir(entry)
+
+    def remove_abandoned_now() -> None:
+        with contextlib.suppress(OSError):  # tidying: never a reason for this preparation to fail
+            for path in remove_abandoned(entry, owner.now()):
+                log(f"removed {path}, left by a preparation that was killed")
+
     try:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        yield staging
-        with contextlib.suppress(FileExistsError, OSError):
-            os.rename(staging, entry)  # a concurrent preparation of the same fingerprint may have won
+        owner = Owner(staging)
+        try:
+            remove_abandoned_now()
+            yield staging
+            remove_abandoned_now()
+            (staging / OWNER).unlink()  # not part of the dataset; the lock stays held until the file is closed
+            with contextlib.suppress(FileExistsError, OSError):
+                os.rename(staging, entry)  # a concurrent preparation of the same fingerprint may have won
+        finally:
+            owner.close()
         if not (entry / MANIFEST).exists():
             raise OSError(f"cannot move {staging} to {entry}")
     finally:
@@ -178,7 +254,7 @@ class Builder:
 
     def build(self) -> dict[str, Any]:
         started = time.monotonic()
-        with staged(self.plan.entry) as staging:
+        with staged(self.plan.entry, self.log) as staging:
             manifest = self.write(staging)
             manifest["seconds"] = round(time.monotonic() - started, 3)
             check_unchanged(self.plan)
