@@ -90,8 +90,9 @@ e2e: dev e2e-binaries image
 
 # Ratios against peers measured in the same run: training throughput (vs a bare DDP loop and
 # transformers' Trainer), wall time and loss on nanoGPT's baby GPT (vs a nanoGPT-style reference),
-# checkpoint stalls (sync vs async), ctl start-up, metrics cost per step, and data
-# preparation at real size (vs a nanoGPT-style prepare).
+# checkpoint stalls (sync vs async), ctl start-up, metrics cost per step, data preparation at
+# real size (vs a nanoGPT-style prepare), and a recreated pod's torch.compile (its caches from
+# scratch vs on the volume).
 bench: $(BIN)/uv
 	$(INSTALL) -e '.[bench]'
 	$(COMPILE)
@@ -101,6 +102,7 @@ bench: $(BIN)/uv
 	$(BIN)/python bench/cli.py
 	$(BIN)/python bench/metrics_overhead.py
 	$(BIN)/python bench/data.py
+	$(BIN)/python bench/compile_cache.py
 
 lint: dev
 	$(BIN)/ruff check .

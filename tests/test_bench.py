@@ -104,6 +104,13 @@ def test_data_bench_runs_the_reference_prepare_a_first_start_and_a_restart() -> 
     assert_finite(result)
 
 
+def test_compile_cache_bench_starts_from_scratch_and_from_the_volumes_cache() -> None:
+    result = run_bench("compile_cache.py", "--rounds", "1", "--layers", "1", "--steps", "2")
+    assert [len(result["rounds"][where]) for where in ("scratch", "volume")] == [1, 1]
+    assert_finite(result["ratios"], "first_step_s_volume_vs_scratch", "wall_s_volume_vs_scratch")
+    assert_finite(result)
+
+
 @pytest.fixture
 def throughput(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(REPO))
