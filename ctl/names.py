@@ -15,9 +15,23 @@ TRAINER_COMPONENT = "trainer"
 PREPARE_COMPONENT = "prepare"
 # torch's: a fresh rendezvous store every round of an elastic job (the chart sets it on elastic pods).
 FRESH_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# torch.compile's caches: torch's and Triton's variables, and each one's folder. With `training.compile` and the run
+# directory on the volume, the chart puts them in the run directory's COMPILE_CACHE_DIR, one folder per pod (named by
+# POD_KEY_ENV), so that a restarted pod finds what it compiled before; otherwise in the pod's scratch volume, where
+# the image's ENV has them, and each new pod compiles again.
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton"}
+COMPILE_CACHE_DIR = "compile-cache"
+POD_KEY_ENV = "DDPJOB_POD_KEY"  # the pod's name for its folder there: the same when the pod is recreated
 # The training pods' variables that the prepare Job's pod (the same template) must not get: it has no torchrun, no
-# rendezvous and no shared metrics directory, and it is the job the others wait for.
-PREPARE_DENIED_ENV = (SHUTDOWN_TIMEOUT_ENV, FRESH_RDZV_STORE_ENV, METRICS_DIR_ENV, PREPARED_BY_JOB_ENV)
+# rendezvous and no shared metrics directory, compiles nothing, and it is the job the others wait for.
+PREPARE_DENIED_ENV = (
+    SHUTDOWN_TIMEOUT_ENV,
+    FRESH_RDZV_STORE_ENV,
+    METRICS_DIR_ENV,
+    PREPARED_BY_JOB_ENV,
+    POD_KEY_ENV,
+    *COMPILE_CACHES,
+)
 # Refusals that ctl's spec model makes and the chart makes again for values files ctl never saw (`helm install -f`):
 # formats that Python's % and Go's printf read alike.
 POD_NAME_TOO_LONG = 'name: too long: pod name "%s" would have %d characters (at most %d)'

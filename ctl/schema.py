@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from ctl import names
 from ctl.kinds import KINDS
 from ctl.spec import JobSpec
-from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
+from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SCHEME, S3_SECRET_KEY_ENV
 from trainer.names import (
     JOB_NAME_ENV,
     METRICS_DIR_ENV,
@@ -256,12 +256,16 @@ def chart_names() -> dict[str, Any]:
             "shutdownTimeout": SHUTDOWN_TIMEOUT_ENV,
             "preparedByJob": PREPARED_BY_JOB_ENV,
             "freshRendezvousStore": names.FRESH_RDZV_STORE_ENV,
+            "podKey": names.POD_KEY_ENV,
             "s3Endpoint": S3_ENDPOINT_ENV,
             "s3Region": S3_REGION_ENV,
             "s3AccessKey": S3_ACCESS_KEY_ENV,
             "s3SecretKey": S3_SECRET_KEY_ENV,
         },
         "prepareDeniedEnv": list(names.PREPARE_DENIED_ENV),
+        "compileCaches": names.COMPILE_CACHES,
+        "compileCacheDir": names.COMPILE_CACHE_DIR,
+        "s3Scheme": S3_SCHEME,
         "refusals": {"podNameTooLong": names.POD_NAME_TOO_LONG, "gpusBelowProcesses": names.GPUS_BELOW_PROCESSES},
         "cpuPerProcess": names.CPU_PER_PROCESS,
         "memoryMiPerProcess": names.MEMORY_MIB_PER_PROCESS,
@@ -270,6 +274,7 @@ def chart_names() -> dict[str, Any]:
                 "container": kind.container,
                 "jobLabel": kind.job_label,
                 "indexLabels": list(kind.index_labels),
+                "podKeyField": kind.pod_key_field,
                 "kubectlKind": kind.kind.lower(),
                 # Replica type -> what its pods' names have between the job's name and the index.
                 "podNames": {t: kind.pod_name_part(t) for t in kind.replica_types},

@@ -26,6 +26,7 @@ from conftest import REPO, prometheus_server, prometheus_tool, run_ctl
 from pod_security import violations
 
 from ctl.kinds import KINDS, PYTORCHJOB
+from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES, POD_KEY_ENV
 from ctl.operator_env import replicas
 from ctl.render import (
     Manifest,
@@ -508,6 +509,31 @@ def test_caches_live_in_a_bounded_scratch_volume_under_a_read_only_root() -> Non
     # Every other path the trainer writes is a mount of its own (nothing lands on the read-only root).
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
     assert writable == {"/checkpoints", "/dev/shm", "/run/ddpjob-metrics", "/home/ddpjob", "/tmp"}
+
+
+@pytest.mark.parametrize("api_kind", sorted(KINDS))
+def test_with_compile_its_caches_are_in_the_run_directory_a_folder_per_pod(api_kind: str) -> None:
+    """training.compile with the run directory on the volume: torch.compile's caches go there, in a folder named by
+    a field that stays the same when the operator recreates the pod, so that a recreated pod does not compile again
+    (tests/e2e: a pod stopped by SIGTERM resumes). The prepare Job compiles nothing and keeps the image's."""
+    compiled = TRAIN | {"compile": True}
+    by_kind = objects(spec_of(apiKind=api_kind, nodes=2, training=compiled, prepare={"enabled": True}))
+    for template in pod_templates(pod_owner(by_kind)).values():
+        env = trainer_container(template)["env"]
+        names = [e["name"] for e in env]
+        key = env[names.index(POD_KEY_ENV)]
+        assert key["valueFrom"] == {"fieldRef": {"fieldPath": KINDS[api_kind].pod_key_field}}
+        for variable, folder in COMPILE_CACHES.items():
+            assert names.index(variable) > names.index(POD_KEY_ENV)  # the kubelet expands $(VAR) of earlier ones only
+            expected = f"/checkpoints/job/{COMPILE_CACHE_DIR}/$({POD_KEY_ENV})/{folder}"
+            assert env[names.index(variable)]["value"] == expected
+    (prepare,) = by_kind["Job"]["spec"]["template"]["spec"]["containers"]
+    assert not {e["name"] for e in prepare["env"]} & {POD_KEY_ENV, *COMPILE_CACHES}, prepare["env"]
+    # In a bucket, the run directory is not a path: the caches stay in the scratch volume.
+    in_bucket = objects(spec_of(apiKind=api_kind, training=compiled, storage={"uri": "s3://bucket/runs"}))
+    for template in pod_templates(pod_owner(in_bucket)).values():
+        env = {e["name"]: e.get("value") for e in trainer_container(template)["env"]}
+        assert POD_KEY_ENV not in env and env["TORCHINDUCTOR_CACHE_DIR"] == "/home/ddpjob/.cache/torchinductor"
 
 
 def dockerfile_env() -> dict[str, str]:

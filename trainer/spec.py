@@ -240,7 +240,11 @@ class TrainingSpec(SpecModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast on GPUs that support it, fp32 otherwise; fp16 uses a GradScaler."
     )
-    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    compile: bool = Field(
+        False,
+        description="Wrap the model in torch.compile. On the cluster, with the run directory on the volume, each pod"
+        " keeps torch.compile's caches there (compile-cache/<pod>/), so a recreated pod does not compile again.",
+    )
     epochs: int = Field(1, ge=1, description="Passes over the training data (when maxSteps is not set).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
     batch_size: int = Field(16, ge=1, description="Sequences per process per micro-step.")

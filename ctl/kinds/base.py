@@ -92,6 +92,8 @@ class JobKind(ABC):
     rendezvous_port_name: str  # the spec's name for the rendezvous port, in error messages
     replica_types: tuple[str, ...]  # in node-rank order
     index_labels: tuple[str, ...]  # the pod labels telling the job's pods apart
+    # A downward-API field naming each pod of the job that stays the same when the pod is recreated.
+    pod_key_field: str
     # Whether a foreground deletion (the pods first, then the job) ends; see ctl.cluster.delete_job.
     foreground_deletion: bool = True
 

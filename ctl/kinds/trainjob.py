@@ -38,6 +38,7 @@ class TrainJob(JobKind):
     rendezvous_port_name = "Trainer v2's port"
     replica_types = (NODE,)
     index_labels = (COMPLETION_INDEX_LABEL,)
+    pod_key_field = f"metadata.labels['{COMPLETION_INDEX_LABEL}']"  # a recreated pod gets a new name
     # Trainer v2.3 recreates the JobSet of a TrainJob that a foreground deletion holds, again and again.
     foreground_deletion = False
 

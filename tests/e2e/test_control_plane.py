@@ -45,6 +45,7 @@ from ctl.cluster import ClusterError, Target, apply
 from ctl.jobs import RUNTIME_SEEN_WAIT_S, apply_job
 from ctl.kinds import JobKind
 from ctl.kinds.pytorchjob import REPLICA_TYPE_LABEL
+from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
 from ctl.render import render
@@ -504,6 +505,43 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
         "tiny-master-0 exited with code 143",
         "tiny-worker-0 exited with code 143",
     }, exits
+    assert_no_process_left(cluster, marker)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
+    cluster: Cluster, namespace: str, kind: Kind
+) -> None:
+    """training.compile: the kubelet resolves the chart's folder of each pod in the run directory on the volume, for
+    torch's and Triton's caches, named by what stays the same when the operator recreates the pod (the pod's name;
+    a TrainJob pod's completion index), so a recreated pod finds what it compiled before. Read from the pods'
+    processes; the job is deleted before it compiles (the stand-in image has no C++ compiler: docs/testing.md)."""
+    if cluster.plane is None:
+        pytest.skip("reads the pods' processes on this machine: needs the tier's node")
+    marker = uuid.uuid4().hex
+    spec = job_spec(marker, training={"compile": True}, apiKind=kind.api.kind)
+    apply_rendered(cluster, spec, namespace)
+    folders = [f"{spec.name}-{node}" for node in kind.nodes] if kind is PYTORCHJOB else ["0", "1"]
+    run_dir = f"{spec.storage.mount_path}/{spec.name}"
+    expected = {
+        str(rank): {
+            variable: f"{run_dir}/{COMPILE_CACHE_DIR}/{folder}/{leaf}" for variable, leaf in COMPILE_CACHES.items()
+        }
+        for rank, folder in enumerate(folders)
+    }
+    found: dict[str, dict[str, str]] = {}
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while found != expected and time.monotonic() < deadline:
+        marked = processes_with_marker(marker)
+        for pid in marked:  # each container's first process: its parent is not in the job
+            env = dict(item.split("=", 1) for item in environ(pid).decode().split("\0") if "=" in item)
+            if parent_pid(pid) not in marked and "PET_NODE_RANK" in env:
+                found[env["PET_NODE_RANK"]] = {variable: env.get(variable, "") for variable in COMPILE_CACHES}
+        time.sleep(0.5)
+    assert found == expected, pod_logs(cluster, namespace)
+    kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
+        kind.api.group, kind.api.version, namespace, kind.api.plural, spec.name
+    )
     assert_no_process_left(cluster, marker)
 
 

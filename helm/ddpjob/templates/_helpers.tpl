@@ -70,6 +70,16 @@ The run directory inside the pods: training.checkpoint.dir, or <storage.uri>/<na
 {{- end }}
 
 {{/*
+"true" when training.compile is on and the run directory is on the volume: torch.compile's caches go there.
+*/}}
+{{- define "ddpjob.compileCacheOnVolume" -}}
+{{- $s3 := (include "ddpjob.names" . | fromJson).s3Scheme -}}
+{{- if and (dig "compile" false .Values.training) (not .Values.storage.uri) (not (hasPrefix $s3 (include "ddpjob.checkpointDir" .))) -}}
+true
+{{- end -}}
+{{- end }}
+
+{{/*
 The standard AWS variables of a run on object storage (storage.uri): endpoint, region, and the keys of
 storage.secretName; without a Secret the client finds the pod's cloud identity.
 */}}
@@ -350,10 +360,20 @@ spec:
           value: {{ printf "%s/.cache" (include "ddpjob.home" .) | quote }}
         - name: HF_HOME
           value: {{ printf "%s/.cache/huggingface" (include "ddpjob.home" .) | quote }}
-        - name: TORCHINDUCTOR_CACHE_DIR
-          value: {{ printf "%s/.cache/torchinductor" (include "ddpjob.home" .) | quote }}
-        - name: TRITON_CACHE_DIR
-          value: {{ printf "%s/.cache/triton" (include "ddpjob.home" .) | quote }}
+        {{- $compileCache := printf "%s/.cache" (include "ddpjob.home" .) }}
+        {{- if include "ddpjob.compileCacheOnVolume" . }}
+        # torch.compile's caches in the run directory on the volume, a folder per pod: a recreated pod finds what
+        # it compiled before, where its scratch volume is new (compiling again: a minute or more on a GPU).
+        - name: {{ $names.env.podKey }}
+          valueFrom:
+            fieldRef:
+              fieldPath: {{ (include "ddpjob.kindNames" . | fromJson).podKeyField | quote }}
+        {{- $compileCache = printf "%s/%s/$(%s)" (include "ddpjob.checkpointDir" .) $names.compileCacheDir $names.env.podKey }}
+        {{- end }}
+        {{- range $name, $folder := $names.compileCaches }}
+        - name: {{ $name }}
+          value: {{ printf "%s/%s" $compileCache $folder | quote }}
+        {{- end }}
         - name: TMPDIR
           value: /tmp
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
