@@ -26,10 +26,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 # jemalloc: data preparation preloads it into its tokenizing processes where it is installed (trainer/prepare.py
 # fast_malloc); the Rust tokenizer spends ~40% of its time in glibc's malloc and free, and encodes 15-20% faster.
-# Any version will do (the soname libjemalloc.so.2 is what is looked up), so the base image's distribution pins it.
+# g++ (and with it gcc): `training.compile` builds its kernels with them at run time, C++ on a CPU and Triton's
+# launchers in C on a GPU; a runtime base image need not have them (pytorch/pytorch's had none before 2.10).
+# Any version will do, so the base image's distribution pins them.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libjemalloc2 \
+    && apt-get install -y --no-install-recommends libjemalloc2 g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/ddpjob

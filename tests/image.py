@@ -50,10 +50,11 @@ CONTENT_LABEL = "io.ddpjob.content"
 BASE_LABEL = "io.ddpjob.base"
 # An absent registry fails at once (no DNS); a slow one must not hold the build for long.
 PULL_TIMEOUT_SECONDS = 30
-# The stand-in's root filesystem: Debian's minimal variant, Python, the CA store, useradd (the real base is Ubuntu).
+# The stand-in's root filesystem: Debian's minimal variant, Python with its headers (conda's Python in the real base
+# has them; torch.compile's C++ kernels include Python.h), the CA store, useradd (the real base is Ubuntu).
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-ROOTFS_PACKAGES = ("python3", "ca-certificates", "passwd")
+ROOTFS_PACKAGES = ("python3", "libpython3-dev", "ca-certificates", "passwd")
 # Builds reach PyPI through this machine's TLS setup: its CA bundle is mounted over the image's for each build step.
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 BUILD_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"

@@ -38,10 +38,10 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 # A few steps: seconds of training, then the final checkpoint, evaluation, export and report.
 OVERRIDES = ["training.maxSteps=10"]
 RUN_TIMEOUT_SECONDS = 300
-# Measured: the stand-in base is 5.76 GB (torch 2.14.1 with its CUDA 13 wheels, 5.3 GB), the Dockerfile's layers add
-# 0.52 GB (the train extra's packages, jemalloc, the project): 6.28 GB in all.
-MAX_ADDED_BYTES = 650_000_000
-MAX_STAND_IN_IMAGE_BYTES = 6_500_000_000
+# Measured: the stand-in base is 5.81 GB (torch 2.14.1 with its CUDA 13 wheels, 5.3 GB), the Dockerfile's layers add
+# 0.78 GB (the train extra's packages, jemalloc, g++ 0.26 GB, the project): 6.59 GB in all.
+MAX_ADDED_BYTES = 850_000_000
+MAX_STAND_IN_IMAGE_BYTES = 6_800_000_000
 # What a build may leave behind: its requirements file, pip's and apt's caches and lists, setuptools' build tree.
 LEFTOVERS = (
     "/tmp/*",
