@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -228,6 +229,18 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
     return ddp, sync
 
 
+def compiled(seconds: float) -> str:
+    """What the first step compiled, and how much of it torch.compile's caches already held: a recreated pod's are
+    in the run directory (docs/operations.md). From torch's own tally of its graph cache."""
+    from torch._dynamo.utils import counters  # here: a run that does not compile never loads dynamo
+
+    hits, misses = (counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss"))
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default directory")
+    return (
+        f"first step in {seconds:.1f} s with torch.compile: {hits + misses} graph(s), {hits} from the cache ({where})"
+    )
+
+
 def evaluation_loaders(
     spec: TrainingSpec, dist: Dist, val_set: Dataset, collate: Collate | None
 ) -> tuple[DataLoader, DataLoader]:
@@ -318,6 +331,8 @@ class Trainer:
                 if stats.step == first_step:
                     settle_heap()
                     step_timeouts(self.dist)  # the first step (compile, warm-up) had the long bound
+                    if spec.compile:
+                        self.log(compiled(stats.seconds))
                 votes = self.log_step(stats, stop_request) if self.is_log_step(stats.step) else None
                 state.val_loss = self.evaluate_periodically(stats)
                 if stop_request.agreed(stats.step, stats.seconds, votes):

@@ -514,8 +514,8 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
 ) -> None:
     """training.compile: the kubelet resolves the chart's folder of each pod in the run directory on the volume, for
     torch's and Triton's caches, named by what stays the same when the operator recreates the pod (the pod's name;
-    a TrainJob pod's completion index), so a recreated pod finds what it compiled before. Read from the pods'
-    processes; the job is deleted before it compiles (the stand-in image has no C++ compiler: docs/testing.md)."""
+    a TrainJob pod's completion index), so a recreated pod finds what it compiled before (the next test). Read from
+    the pods' processes; the job is deleted then."""
     if cluster.plane is None:
         pytest.skip("reads the pods' processes on this machine: needs the tier's node")
     marker = uuid.uuid4().hex
@@ -542,6 +542,38 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
         kind.api.group, kind.api.version, namespace, kind.api.plural, spec.name
     )
+    assert_no_process_left(cluster, marker)
+
+
+def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster, namespace: str) -> None:
+    """training.compile, the master pod deleted mid-run (an eviction): every rank stops at a saved step, both pods
+    exit 143, and the operator recreates them (restartPolicy ExitCode). Their first step then compiles nothing:
+    every graph comes from the caches that the pods before them left in the run directory on the volume (a new
+    pod's scratch volume is empty, and it compiled again)."""
+    marker = uuid.uuid4().hex
+    training = {"compile": True, "maxSteps": 300, "logEvery": 20, "checkpoint": {"every": 50}}
+    # Compiling runs gcc beside the trainer: more memory than the other jobs' 1Gi.
+    resources = {"cpu": "250m", "memory": "2Gi", "shm": "256Mi", "cache": "1Gi"}
+    spec = job_spec(marker, training=training, restartPolicy="ExitCode", resources=resources)
+    apply_rendered(cluster, spec, namespace)
+    master = Replica("master", 0).pod_name(spec.name)
+    first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
+    first_run = follow_log(cluster, namespace, master)  # it goes with the pod: followed until its container ends
+    wait_for_log(cluster, namespace, master, "with torch.compile:")
+    kubernetes.client.CoreV1Api(cluster.client()).delete_namespaced_pod(master, namespace)
+
+    job = wait_for_job(cluster, namespace, spec.name)
+    before, after = first_run(), pod_logs(cluster, namespace)
+    assert finished_as(job) == "Succeeded", before + after
+    assert wait_for_pod(cluster, namespace, master, lambda pod: True).metadata.uid != first.metadata.uid
+    folder = f"{spec.storage.mount_path}/{spec.name}/{COMPILE_CACHE_DIR}/{master}"
+    cache = re.escape(f"{folder}/{COMPILE_CACHES['TORCHINDUCTOR_CACHE_DIR']}")
+    compiled = re.compile(rf"with torch\.compile: (\d+) graph\(s\), (\d+) from the cache \({cache}\)")
+    found = [compiled.search(log) for log in (before, after)]
+    assert all(found), (before, after)
+    (graphs, hits), (graphs_again, hits_again) = (match.groups() for match in found if match)
+    assert (hits, hits_again) == ("0", graphs) and graphs_again == graphs != "0", (before, after)
+    assert "resuming from step-" in after
     assert_no_process_left(cluster, marker)
 
 
