@@ -5,6 +5,7 @@ prepares once and runs map what it wrote."""
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import json
 import multiprocessing.util
@@ -407,6 +408,23 @@ def test_a_staging_directory_abandoned_while_a_preparation_runs_is_removed_after
     assert logged == [f"removed {killed}, left by a preparation that was killed"]
     assert sorted(path.name for path in entry.parent.iterdir()) == [entry.name]
     assert sorted(path.name for path in entry.iterdir()) == [MANIFEST]
+
+
+def test_without_file_locks_a_staging_directory_untouched_long_enough_is_abandoned(tmp_path, monkeypatch) -> None:
+    """A volume whose filesystem has no locks (flock fails with ENOLCK): the owner file's age alone tells."""
+
+    def no_locks(fd: object, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    entry = tmp_path / "cache" / "char-gpt-0123"
+    abandoned, recent = killed_preparation(entry), killed_preparation(entry)
+    age(abandoned, build.ABANDONED_SECONDS + 5)
+    monkeypatch.setattr(build.fcntl, "flock", no_locks)
+    logged: list[str] = []
+    with build.staged(entry, logged.append) as staging:
+        (staging / MANIFEST).write_text("{}")
+    assert logged == [f"removed {abandoned}, left by a preparation that was killed"]
+    assert sorted(path.name for path in entry.parent.iterdir()) == sorted([entry.name, recent.name])
 
 
 def test_preparation_progress_is_exported_as_metrics(tmp_path) -> None:

@@ -158,12 +158,15 @@ def remove_abandoned(entry: Path, now: float) -> list[Path]:
         except OSError:
             continue
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by its live owner: OSError
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock held: no other preparation removes it too
+            except BlockingIOError:  # held by its owner, alive
+                continue
+            except OSError:  # a filesystem without locks: its age alone tells
+                pass
             if now - os.fstat(lock).st_mtime > ABANDONED_SECONDS:
-                shutil.rmtree(staging, ignore_errors=True)  # the lock held: no other preparation removes it too
+                shutil.rmtree(staging, ignore_errors=True)
                 removed.append(staging)
-        except OSError:
-            pass
         finally:
             os.close(lock)
     return removed
