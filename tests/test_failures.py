@@ -147,6 +147,17 @@ def test_missing_tokenizer_directory_is_named_as_such(workdir, corpus_file: Path
     run_bad_input(workdir, spec, [], f"error: tokenizer.path: {missing}: no such directory", times=1)
 
 
+def test_compile_without_a_cpp_compiler_is_found_before_any_work(workdir, corpus_file: Path) -> None:
+    """Both ranks find it as they start (torch's own error came at the first step, exit 1)."""
+    path, env = workdir
+    spec = tiny_spec(corpus_file, compile=True) | {"procsPerNode": 2}
+    expected = (
+        "error: compile: torch.compile needs a C++ compiler for its CPU kernels (CXX, g++), and none was found:"
+        " install g++, or set compile: false"
+    )
+    run_bad_input((path, env | {"CXX": str(path / "no-g++")}), spec, [], expected, times=1)
+
+
 # Rank 0 rejects the input while the other rank waits for it in a collective, and loses its connection to
 # rank 0, maybe before rank 0's agent has reported: rank 0's line must win, every time.
 

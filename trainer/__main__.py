@@ -30,6 +30,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.checkpoint import Checkpointer
+from trainer.compiler import check_compiler
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
 from trainer.heap import resume_collection
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics_endpoint()  # a bad metrics environment fails here, before any work
         check_installed(spec)  # so does a tracker that reportTo names but nothing installed
         dist = init_distributed(spec.timeouts)
+        if spec.compile:  # a compiler torch.compile can use, before the data and the model load
+            check_compiler(dist.device)
         code = run(spec, dist)
     except SpecError as exc:
         exit_with(EXIT_BAD_INPUT, str(exc))
