@@ -484,11 +484,7 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     # The stopped pods' logs go with them when the operator recreates them: followed until their containers end.
     worker = Replica("worker", 0).pod_name(spec.name)
     first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
-    # The master container's first process, which the kubelet signals: the one whose parent is not in the job.
-    marked = processes_with_marker(marker)
-    (first_process,) = [
-        pid for pid in marked if b"\0PET_NODE_RANK=0\0" in environ(pid) and parent_pid(pid) not in marked
-    ]
+    (first_process,) = [pid for pid, env in first_processes(marker).items() if env.get("PET_NODE_RANK") == "0"]
     os.kill(first_process, signal.SIGTERM)
 
     job = wait_for_job(cluster, namespace, spec.name)
@@ -534,10 +530,8 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
     found: dict[str, dict[str, str]] = {}
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while found != expected and time.monotonic() < deadline:
-        marked = processes_with_marker(marker)
-        for pid in marked:  # each container's first process: its parent is not in the job
-            env = dict(item.split("=", 1) for item in environ(pid).decode().split("\0") if "=" in item)
-            if parent_pid(pid) not in marked and "PET_NODE_RANK" in env:
+        for env in first_processes(marker).values():
+            if "PET_NODE_RANK" in env:
                 found[env["PET_NODE_RANK"]] = {variable: env.get(variable, "") for variable in COMPILE_CACHES}
         time.sleep(0.5)
     assert found == expected, pod_logs(cluster, namespace)
@@ -599,7 +593,7 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
     marked = processes_with_marker(marker)
     # The trainer of global rank 1, below its launcher (which the operator gives RANK=1 too, the pod's node rank).
-    (rank_1,) = [pid for pid in marked if b"\0RANK=1\0" in environ(pid) and parent_pid(pid) in marked]
+    (rank_1,) = [pid for pid in marked if environ(pid).get("RANK") == "1" and parent_pid(pid) in marked]
     os.kill(rank_1, signal.SIGSTOP)
 
     job = wait_for_job(cluster, namespace, spec.name)
@@ -890,11 +884,19 @@ def wait_for_pod(
     raise AssertionError(f"pod {name}: condition not met in {JOB_TIMEOUT_S} s\n{pod_logs(cluster, namespace)}")
 
 
-def environ(pid: int) -> bytes:
+def environ(pid: int) -> dict[str, str]:
     try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:  # ended meanwhile
-        return b""
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def first_processes(marker: str) -> dict[int, dict[str, str]]:
+    """Each container's first process in the run marked `marker`, the one its runtime started and its kubelet
+    signals (its parent is not marked), with its environment."""
+    marked = processes_with_marker(marker)
+    return {pid: environ(pid) for pid in marked if parent_pid(pid) not in marked}
 
 
 def cgroups(pid: int) -> bytes:

@@ -19,7 +19,6 @@ from typing import Any
 import kubernetes
 import pytest
 import test_control_plane
-from conftest import processes_with_marker
 from test_control_plane import (
     EXIT_JOB_FAILED,
     EXIT_NOT_FOUND,
@@ -28,14 +27,13 @@ from test_control_plane import (
     Cluster,
     Kind,
     assert_no_process_left,
-    environ,
+    first_processes,
     job_spec,
     pod_logs,
     run_ctl_on,
     spec_file,
 )
 
-from ctl.processes import parent_pid
 from ctl.spec import StorageSpec
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR
 from trainer.prepare import MANIFEST
@@ -255,8 +253,9 @@ def sigkill_prepare_pod_once_it_shows_progress(cache: Path, marker: str, pod_pre
     while time.monotonic() < deadline:
         shown = list(cache.glob(".causal-lm-*.progress")) if cache.exists() else []
         if shown:
-            marked = processes_with_marker(marker)
-            (main,) = [pid for pid in marked if pod_prefix.encode() in environ(pid) and parent_pid(pid) not in marked]
+            (main,) = [
+                pid for pid, env in first_processes(marker).items() if env.get("HOSTNAME", "").startswith(pod_prefix)
+            ]
             os.kill(main, signal.SIGKILL)
             return shown[0]
         time.sleep(0.02)
