@@ -18,17 +18,23 @@ from typing import Any
 
 import kubernetes
 import urllib3
+import yaml
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ctl.kinds import DEFAULT_KIND, KINDS, JobKind
 
 FIELD_MANAGER = "ctl"
+DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUBECONFIG
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 class ClusterError(RuntimeError):
     """Talking to the cluster failed; the message is the one line `ctl` prints."""
+
+
+class KubeconfigError(ClusterError):
+    """The kubeconfig, or --context in it, cannot be used: bad input, whatever the cluster."""
 
 
 class NotFound(ClusterError):
@@ -95,28 +101,52 @@ def connect(kubeconfig: str | None, context: str | None, namespace: str | None) 
     """Like kubectl: --kubeconfig, else $KUBECONFIG (a list of files), else ~/.kube/config, else in-cluster;
     the namespace from -n, else the context's, else `default` (in a pod: the pod's)."""
     config = kubernetes.config
-    in_cluster = (
-        kubeconfig is None
-        and "KUBECONFIG" not in os.environ
-        and not Path("~/.kube/config").expanduser().exists()
-        and "KUBERNETES_SERVICE_HOST" in os.environ
-    )
-    try:
-        if in_cluster:
+    if kubeconfig is None and "KUBECONFIG" not in os.environ and not Path(DEFAULT_KUBECONFIG).expanduser().exists():
+        if "KUBERNETES_SERVICE_HOST" not in os.environ:
+            raise KubeconfigError(
+                f"kubeconfig: none found: no {DEFAULT_KUBECONFIG}, $KUBECONFIG is not set, and this"
+                " is not a pod (--kubeconfig FILE names one)"
+            )
+        try:
             configuration = kubernetes.client.Configuration()
             config.load_incluster_config(client_configuration=configuration)
             default_namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-            return Target(ApiClient(configuration), namespace or default_namespace)
+        except (config.ConfigException, OSError) as exc:
+            raise ClusterError(f"in-cluster config: {exc}") from None
+        return Target(ApiClient(configuration), namespace or default_namespace)
+    chosen, api = read_kubeconfig(kubeconfig, context)
+    return Target(api, namespace or chosen["context"].get("namespace") or "default")
+
+
+def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[str, Any], ApiClient]:
+    """The context (--context, else the current one) and a client for it, or one line on what is wrong with the
+    kubeconfig: a file that is not there, not YAML or not a kubeconfig, a context it does not have."""
+    config = kubernetes.config
+    if kubeconfig is not None and not Path(kubeconfig).is_file():
+        raise KubeconfigError(f"--kubeconfig {kubeconfig}: no such file")
+    files = os.environ.get("KUBECONFIG", "") if kubeconfig is None else kubeconfig  # as the client reads them
+    if kubeconfig is None and files and not any(Path(f).expanduser().is_file() for f in files.split(os.pathsep)):
+        raise KubeconfigError(f"$KUBECONFIG: none of its files exists ({files})")
+    try:
         contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
         chosen = next((c for c in contexts if c["name"] == context), None) if context else active
         if chosen is None:
-            raise ClusterError(f"--context {context!r}: no such context in the kubeconfig")
-        api = config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+            raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig")
+        return chosen, config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark else files or DEFAULT_KUBECONFIG
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KubeconfigError(f"kubeconfig {where}: not valid YAML: {problem}") from None
     except config.ConfigException as exc:
-        raise ClusterError(f"kubeconfig: {exc}") from None
+        raise KubeconfigError(f"kubeconfig: {exc}") from None
+    # What the client's loader raises on a file of the wrong shape (a list, a string, base64 that is not).
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise KubeconfigError(
+            f"kubeconfig {files or DEFAULT_KUBECONFIG}: not a kubeconfig ({type(exc).__name__}: {exc})"
+        ) from None
     except OSError as exc:
-        raise ClusterError(f"kubeconfig: {exc}") from None
-    return Target(api, namespace or chosen["context"].get("namespace") or "default")
+        raise KubeconfigError(f"kubeconfig: {exc}") from None
 
 
 def resource_path(target: Target, obj: dict[str, Any]) -> str:

@@ -121,6 +121,49 @@ def test_run_without_a_spec_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert_one_line(run_ctl("run", cwd=tmp_path), EXIT_BAD_INPUT, "ctl run: Missing argument")
 
 
+KUBECONFIG = """apiVersion: v1
+current-context: here
+contexts: [{name: here, context: {cluster: here, user: here}}]
+clusters: [{name: here, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: here, user: {token: t}}]
+"""
+# (arguments, environment, the line): the kubeconfig as the user points at it; files in the test's directory.
+KUBECONFIG_CASES = {
+    "missing-file": (["--kubeconfig", "nowhere.yaml"], {}, "error: --kubeconfig nowhere.yaml: no such file"),
+    "none-at-all": (
+        [],
+        {"KUBECONFIG": None, "KUBERNETES_SERVICE_HOST": None},
+        "error: kubeconfig: none found: no ~/.kube/config, $KUBECONFIG is not set, and this is not a pod"
+        " (--kubeconfig FILE names one)",
+    ),
+    "env-names-no-file": ([], {"KUBECONFIG": "a.yaml:b.yaml"}, "error: $KUBECONFIG: none of its files exists"),
+    "not-yaml": (
+        ["--kubeconfig", "broken.yaml"],
+        {},
+        "error: kubeconfig broken.yaml, line 2: not valid YAML: expected the node content, but found '<stream end>'",
+    ),
+    "not-a-kubeconfig": (["--kubeconfig", "list.yaml"], {}, "error: kubeconfig list.yaml: not a kubeconfig (TypeError"),
+    "no-such-context": (
+        ["--kubeconfig", "config.yaml", "--context", "there"],
+        {},
+        "error: --context 'there': no such context in the kubeconfig",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(KUBECONFIG_CASES))
+def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    """Before any request: a file that is not there, not YAML or not a kubeconfig, a context it lacks (kubectl's
+    own sources and order: --kubeconfig, $KUBECONFIG, ~/.kube/config, in-cluster)."""
+    args, changes, expected = KUBECONFIG_CASES[case]
+    (tmp_path / "broken.yaml").write_text("clusters: [\n")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    (tmp_path / "config.yaml").write_text(KUBECONFIG)
+    env = {name: value for name, value in (os.environ | {"HOME": str(tmp_path)} | changes).items() if value is not None}
+    for command in (["list"], ["status", "tiny"]):
+        assert_one_line(run_ctl(*command, *args, cwd=tmp_path, env=env), EXIT_BAD_INPUT, expected)
+
+
 # -- found by the trainer, on any rank ----------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
 ERROR_EXITS = (
     ("ctl.cluster", "JobNotFound", EXIT_NOT_FOUND),
     ("ctl.jobs", "StorageMismatch", EXIT_BAD_INPUT),  # the spec asks what the cluster cannot give
+    ("ctl.cluster", "KubeconfigError", EXIT_BAD_INPUT),  # --kubeconfig, $KUBECONFIG, --context
     ("ctl.cluster", "ClusterError", EXIT_ERROR),
     ("trainer.spec", "SpecError", EXIT_BAD_INPUT),
     ("ctl.render", "RenderError", EXIT_ERROR),
