@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,7 +133,14 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         chosen = next((c for c in contexts if c["name"] == context), None) if context else active
         if chosen is None:
             raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig")
-        return chosen, config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+        with logged_errors() as errors:
+            api = config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+        if errors:  # its credentials plugin (user.exec) failed: the client logs it and goes on without credentials
+            user = chosen["context"].get("user")
+            raise KubeconfigError(
+                f"kubeconfig: user {user!r}: its credentials plugin failed: {' '.join(errors[0].split())}"
+            )
+        return chosen, api
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}" if mark else files or DEFAULT_KUBECONFIG
@@ -147,6 +155,25 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         ) from None
     except OSError as exc:
         raise KubeconfigError(f"kubeconfig: {exc}") from None
+
+
+@contextlib.contextmanager
+def logged_errors() -> Iterator[list[str]]:
+    """The messages logged at ERROR meanwhile, taken from the log: printed, they would come before ctl's one line,
+    and Python's first print of a log record also sets up the printing of every later warning (urllib3's retries)."""
+    errors: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    root = logging.getLogger()
+    handler = Collect(logging.ERROR)
+    root.addHandler(handler)
+    try:
+        yield errors
+    finally:
+        root.removeHandler(handler)
 
 
 def resource_path(target: Target, obj: dict[str, Any]) -> str:

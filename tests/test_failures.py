@@ -123,9 +123,15 @@ def test_run_without_a_spec_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 KUBECONFIG = """apiVersion: v1
 current-context: here
-contexts: [{name: here, context: {cluster: here, user: here}}]
+contexts:
+- {name: here, context: {cluster: here, user: here}}
+- {name: missing-plugin, context: {cluster: here, user: missing-plugin}}
+- {name: expired, context: {cluster: here, user: expired}}
 clusters: [{name: here, cluster: {server: "https://127.0.0.1:1"}}]
-users: [{name: here, user: {token: t}}]
+users:
+- {name: here, user: {token: t}}
+- {name: missing-plugin, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: no-such-plugin}}}
+- {name: expired, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: ./expired.sh}}}
 """
 # (arguments, environment, the line): the kubeconfig as the user points at it; files in the test's directory.
 KUBECONFIG_CASES = {
@@ -148,6 +154,19 @@ KUBECONFIG_CASES = {
         {},
         "error: --context 'there': no such context in the kubeconfig",
     ),
+    # The client logs a failed plugin (its own ERROR line, and from then on urllib3's retries) and goes on without.
+    "credentials-plugin-missing": (
+        ["--kubeconfig", "config.yaml", "--context", "missing-plugin"],
+        {},
+        "error: kubeconfig: user 'missing-plugin': its credentials plugin failed: [Errno 2] No such file or"
+        " directory: 'no-such-plugin'",
+    ),
+    "credentials-plugin-fails": (
+        ["--kubeconfig", "config.yaml", "--context", "expired"],
+        {},
+        "error: kubeconfig: user 'expired': its credentials plugin failed: exec: process returned 1. the login"
+        " expired: run sso login",
+    ),
 }
 
 
@@ -159,6 +178,8 @@ def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case
     (tmp_path / "broken.yaml").write_text("clusters: [\n")
     (tmp_path / "list.yaml").write_text("- a\n")
     (tmp_path / "config.yaml").write_text(KUBECONFIG)
+    (tmp_path / "expired.sh").write_text("#!/bin/sh\necho 'the login expired:' >&2\necho 'run sso login' >&2\nexit 1\n")
+    (tmp_path / "expired.sh").chmod(0o755)
     env = {name: value for name, value in (os.environ | {"HOME": str(tmp_path)} | changes).items() if value is not None}
     for command in (["list"], ["status", "tiny"]):
         assert_one_line(run_ctl(*command, *args, cwd=tmp_path, env=env), EXIT_BAD_INPUT, expected)
