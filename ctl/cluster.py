@@ -27,6 +27,11 @@ from ctl.kinds import DEFAULT_KIND, KINDS, JobKind
 
 FIELD_MANAGER = "ctl"
 DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUBECONFIG
+# An API server that does not answer is one line after these, not a hang. Reaching it (TCP and TLS): kubectl's
+# TLS handshake bound; a failed attempt is tried once more (urllib3's default: 3 more, each waiting as long).
+CONNECT_TIMEOUT_S = 10.0
+CONNECT_RETRIES = 1
+READ_TIMEOUT_S = 60.0  # one answer to a request (a list, an apply, a delete), streamed bodies aside
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -62,12 +67,13 @@ class Target:
                 response_type="object",
                 auth_settings=["BearerToken"],
                 _return_http_data_only=True,
+                _request_timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),  # a pair: the client ignores a lone float
                 **kwargs,
             )
 
     def open(self, path: str, query: list[tuple[str, str]], timeout: float | None = None) -> urllib3.BaseHTTPResponse:
         """A GET whose body is read as it arrives (a pod's log, a metrics page); the caller closes it.
-        `timeout` bounds the connection and each read (None: a log followed for hours)."""
+        `timeout` bounds each read (None: a log followed for hours); reaching the server as every request."""
         with self.errors("GET", path):
             return self.api.call_api(
                 path,
@@ -76,7 +82,7 @@ class Target:
                 auth_settings=["BearerToken"],
                 _return_http_data_only=True,
                 _preload_content=False,
-                _request_timeout=timeout,
+                _request_timeout=(CONNECT_TIMEOUT_S, timeout),
             )
 
     @contextlib.contextmanager
@@ -88,7 +94,16 @@ class Target:
                 raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
             raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
         except (OSError, urllib3.exceptions.HTTPError) as exc:  # connection refused, DNS, TLS
-            raise ClusterError(f"cannot reach the API server {self.api.configuration.host}: {exc}") from None
+            raise ClusterError(
+                f"cannot reach the API server {self.api.configuration.host}: {unreachable(exc)}"
+            ) from None
+
+
+def unreachable(exc: Exception) -> str:
+    """Why a request got no answer, without urllib3's wrapping (the pool, the URL, the connection object)."""
+    cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason else exc  # the last try's
+    last = cause.args[-1] if cause.args else None
+    return last if isinstance(last, str) and isinstance(cause, urllib3.exceptions.HTTPError) else str(cause)
 
 
 def api_message(exc: ApiException) -> str:
@@ -109,7 +124,7 @@ def connect(kubeconfig: str | None, context: str | None, namespace: str | None) 
                 " is not a pod (--kubeconfig FILE names one)"
             )
         try:
-            configuration = kubernetes.client.Configuration()
+            configuration = client_configuration()
             config.load_incluster_config(client_configuration=configuration)
             default_namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
         except (config.ConfigException, OSError) as exc:
@@ -117,6 +132,13 @@ def connect(kubeconfig: str | None, context: str | None, namespace: str | None) 
         return Target(ApiClient(configuration), namespace or default_namespace)
     chosen, api = read_kubeconfig(kubeconfig, context)
     return Target(api, namespace or chosen["context"].get("namespace") or "default")
+
+
+def client_configuration() -> kubernetes.client.Configuration:
+    """The client's settings before the kubeconfig's: how often a connection is tried."""
+    configuration = kubernetes.client.Configuration()
+    configuration.retries = CONNECT_RETRIES
+    return configuration
 
 
 def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[str, Any], ApiClient]:
@@ -134,7 +156,7 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         if chosen is None:
             raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig")
         with logged_errors() as errors:
-            api = config.new_client_from_config(config_file=kubeconfig, context=chosen["name"])
+            api = config.new_client_from_config(kubeconfig, chosen["name"], client_configuration=client_configuration())
         if errors:  # its credentials plugin (user.exec) failed: the client logs it and goes on without credentials
             user = chosen["context"].get("user")
             raise KubeconfigError(

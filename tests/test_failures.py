@@ -4,13 +4,17 @@ fail, and SIGTERM handled as Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,12 +22,13 @@ import yaml
 from conftest import processes_with_marker, run_ctl, sigterm_as_pid_1, start_ctl, tiny_spec
 from s3server import listening
 
+from ctl import cluster
 from ctl.cli import app
 from ctl.local import keep_logs
 from ctl.processes import free_port
 from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
-from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
@@ -183,6 +188,54 @@ def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case
     env = {name: value for name, value in (os.environ | {"HOME": str(tmp_path)} | changes).items() if value is not None}
     for command in (["list"], ["status", "tiny"]):
         assert_one_line(run_ctl(*command, *args, cwd=tmp_path, env=env), EXIT_BAD_INPUT, expected)
+
+
+@contextlib.contextmanager
+def silent_server(accept: bool) -> Iterator[int]:
+    """A port that takes connections and never answers (a hung API server, a proxy in the way): with `accept`
+    each connection is taken as it comes, else they wait in the kernel's queue, which takes one."""
+    held: list[socket.socket] = []
+
+    def take(server: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed: the test is over
+            while True:
+                held.append(server.accept()[0])
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8 if accept else 0)
+        if accept:
+            threading.Thread(target=take, args=(server,), daemon=True).start()
+        try:
+            yield server.getsockname()[1]
+        finally:  # a client still waiting gets its answer: the connection closed
+            for connection in held:
+                connection.close()
+
+
+def test_an_api_server_that_never_answers_is_one_line_not_a_hang(tmp_path: Path) -> None:
+    """Reaching it is bounded (10 s, tried twice) as kubectl bounds its TLS handshake; ctl waited for good."""
+    with silent_server(accept=False) as port:
+        server = f"https://127.0.0.1:{port}"
+        (tmp_path / "config.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", server))
+        result = run_ctl("list", "--kubeconfig", "config.yaml", cwd=tmp_path, timeout=60)
+    expected = f"error: cannot reach the API server {server}: Connection to 127.0.0.1 timed out. (connect timeout=10.0)"
+    assert_one_line(result, EXIT_ERROR, expected)
+
+
+def test_an_answer_that_never_comes_ends_at_the_read_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request's read is bounded, a metrics page's by its own timeout (a lone float, which the client
+    ignored: `ctl status` waited for a pod's metrics for as long as the API server's proxy did)."""
+    monkeypatch.setattr(cluster, "READ_TIMEOUT_S", 0.5)
+    metrics = "/api/v1/namespaces/default/pods/tiny-master-0:9090/proxy/metrics"
+    # In a thread: a request without a bound would hang the test, not fail it, until the server closes.
+    with ThreadPoolExecutor(1) as pool, silent_server(accept=True) as port:
+        (tmp_path / "config.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", f"http://127.0.0.1:{port}"))
+        target = cluster.connect(str(tmp_path / "config.yaml"), None, None)
+        with pytest.raises(cluster.ClusterError, match=r": Read timed out. \(read timeout=0.5\)$"):
+            pool.submit(target.call, "/api/v1/namespaces").result(timeout=10)
+        with pytest.raises(cluster.ClusterError, match=r": Read timed out. \(read timeout=0.25\)$"):
+            pool.submit(target.open, metrics, [], timeout=0.25).result(timeout=10)
 
 
 # -- found by the trainer, on any rank ----------------------------------------------------------------------
