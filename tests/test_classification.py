@@ -14,6 +14,7 @@ import yaml
 from conftest import REPO, run_ctl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from ctl.names import COMPILE_CACHE_DIR
 from trainer import stdlib_docstrings
 
 TINY_MODEL = {"nLayer": 1, "nHead": 2, "nEmbd": 64, "blockSize": 64}
@@ -158,3 +159,6 @@ def test_compile_compiles_the_model_with_its_loss_once_for_every_batch_length(tm
     result = run_ctl("run", str(spec_file), "--verbose", cwd=tmp_path, env=os.environ | {"TORCH_LOGS": "dynamo"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.count("torchdynamo start tracing") == 1, result.stderr
+    # Its caches are in the run directory, as a pod's are (docs/operations.md), and the first step's line says so.
+    caches = tmp_path / "runs" / "classify" / COMPILE_CACHE_DIR / "classify-master-0" / "torchinductor"
+    assert f"graph(s), 0 from the cache ({caches})\n" in result.stdout, result.stdout

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from trainer.compiler import check_compiler
+from trainer.loop import compiled
 from trainer.spec import SpecError
 
 
@@ -54,3 +57,25 @@ def test_a_compiler_that_does_not_run_is_named(tmp_path: Path, monkeypatch: pyte
         SpecError, match=f"^compile: torch.compile's compiler {re.escape(str(broken))} does not run \\(.*Exec format"
     ):
         check_compiler(torch.device("cpu"))
+
+
+def test_a_compiler_that_fails_without_an_error_line_is_still_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrapper's own failure (ccache, distcc) need not say "error": its first line, never its whole output."""
+    failing = tmp_path / "g++"
+    monkeypatch.setenv("CXX", str(failing))
+    farm = "cannot reach the build farm"
+    for stderr, why in ((f"{farm}\nretrying\ngave up", farm), ("", "exit 3")):
+        failing.write_text(f"#!/bin/sh\nprintf '{stderr}' >&2\nexit 3\n")
+        failing.chmod(0o755)
+        with pytest.raises(SpecError) as refused:
+            check_compiler(torch.device("cpu"))
+        line = str(refused.value)
+        assert "\n" not in line and f"against Python's headers in {sysconfig.get_path('include')} ({why}):" in line
+
+
+def test_the_first_steps_line_names_torchs_default_cache_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside ctl and the chart (a plain torchrun) no cache folder is set: the line names torch's own."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compiled(1.0).endswith(f" from the cache ({default_cache_dir()})")

@@ -57,7 +57,8 @@ def check_compiler(device: torch.device) -> None:
             f"compile: torch.compile's compiler {compiler} does not run ({error}): install a working one, {ADVICE}"
         ) from None
     if built.returncode != 0:
-        why = next((line for line in built.stderr.splitlines() if "error" in line), built.stderr.strip())
+        lines = built.stderr.strip().splitlines() or [f"exit {built.returncode}"]
+        why = next((line for line in lines if "error" in line), lines[0])
         raise SpecError(
             f"compile: {compiler} cannot build against Python's headers in {headers} ({why}): install them"
             f" (Debian: python3-dev), {ADVICE}"

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import gc
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -232,10 +231,12 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
 def compiled(seconds: float) -> str:
     """What the first step compiled, and how much of it torch.compile's caches already held: a recreated pod's are
     in the run directory (docs/operations.md). From torch's own tally of its graph cache."""
-    from torch._dynamo.utils import counters  # here: a run that does not compile never loads dynamo
+    # here: a run that does not compile never loads dynamo or inductor
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     hits, misses = (counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss"))
-    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default directory")
+    where = cache_dir()  # $TORCHINDUCTOR_CACHE_DIR, else torch's default (/tmp/torchinductor_$USER)
     return (
         f"first step in {seconds:.1f} s with torch.compile: {hits + misses} graph(s), {hits} from the cache ({where})"
     )
