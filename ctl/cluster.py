@@ -146,7 +146,8 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
     kubeconfig: a file that is not there, not YAML or not a kubeconfig, a context it does not have."""
     config = kubernetes.config
     if kubeconfig is not None and not Path(kubeconfig).is_file():
-        raise KubeconfigError(f"--kubeconfig {kubeconfig}: no such file")
+        problem = "a directory, not a file" if Path(kubeconfig).is_dir() else "no such file"
+        raise KubeconfigError(f"--kubeconfig {kubeconfig}: {problem}")
     files = os.environ.get("KUBECONFIG", "") if kubeconfig is None else kubeconfig  # as the client reads them
     if kubeconfig is None and files and not any(Path(f).expanduser().is_file() for f in files.split(os.pathsep)):
         raise KubeconfigError(f"$KUBECONFIG: none of its files exists ({files})")

@@ -141,6 +141,7 @@ users:
 # (arguments, environment, the line): the kubeconfig as the user points at it; files in the test's directory.
 KUBECONFIG_CASES = {
     "missing-file": (["--kubeconfig", "nowhere.yaml"], {}, "error: --kubeconfig nowhere.yaml: no such file"),
+    "a-directory": (["--kubeconfig", "."], {}, "error: --kubeconfig .: a directory, not a file"),
     "none-at-all": (
         [],
         {"KUBECONFIG": None, "KUBERNETES_SERVICE_HOST": None},
