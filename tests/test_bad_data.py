@@ -31,6 +31,11 @@ CASES = {
         lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS[:5], {"text": "x"}, *ROWS[5:]])},
         "t.jsonl:6: no 'label' field",
     ),
+    # A multi-label row is not one label: it would be a class of its own, named "['odd']".
+    "label-is-a-list": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS[:7], {"text": "x", "label": ["odd", "even"]}, *ROWS[7:]])},
+        "t.jsonl:8: 'label' is a list, not a string or a number",
+    ),
     "unseen-label-in-val": (
         lambda d: {"train": jsonl(d / "t.jsonl", ROWS), "val": jsonl(d / "v.jsonl", [{"text": "a", "label": "prime"}])},
         "v.jsonl:1: label 'prime' is not in the training data",

@@ -234,9 +234,14 @@ BAD = {
         lambda p: p.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n'),
         "rows.jsonl:3: no 'text' field",
     ),
-    "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: no 'text' field"),
+    "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: 'text' is empty"),
     "parquet-column": ("rows.parquet", parquet({"body": ["a"]}), "rows.parquet: no 'text' column"),
-    "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: no 'text' field"),
+    "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: 'text' is empty"),
+    "jsonl-list": (
+        "rows.jsonl",
+        lambda p: p.write_text('{"text": "a"}\n{"text": ["b", "c"]}\n'),
+        "rows.jsonl:2: 'text' is a list, not a string or a number",
+    ),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
 }
 

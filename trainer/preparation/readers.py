@@ -15,6 +15,7 @@ from trainer.text import RECORD_SUFFIXES
 
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
+JSON_KINDS = {list: "a list", dict: "an object"}  # what a row's field may be instead of a string or a number
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,15 @@ def _text_file(path: Path, key: str) -> str:
 
 
 def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
+    """A field as text: a string, or a number as written. A list or an object (a multi-label row) is not one label."""
     value = record.get(name)
-    if value is None or value == "":
+    if name not in record:
         raise SpecError(f"{key}: {where}: no {name!r} field")
+    if value is None or value == "":  # JSON's null, Parquet's missing value, a CSV's empty or absent cell
+        raise SpecError(f"{key}: {where}: {name!r} is empty")
+    if not isinstance(value, str | int | float):
+        kind = JSON_KINDS.get(type(value), type(value).__name__)
+        raise SpecError(f"{key}: {where}: {name!r} is {kind}, not a string or a number")
     return str(value)
 
 
