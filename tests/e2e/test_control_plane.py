@@ -61,6 +61,7 @@ CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml')
 IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
 JOB_TIMEOUT_S = 400
 POD_EXIT_S = 60  # a pod's processes end within its grace period
+POD_GONE_S = 30  # the operator replaces a pod it deleted within seconds; one gone this long is gone for good
 # Real text that is in the image as much as on this machine: the standard library's json package.
 STDLIB_TEXT = ["{stdlib}/json/*.py"]
 
@@ -677,19 +678,26 @@ RFC3339_PREFIX = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d
 
 def wait_for_log(cluster: Cluster, namespace: str, pod: str, text: str, **options: Any) -> str:
     """The pod's log (pods/log, with `options`) once it holds `text`. Meanwhile the pod may not exist yet (404),
-    its container not have started, or not restarted yet for previous=true (400)."""
+    its container not have started, or not restarted yet for previous=true (400). A pod that existed and has been
+    gone for POD_GONE_S was deleted for good (its job ended), not replaced by the operator: the wait ends then."""
     core = kubernetes.client.CoreV1Api(cluster.client())
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    log, error = "", None
+    log, error, seen, gone_since = "", None, False, None
     while time.monotonic() < deadline:
         try:
             log = core.read_namespaced_pod_log(pod, namespace, container=V1.container, **options)
+            seen, gone_since = True, None
             if text in log:
                 return log
         except kubernetes.client.ApiException as refused:
             if refused.status not in (400, 404):
                 raise
             error = refused
+            seen = seen or refused.status == 400
+            if seen and refused.status == 404:
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > POD_GONE_S:
+                    break
         time.sleep(0.5)
     raise AssertionError(f"{pod}: no {text!r} in its log {options} ({error}):\n{log}\n{pod_logs(cluster, namespace)}")
 
