@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,13 +156,14 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         chosen = next((c for c in contexts if c["name"] == context), None) if context else active
         if chosen is None:
             raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig")
+        user = chosen["context"].get("user")
         with logged_errors() as errors:
             api = config.new_client_from_config(kubeconfig, chosen["name"], client_configuration=client_configuration())
         if errors:  # its credentials plugin (user.exec) failed: the client logs it and goes on without credentials
-            user = chosen["context"].get("user")
-            raise KubeconfigError(
-                f"kubeconfig: user {user!r}: its credentials plugin failed: {' '.join(errors[0].split())}"
-            )
+            raise plugin_failed(user, errors)
+        refresh = api.configuration.refresh_api_key_hook
+        if refresh is not None:  # the plugin runs again when its token expires: a long `logs -f`, `wait`
+            api.configuration.refresh_api_key_hook = checked_refresh(refresh, user)
         return chosen, api
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -178,6 +179,26 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         ) from None
     except OSError as exc:
         raise KubeconfigError(f"kubeconfig: {exc}") from None
+
+
+def plugin_failed(user: str | None, errors: list[str]) -> KubeconfigError:
+    return KubeconfigError(f"kubeconfig: user {user!r}: its credentials plugin failed: {' '.join(errors[0].split())}")
+
+
+Refresh = Callable[[kubernetes.client.Configuration], None]
+
+
+def checked_refresh(refresh: Refresh, user: str | None) -> Refresh:
+    """The client's refresh of an expired token, where a failed plugin ends the command in ctl's one line: the
+    client would log it and send the expired token."""
+
+    def checked(configuration: kubernetes.client.Configuration) -> None:
+        with logged_errors() as errors:
+            refresh(configuration)
+        if errors:
+            raise plugin_failed(user, errors)
+
+    return checked
 
 
 @contextlib.contextmanager

@@ -132,11 +132,13 @@ contexts:
 - {name: here, context: {cluster: here, user: here}}
 - {name: missing-plugin, context: {cluster: here, user: missing-plugin}}
 - {name: expired, context: {cluster: here, user: expired}}
+- {name: expiring, context: {cluster: here, user: expiring}}
 clusters: [{name: here, cluster: {server: "https://127.0.0.1:1"}}]
 users:
 - {name: here, user: {token: t}}
 - {name: missing-plugin, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: no-such-plugin}}}
 - {name: expired, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: ./expired.sh}}}
+- {name: expiring, user: {exec: {apiVersion: client.authentication.k8s.io/v1, command: ./expiring.sh}}}
 """
 # (arguments, environment, the line): the kubeconfig as the user points at it; files in the test's directory.
 KUBECONFIG_CASES = {
@@ -173,7 +175,22 @@ KUBECONFIG_CASES = {
         "error: kubeconfig: user 'expired': its credentials plugin failed: exec: process returned 1. the login"
         " expired: run sso login",
     ),
+    # Its token has expired at the first request: the client runs it again, which fails; it would log that and send
+    # the expired token.
+    "credentials-plugin-fails-on-refresh": (
+        ["--kubeconfig", "config.yaml", "--context", "expiring"],
+        {},
+        "error: kubeconfig: user 'expiring': its credentials plugin failed: exec: process returned 1. the login"
+        " expired: run sso login",
+    ),
 }
+# A plugin that gives each ctl process (its parent) a token that expired long ago, and fails when run again.
+EXPIRING = """#!/bin/sh
+[ -e "ran-$PPID" ] && exec ./expired.sh
+touch "ran-$PPID"
+echo '{"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+  "status": {"token": "t", "expirationTimestamp": "2000-01-01T00:00:00Z"}}'
+"""
 
 
 @pytest.mark.parametrize("case", list(KUBECONFIG_CASES))
@@ -185,7 +202,9 @@ def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case
     (tmp_path / "list.yaml").write_text("- a\n")
     (tmp_path / "config.yaml").write_text(KUBECONFIG)
     (tmp_path / "expired.sh").write_text("#!/bin/sh\necho 'the login expired:' >&2\necho 'run sso login' >&2\nexit 1\n")
-    (tmp_path / "expired.sh").chmod(0o755)
+    (tmp_path / "expiring.sh").write_text(EXPIRING)
+    for plugin in ("expired.sh", "expiring.sh"):
+        (tmp_path / plugin).chmod(0o755)
     env = {name: value for name, value in (os.environ | {"HOME": str(tmp_path)} | changes).items() if value is not None}
     for command in (["list"], ["status", "tiny"]):
         assert_one_line(run_ctl(*command, *args, cwd=tmp_path, env=env), EXIT_BAD_INPUT, expected)
