@@ -1081,6 +1081,15 @@ def test_helm_accepts_what_ctl_accepts_for_a_single_path(tmp_path: Path) -> None
     assert (data.train, data.val) == (["/data/train.txt"], ["/data/val.txt"])
 
 
+def test_helm_accepts_numeric_labels_as_ctl_does(tmp_path: Path) -> None:
+    """`labels: [1, 0]` (rows labelled with numbers) passes values.schema.json; the trainer reads them as text."""
+    values = {"name": "job", "training": {"task": "classification", "data": {**TRAIN["data"], "labels": [1, 0]}}}
+    config = next(m.obj for m in split_manifests(render_chart(values, "job")) if m.kind == "ConfigMap")
+    path = tmp_path / "training.yaml"
+    path.write_text(config["data"]["training.yaml"])
+    assert load_training_spec(path).data.labels == ["1", "0"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Monitoring: metrics port and env, PodMonitor, PrometheusRule, dashboard.
 

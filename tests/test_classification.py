@@ -108,6 +108,24 @@ def test_final_model_loads_with_plain_transformers_and_predicts_labels_by_name(t
     assert correct / len(rows) == report["accuracy"]
 
 
+def test_rows_labelled_with_numbers_keep_them_in_order(tmp_path, docstrings) -> None:
+    """Labels 0, 4, ..., 20 (numbers, as a Hugging Face ClassLabel exports them) are classes "0" to "20" in the
+    order of their values, not of their text ("12" before "4"): id2label, the report."""
+    names = sorted({json.loads(line)["label"] for line in docstrings["train"].read_text().splitlines()})
+    numbers = {name: 4 * i for i, name in enumerate(names)}
+    files = {}
+    for split, path in docstrings.items():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        files[split] = tmp_path / path.name
+        files[split].write_text("".join(json.dumps(row | {"label": numbers[row["label"]]}) + "\n" for row in rows))
+    result = ctl_run(tmp_path, classification_spec(files, maxSteps=2), "numbers")
+    assert result.returncode == 0, result.stdout + result.stderr
+    labels = [str(4 * i) for i in range(len(names))]
+    assert json.loads((tmp_path / "runs" / "numbers" / "report.json").read_text())["labels"] == labels
+    config = json.loads((tmp_path / "runs" / "numbers" / "final" / "config.json").read_text())
+    assert [config["id2label"][str(i)] for i in range(len(labels))] == labels
+
+
 @pytest.mark.parametrize("procs", [1, 2, 3])
 def test_report_is_the_same_for_any_number_of_processes(tmp_path, trained, docstrings, procs) -> None:
     """The trained model re-evaluated (one step at a negligible LR) on 1, 2 and 3 ranks: 7 test documents."""

@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from trainer.location import S3Location, is_s3
@@ -77,6 +86,12 @@ class TokenizerSpec(SpecModel):
     vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
 
 
+# A label as the data's rows hold it: a string, or a number as written ([0, 1] as the rows' 0 and 1 are "0", "1").
+Label = Annotated[
+    str, Field(coerce_numbers_to_str=True), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})
+]
+
+
 class DataSpec(SpecModel):
     """Where the examples come from. Paths are globs; `{stdlib}` expands to Python's standard library."""
 
@@ -93,7 +108,11 @@ class DataSpec(SpecModel):
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
     text_field: str = Field("text", min_length=1, description="JSONL/CSV field holding the text.")
     label_field: str = Field("label", min_length=1, description="classification: JSONL/CSV field holding the label.")
-    labels: list[str] | None = Field(None, min_length=2, description="classification: label set; default: from train.")
+    labels: list[Label] | None = Field(
+        None,
+        min_length=2,
+        description="classification: label set, e.g. [negative, positive] or [0, 1]; default: from train.",
+    )
     cache_dir: str | None = Field(
         None,
         description="Dataset cache: prepared token files, one directory per fingerprint, shared by runs and jobs."

@@ -61,6 +61,15 @@ class SplitWriter:
         return {"tokens": self.tokens, "documents": self.documents}
 
 
+def label_order(labels: set[str]) -> list[str]:
+    """Sorted by value when every label is a number, else as text: rows labelled 0..n-1 (a Hugging Face ClassLabel
+    exported) keep each label's id equal to it in the model's id2label ("10" after "9", not after "1")."""
+    try:
+        return sorted(labels, key=float)
+    except ValueError:
+        return sorted(labels)
+
+
 @dataclass
 class Labels:
     """Classification's labels while the splits are written: an id for each new label in order of appearance, the
@@ -81,7 +90,7 @@ class Labels:
 
     def finish(self, staging: Path) -> list[str]:
         """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
-        labels = self.data.labels or sorted(self.seen["train"])
+        labels = self.data.labels or label_order(self.seen["train"])
         known = set(labels)
         for split, split_labels in self.seen.items():
             unseen = sorted(split_labels - known)
