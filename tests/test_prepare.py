@@ -237,6 +237,12 @@ BAD = {
     "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: 'text' is empty"),
     "parquet-column": ("rows.parquet", parquet({"body": ["a"]}), "rows.parquet: no 'text' column"),
     "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: 'text' is empty"),
+    # pandas' missing number, as json.dumps writes it
+    "jsonl-nan": (
+        "rows.jsonl",
+        lambda p: p.write_text('{"text": "a"}\n{"text": NaN}\n'),
+        "rows.jsonl:2: 'text' is empty",
+    ),
     "jsonl-list": (
         "rows.jsonl",
         lambda p: p.write_text('{"text": "a"}\n{"text": ["b", "c"]}\n'),

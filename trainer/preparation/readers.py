@@ -39,7 +39,8 @@ def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
     value = record.get(name)
     if name not in record:
         raise SpecError(f"{key}: {where}: no {name!r} field")
-    if value is None or value == "":  # JSON's null, Parquet's missing value, a CSV's empty or absent cell
+    # JSON's null, Parquet's missing value, a CSV's empty or absent cell, pandas' missing number (NaN)
+    if value is None or value == "" or value != value:
         raise SpecError(f"{key}: {where}: {name!r} is empty")
     if not isinstance(value, str | int | float):
         kind = JSON_KINDS.get(type(value), type(value).__name__)
