@@ -235,6 +235,7 @@ BAD = {
         "rows.jsonl:3: no 'text' field",
     ),
     "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: 'text' is empty"),
+    "csv-column": ("rows.csv", lambda p: p.write_text("body,n\na,1\n"), "rows.csv: no 'text' column (columns: body"),
     "parquet-column": ("rows.parquet", parquet({"body": ["a"]}), "rows.parquet: no 'text' column"),
     "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: 'text' is empty"),
     # pandas' missing number, as json.dumps writes it

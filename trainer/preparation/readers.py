@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,8 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
     elif path.suffix == ".csv":
         lines = (line for _, line in _lines(path, key))
         reader = csv.DictReader(lines)
+        if reader.fieldnames is not None:  # None: an empty file
+            _check_columns(path, fields, reader.fieldnames, key)
         try:
             for row in reader:
                 yield f"{path}:{reader.line_num}", row
@@ -86,6 +88,13 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             yield f"{path}:{number}", record
 
 
+def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: str) -> None:
+    """A table without a column the spec names: said once for the file, with the columns it has."""
+    missing = [name for name in fields if name not in columns]
+    if missing:
+        raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(columns)})")
+
+
 def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
     import pyarrow
     import pyarrow.parquet
@@ -94,9 +103,7 @@ def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[
         parquet = pyarrow.parquet.ParquetFile(path)
     except (OSError, pyarrow.ArrowException) as exc:
         raise SpecError(f"{key}: {path}: not a readable Parquet file: {str(exc).splitlines()[0]}") from None
-    missing = [name for name in fields if name not in parquet.schema_arrow.names]
-    if missing:
-        raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
+    _check_columns(path, fields, parquet.schema_arrow.names, key)
     row = 0
     try:
         for batch in parquet.iter_batches(batch_size=1024, columns=fields):
