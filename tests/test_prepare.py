@@ -155,6 +155,16 @@ def test_read_texts_reads_every_document_from_the_text_field_it_is_given(tmp_pat
     assert list(read_texts([body], "body", "data.train")) == documents[:3]
 
 
+def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
+    """Excel's "CSV UTF-8" and Notepad begin a file with one: it is neither text nor in the first column's name."""
+    (tmp_path / "a.txt").write_text("a text file", encoding="utf-8-sig")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "a JSONL row"}) + "\n", encoding="utf-8-sig")
+    with (tmp_path / "c.csv").open("w", newline="", encoding="utf-8-sig") as out:
+        csv.writer(out).writerows([["text", "label"], ["a CSV row", "x"]])
+    files = [tmp_path / name for name in ("a.txt", "b.jsonl", "c.csv")]
+    assert list(read_texts(files, "text", "data.train")) == ["a text file", "a JSONL row", "a CSV row"]
+
+
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
     """jemalloc where installed (encode.fast_malloc); the mechanism with a library no worker loads by itself."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison

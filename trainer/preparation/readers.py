@@ -27,7 +27,7 @@ class Document:
 
 def _text_file(path: Path, key: str) -> str:
     try:
-        return path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SpecError(f"{key}: {path} is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
@@ -49,12 +49,13 @@ def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
 
 
 def _lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 file, read incrementally; an undecodable line names its number."""
+    """(line number, line) of a UTF-8 file, read incrementally; an undecodable line names its number. A byte order
+    mark (Excel's "CSV UTF-8", Notepad) is not part of the first line: it would be in the first column's name."""
     try:
         with path.open("rb") as file:
             for number, raw in enumerate(file, start=1):
                 try:
-                    yield number, raw.decode("utf-8")
+                    yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as exc:
                     raise SpecError(f"{key}: {path}:{number}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
