@@ -165,6 +165,14 @@ def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
     assert list(read_texts(files, "text", "data.train")) == ["a text file", "a JSONL row", "a CSV row"]
 
 
+def test_a_csv_field_may_be_a_long_document(tmp_path) -> None:
+    """Longer than the csv module's default bound on a field (128 KiB)."""
+    document = "a long document. " * 20_000
+    with (tmp_path / "long.csv").open("w", newline="", encoding="utf-8") as out:
+        csv.writer(out).writerows([["text"], [document], ["a short one"]])
+    assert list(read_texts([tmp_path / "long.csv"], "text", "data.train")) == [document, "a short one"]
+
+
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
     """jemalloc where installed (encode.fast_malloc); the mechanism with a library no worker loads by itself."""
     monkeypatch.delenv("LD_PRELOAD", raising=False)  # whatever the environment preloads stays out of the comparison

@@ -15,6 +15,7 @@ from trainer.text import RECORD_SUFFIXES
 
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
+CSV_FIELD_LIMIT = 2**31 - 1  # characters: the most the csv module takes on every platform (a C long)
 JSON_KINDS = {list: "a list", dict: "an object"}  # what a row's field may be instead of a string or a number
 
 
@@ -67,6 +68,8 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
     if path.suffix == PARQUET_SUFFIX:
         yield from _parquet_records(path, fields, key)
     elif path.suffix == ".csv":
+        # A field may be a whole document: the csv module's default bound (128 KiB) would refuse a long one.
+        csv.field_size_limit(CSV_FIELD_LIMIT)
         lines = (line for _, line in _lines(path, key))
         reader = csv.DictReader(lines)
         if reader.fieldnames is not None:  # None: an empty file
