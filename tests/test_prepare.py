@@ -48,7 +48,7 @@ from trainer.prepare import (
     stop,
 )
 from trainer.spec import SpecError, TrainingSpec
-from trainer.text import train_tokenizer
+from trainer.text import expand_paths, train_tokenizer
 from trainer.workloads import PreparationFailed, prepare_now, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -163,6 +163,18 @@ def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
         csv.writer(out).writerows([["text", "label"], ["a CSV row", "x"]])
     files = [tmp_path / name for name in ("a.txt", "b.jsonl", "c.csv")]
     assert list(read_texts(files, "text", "data.train")) == ["a text file", "a JSONL row", "a CSV row"]
+
+
+def test_a_directory_names_the_files_under_it(tmp_path) -> None:
+    """As an S3 prefix names its objects: every file below it, in order, hidden ones (.git, .DS_Store) left out."""
+    corpus = tmp_path / "corpus [v2]"  # glob's special characters in the name are the name's
+    for relative in ("b.txt", "a/c.txt", "a/d/e.jsonl", ".git/HEAD", "a/.DS_Store"):
+        (corpus / relative).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / relative).write_text("x")
+    assert expand_paths([str(corpus)], "data.train") == [corpus / "a/c.txt", corpus / "a/d/e.jsonl", corpus / "b.txt"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecError, match=f"^data.val: no file in the directory '{tmp_path / 'empty'}'$"):
+        expand_paths([str(tmp_path / "empty")], "data.val")
 
 
 def test_a_csv_field_may_be_a_long_document(tmp_path) -> None:

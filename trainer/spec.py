@@ -100,8 +100,8 @@ class DataSpec(SpecModel):
     )
     train: list[str] = Field(
         default_factory=list,
-        description="Training files: paths or globs (`**` recurses), or s3:// URIs (an object, a prefix ending in /,"
-        " or a glob), downloaded once into the node's cache.",
+        description="Training files: paths, directories (the files under one), globs (`**` recurses), or s3:// URIs"
+        " (an object, a prefix ending in /, or a glob), downloaded once into the node's cache.",
     )
     val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[str] = Field(default_factory=list, description="classification: files for the final report.")

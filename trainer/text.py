@@ -6,6 +6,7 @@ Every problem is a SpecError naming the spec key: the trainer turns it into one 
 from __future__ import annotations
 
 import glob
+import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,7 +21,8 @@ EOS = "<|endoftext|>"
 
 
 def expand_paths(patterns: list[str], key: str) -> list[Path]:
-    """Expand globs (and `{stdlib}`) into a sorted list of files; no match is a SpecError."""
+    """Expand globs (and `{stdlib}`) into a sorted list of files; a directory names the files under it, as a `**`
+    glob (hidden ones left out), as an S3 prefix names its objects. No match is a SpecError."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files: set[Path] = set()
     for pattern in patterns:
@@ -28,9 +30,11 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
             files.update(s3_sources(pattern, key))
             continue
         expanded = pattern.replace("{stdlib}", stdlib)
-        matches = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file()]
+        folder = os.path.isdir(expanded)
+        found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
+        matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
-            raise SpecError(f"{key}: no file matches {expanded!r}")
+            raise SpecError(f"{key}: no file {'in the directory' if folder else 'matches'} {expanded!r}")
         files.update(matches)
     return sorted(files)
 
