@@ -30,6 +30,7 @@ from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
+from trainer.text import load_tokenizer, pretrained_options
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
 TMP = "tmp"
@@ -282,6 +283,32 @@ def test_missing_tokenizer_directory_is_named_as_such(workdir, corpus_file: Path
     spec = causal_lm(corpus_file, procs=1)
     spec["training"]["tokenizer"] = {"path": str(missing)}
     run_bad_input(workdir, spec, [], f"error: tokenizer.path: {missing}: no such directory", times=1)
+
+
+def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped relative path (`models/gpt2-smal`) is a valid hub id too: without a network the hub client
+    retried each file for ~25 s (a tokenizer: 50 s) before failing. Where the hub cannot be reached, only its
+    cache is asked, at once; where it can, the hub is asked as before."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{free_port()}")  # no one there
+    started = time.monotonic()
+    with pytest.raises(SpecError) as refused:
+        load_tokenizer("models/gpt2-smal", "tokenizer.path")
+    assert time.monotonic() - started < 10
+    assert str(refused.value).startswith(
+        "tokenizer.path: cannot load a tokenizer from 'models/gpt2-smal': no such directory here, nor in the hub's"
+        " local cache (the hub cannot be reached): "
+    )
+    assert "\n" not in str(refused.value)
+    with silent_server(accept=True) as port:  # reachable
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{port}")
+        assert pretrained_options("models/gpt2-smal", "model.pretrained") == {}
+    (tmp_path / "models" / "gpt2-small").mkdir(parents=True)
+    assert pretrained_options("models/gpt2-small", "model.pretrained") == {}
 
 
 def test_compile_without_a_cpp_compiler_is_found_before_any_work(workdir, corpus_file: Path) -> None:

@@ -16,7 +16,7 @@ from trainer.gpt import GPT, GPTConfig
 from trainer.heap import importing
 from trainer.names import GPT2_POSITIONS
 from trainer.spec import ModelSpec, SpecError
-from trainer.text import check_pretrained_source
+from trainer.text import pretrained_failure, pretrained_options
 
 # (layers, heads, width) of the published GPT-2 sizes; all have GPT2_POSITIONS positions.
 GPT2_SIZES = {
@@ -48,13 +48,13 @@ def gpt_config(spec: ModelSpec, vocab_size: int, eos_id: int) -> GPTConfig:
 
 
 def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
-    check_pretrained_source(spec.pretrained, "model.pretrained")
+    options = pretrained_options(spec.pretrained, "model.pretrained")
     try:
         with importing():  # the model's transformers module
-            model = auto_class.from_pretrained(spec.pretrained, **kwargs)
+            model = auto_class.from_pretrained(spec.pretrained, **options, **kwargs)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SpecError(f"model.pretrained: cannot load {spec.pretrained!r}: {reason}") from None
+        why = pretrained_failure(spec.pretrained, exc, options)
+        raise SpecError(f"model.pretrained: cannot load {spec.pretrained!r}: {why}") from None
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if positions and spec.block_size > positions:
         raise SpecError(f"model.blockSize: {spec.block_size} is more than the model's {positions} positions")

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import sysconfig
+import urllib.parse
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from trainer.heap import importing
 from trainer.location import is_s3
@@ -18,6 +22,7 @@ from trainer.storage import s3_sources
 
 RECORD_SUFFIXES = {".jsonl", ".json", ".csv"}
 EOS = "<|endoftext|>"
+HUB_CONNECT_TIMEOUT_S = 5.0
 
 
 def expand_paths(patterns: list[str], key: str) -> list[Path]:
@@ -59,30 +64,60 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> PreTrainedToke
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
-def check_pretrained_source(source: str, key: str) -> None:
-    """A source that is no existing path must be a hub id: otherwise a directory is missing (and transformers
-    would answer with its rules for repo ids)."""
+def pretrained_options(source: str, key: str) -> dict[str, Any]:
+    """from_pretrained's options for `source`. A source that is no existing path must be a hub id: otherwise a
+    directory is missing (and transformers would answer with its rules for repo ids). Where the hub cannot be reached
+    (a pod without network, a mistyped relative path), only the hub's local cache is asked: the hub client would
+    retry for about 25 s a file first."""
     if Path(source).exists():
-        return
+        return {}
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(source)
     except HFValidationError:
         raise SpecError(f"{key}: {source}: no such directory") from None
+    return {"local_files_only": True} if hub_out_of_reach() else {}
+
+
+def hub_out_of_reach() -> bool:
+    """No TCP connection to the hub's endpoint (or to the HTTPS proxy when one is set) within HUB_CONNECT_TIMEOUT_S.
+    False where it cannot tell (an address without a host) and with HF_HUB_OFFLINE set: the hub client then keeps to
+    its cache itself."""
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlsplit(urllib.request.getproxies().get("https") or constants.ENDPOINT)
+    if constants.HF_HUB_OFFLINE or not url.hostname:
+        return False
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+def pretrained_failure(source: str, exc: Exception, options: dict[str, Any]) -> str:
+    """Why from_pretrained failed, whole in one line (transformers' messages list what it tried over several); for a
+    name that is no path here, where else it was looked for."""
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    if Path(source).exists():
+        return reason
+    where = "in the hub's local cache (the hub cannot be reached)" if options else "on the hub"
+    return f"no such directory here, nor {where}: {reason}"
 
 
 def load_tokenizer(source: str, key: str):  # -> PreTrainedTokenizerBase
     """From a directory (or a hub id when the network allows); pad = eos when it has no pad token."""
-    check_pretrained_source(source, key)
+    options = pretrained_options(source, key)
     try:
         with importing():
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, **options)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SpecError(f"{key}: cannot load a tokenizer from {source!r}: {reason}") from None
+        why = pretrained_failure(source, exc, options)
+        raise SpecError(f"{key}: cannot load a tokenizer from {source!r}: {why}") from None
     if tokenizer.eos_token is None:
         raise SpecError(f"{key}: the tokenizer in {source!r} has no eos token")
     if tokenizer.pad_token is None:
