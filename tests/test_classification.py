@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO, run_ctl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from ctl.names import COMPILE_CACHE_DIR
+from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
 from trainer import stdlib_docstrings
 
 TINY_MODEL = {"nLayer": 1, "nHead": 2, "nEmbd": 64, "blockSize": 64}
@@ -174,7 +174,9 @@ def test_compile_compiles_the_model_with_its_loss_once_for_every_batch_length(tm
     than the first (torch.compile's own log tells each compilation)."""
     spec_file = tmp_path / "compiled.yaml"
     spec_file.write_text(yaml.safe_dump(classification_spec(docstrings, maxSteps=6, batchSize=2, compile=True)))
-    result = run_ctl("run", str(spec_file), "--verbose", cwd=tmp_path, env=os.environ | {"TORCH_LOGS": "dynamo"})
+    # Not this process's cache folder: importing transformers' GPT-2 here set it, and ctl keeps an exported variable.
+    env = {name: value for name, value in os.environ.items() if name not in COMPILE_CACHES}
+    result = run_ctl("run", str(spec_file), "--verbose", cwd=tmp_path, env=env | {"TORCH_LOGS": "dynamo"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.count("torchdynamo start tracing") == 1, result.stderr
     # Its caches are in the run directory, as a pod's are (docs/operations.md), and the first step's line says so.
