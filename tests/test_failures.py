@@ -30,7 +30,7 @@ from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
-from trainer.text import load_tokenizer, pretrained_options
+from trainer.text import hub_out_of_reach, load_tokenizer, pretrained_options
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
 TMP = "tmp"
@@ -295,6 +295,7 @@ def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_onl
     for name in ("https_proxy", "HTTPS_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{free_port()}")  # no one there
+    hub_out_of_reach.cache_clear()  # asked once a process: each endpoint here is asked anew
     started = time.monotonic()
     with pytest.raises(SpecError) as refused:
         load_tokenizer("models/gpt2-smal", "tokenizer.path")
@@ -306,6 +307,7 @@ def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_onl
     assert "\n" not in str(refused.value)
     with silent_server(accept=True) as port:  # reachable
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{port}")
+        hub_out_of_reach.cache_clear()
         assert pretrained_options("models/gpt2-smal", "model.pretrained") == {}
     (tmp_path / "models" / "gpt2-small").mkdir(parents=True)
     assert pretrained_options("models/gpt2-small", "model.pretrained") == {}

@@ -5,6 +5,7 @@ Every problem is a SpecError naming the spec key: the trainer turns it into one 
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import socket
@@ -80,10 +81,11 @@ def pretrained_options(source: str, key: str) -> dict[str, Any]:
     return {"local_files_only": True} if hub_out_of_reach() else {}
 
 
+@functools.cache
 def hub_out_of_reach() -> bool:
     """No TCP connection to the hub's endpoint (or to the HTTPS proxy when one is set) within HUB_CONNECT_TIMEOUT_S.
     False where it cannot tell (an address without a host) and with HF_HUB_OFFLINE set: the hub client then keeps to
-    its cache itself."""
+    its cache itself. Asked once a process: a pretrained model's tokenizer is loaded from the same name."""
     from huggingface_hub import constants
 
     url = urllib.parse.urlsplit(urllib.request.getproxies().get("https") or constants.ENDPOINT)
