@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from certs import Tls
 from e2e.cluster_binaries import build_versitygw
 
 from ctl.processes import LOCAL_ADDRESS, free_port
@@ -65,20 +66,23 @@ def wait_for_port(address: str, port: int, server: subprocess.Popen, log: Path) 
 
 
 @contextlib.contextmanager
-def s3_server(work_dir: Path, address: str = LOCAL_ADDRESS) -> Iterator[S3Server]:
-    """versitygw serving `work_dir`/root on a free port of `address`; stopped afterwards."""
+def s3_server(work_dir: Path, address: str = LOCAL_ADDRESS, tls: Tls | None = None) -> Iterator[S3Server]:
+    """versitygw serving `work_dir`/root on a free port of `address` (over HTTPS with `tls`'s server certificate);
+    stopped afterwards."""
     root = work_dir / "root"
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = work_dir / "versitygw.log"
     command = [str(build_versitygw()), "--access", ACCESS_KEY, "--secret", SECRET_KEY, "--region", REGION]
+    if tls:
+        command += ["--cert", str(tls.cert_file), "--key", str(tls.key_file)]
     with log.open("w") as output:
         server = subprocess.Popen(
             [*command, "--port", f"{address}:{port}", "posix", str(root)], stdout=output, stderr=subprocess.STDOUT
         )
     try:
         wait_for_port(address, port, server, log)
-        yield S3Server(f"http://{address}:{port}", root)
+        yield S3Server(f"{'https' if tls else 'http'}://{address}:{port}", root)
     finally:
         server.terminate()
         server.wait(timeout=30)

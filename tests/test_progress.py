@@ -4,9 +4,7 @@ status server decodes and the CRD admits, a slow, refusing or absent server cost
 
 from __future__ import annotations
 
-import datetime
 import http.server
-import ipaddress
 import json
 import os
 import re
@@ -20,11 +18,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from certs import Tls, private_ca
 from conftest import run_ctl, tiny_spec
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from test_chart import crd_schema, go_module_dir
 from test_trainjob import CRDS, TRAINER
 
@@ -75,56 +70,10 @@ def test_the_request_is_what_the_status_server_decodes(status_schema: dict[str, 
     check_body(trainer_status(25, 20, -3, {}), status_schema)
 
 
-@dataclass
-class Tls:
-    ca_file: Path
-    cert_file: Path
-    key_file: Path
-
-
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
     """A CA of its own and a server certificate it signed for 127.0.0.1, as the controller's webhook CA signs its."""
-    directory = tmp_path_factory.mktemp("tls")
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test status server CA")])
-    valid = {
-        "not_valid_before": now - datetime.timedelta(minutes=5),
-        "not_valid_after": now + datetime.timedelta(hours=1),
-    }
-    ca = (
-        x509.CertificateBuilder(issuer_name=ca_name, subject_name=ca_name, public_key=ca_key.public_key(), **valid)
-        .serial_number(x509.random_serial_number())
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )  # keyCertSign, cRLSign
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server = (
-        x509.CertificateBuilder(
-            issuer_name=ca_name,
-            subject_name=x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]),
-            public_key=server_key.public_key(),
-            **valid,
-        )
-        .serial_number(x509.random_serial_number())
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = Tls(directory / "ca.crt", directory / "tls.crt", directory / "tls.key")
-    paths.ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths.cert_file.write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    paths.key_file.write_bytes(
-        server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return paths
+    return private_ca(tmp_path_factory.mktemp("tls"), "test status server CA")
 
 
 @dataclass
