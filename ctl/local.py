@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -38,7 +39,7 @@ from ctl.pod import expand_references, image_path
 from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
-from trainer.location import is_s3
+from trainer.location import S3_VARIABLES, is_s3
 from trainer.names import (
     CHECKPOINT_NAME,
     EXIT_BAD_INPUT,
@@ -211,8 +212,23 @@ def latest_checkpoint(job: LocalJob) -> str:
     if is_s3(job.location):
         from trainer.storage import open_store  # the S3 client: ctl run has the trainer's install
 
-        return open_store(job.location, job.run_dir).read_bytes(LATEST_CHECKPOINT).decode()
+        with pod_variables(job.nodes[0]):
+            return open_store(job.location, job.run_dir).read_bytes(LATEST_CHECKPOINT).decode()
     return (job.run_dir / LATEST_CHECKPOINT).read_text(encoding="utf-8")
+
+
+@contextlib.contextmanager
+def pod_variables(node: LocalNode) -> Iterator[None]:
+    """This process's environment with the pod's S3 variables it lacks (storage.endpoint's, storage.caBundle's file),
+    as agent_env gives the ranks: the S3 client reads them when it is made."""
+    pods = node.container.env
+    added = {name: pods[name] for name in S3_VARIABLES if name in pods and name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def stopped(job: LocalJob, how: str) -> str:

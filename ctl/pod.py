@@ -111,8 +111,8 @@ def local_container(
         mounts[path] = source
     rewrite = path_rewriter(mounts)
     for name, directory in directories.items():
-        if "configMap" in volumes[name]:  # the config names paths under the other mounts
-            for file in directory.iterdir():
+        if "configMap" in volumes[name]:  # the config names paths under the other mounts; other files (a PEM) are data
+            for file in directory.glob("*.yaml"):
                 file.write_text(rewrite(file.read_text()))
     env = {name: rewrite(value) for name, value in container_env(container, fields, reference).items()}
     command = [rewrite(arg) for arg in [*(container.get("command") or []), *(container.get("args") or [])]]

@@ -24,7 +24,14 @@ from pydantic.fields import FieldInfo
 from ctl import names
 from ctl.kinds import KINDS
 from ctl.spec import JobSpec
-from trainer.location import S3_ACCESS_KEY_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SCHEME, S3_SECRET_KEY_ENV
+from trainer.location import (
+    S3_ACCESS_KEY_ENV,
+    S3_CA_BUNDLE_ENV,
+    S3_ENDPOINT_ENV,
+    S3_REGION_ENV,
+    S3_SCHEME,
+    S3_SECRET_KEY_ENV,
+)
 from trainer.names import (
     JOB_NAME_ENV,
     METRICS_DIR_ENV,
@@ -261,6 +268,7 @@ def chart_names() -> dict[str, Any]:
             "s3Region": S3_REGION_ENV,
             "s3AccessKey": S3_ACCESS_KEY_ENV,
             "s3SecretKey": S3_SECRET_KEY_ENV,
+            "s3CaBundle": S3_CA_BUNDLE_ENV,
         },
         "prepareDeniedEnv": list(names.PREPARE_DENIED_ENV),
         "compileCaches": names.COMPILE_CACHES,

@@ -22,7 +22,7 @@ from ctl.names import (
     MEMORY_MIB_PER_PROCESS,
     POD_NAME_TOO_LONG,
 )
-from trainer.location import S3Location
+from trainer.location import PEM_CERTIFICATE, S3Location
 from trainer.names import EXIT_HUNG
 from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
 
@@ -116,6 +116,11 @@ class StorageSpec(SpecModel):
         description="With uri: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, given to the"
         " pods as those variables; empty: the pods' cloud identity (IRSA, EKS Pod Identity, instance profile).",
     )
+    ca_bundle: str = Field(
+        "",
+        description="With uri: PEM certificates of the private CA that signed the endpoint's TLS certificate, trusted"
+        " beside the system's (a file of the job's ConfigMap, named by AWS_CA_BUNDLE).",
+    )
 
     existing_claim: str = Field("", description="Use this PVC instead of creating one.")
     size: str = Field("10Gi", description="Size of the created PVC.")
@@ -133,6 +138,13 @@ class StorageSpec(SpecModel):
         if uri:
             S3Location.parse(uri)
         return uri
+
+    @field_validator("ca_bundle")
+    @classmethod
+    def _pem(cls, bundle: str) -> str:
+        if bundle and PEM_CERTIFICATE not in bundle:
+            raise ValueError(f"holds no PEM certificate ({PEM_CERTIFICATE})")
+        return bundle
 
 
 class ServiceAccountSpec(SpecModel):

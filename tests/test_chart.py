@@ -53,6 +53,8 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 TRAIN = {"data": {"train": ["/data/train.txt"]}}
+# storage.caBundle as a user writes it (the chart passes it through; trainer tests use a real CA's).
+PRIVATE_CA = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"
 PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator@v0.76.0"
 MONITORING_API = "monitoring.coreos.com/v1"
 
@@ -182,7 +184,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trainjob-volcano": {"apiKind": "TrainJob", "nodes": 2, "queue": {"volcano": "research"}},
     "object-storage": {
         "nodes": 2,
-        "storage": {"uri": "s3://runs/team-a", "endpoint": "https://s3.example.com", "secretName": "s3-keys"},
+        "storage": {
+            "uri": "s3://runs/team-a",
+            "endpoint": "https://s3.example.com",
+            "secretName": "s3-keys",
+            "caBundle": PRIVATE_CA,
+        },
     },
     "trainjob-object-storage": {
         "apiKind": "TrainJob",
@@ -423,11 +430,20 @@ def test_a_run_on_object_storage_has_no_claim_and_gives_the_pods_the_aws_variabl
         if variant == "object-storage":
             assert aws == {
                 "AWS_ENDPOINT_URL": "https://s3.example.com",
+                "AWS_CA_BUNDLE": aws["AWS_CA_BUNDLE"],
                 "AWS_ACCESS_KEY_ID": {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID"},
                 "AWS_SECRET_ACCESS_KEY": {"name": "s3-keys", "key": "AWS_SECRET_ACCESS_KEY"},
             }
-        else:  # no Secret: the pods' cloud identity
+            # The private CA's certificates: a file of the job's ConfigMap, where the pods mount it.
+            folder, _, file = aws["AWS_CA_BUNDLE"].rpartition("/")
+            mounts = {m["name"]: m["mountPath"] for m in trainer_container(template)["volumeMounts"]}
+            config = next(v for v in template["spec"]["volumes"] if v.get("configMap"))
+            assert config["configMap"]["name"] == by_kind["ConfigMap"]["metadata"]["name"]
+            assert mounts[config["name"]] == folder
+            assert by_kind["ConfigMap"]["data"][file] == PRIVATE_CA
+        else:  # no Secret: the pods' cloud identity; the system's CAs only
             assert aws == {"AWS_REGION": "eu-west-1"}
+            assert list(by_kind["ConfigMap"]["data"]) == ["training.yaml"]
         assert env["TORCH_FR_DUMP_TEMP_FILE"]["value"].startswith(env["HOME"]["value"])
 
 
@@ -441,6 +457,10 @@ def test_a_run_on_object_storage_has_no_claim_and_gives_the_pods_the_aws_variabl
             "spec.yaml: storage.existingClaim: no claim is mounted",
         ),
         ({"storage": {"uri": "s3://runs"}, "prepare": {"enabled": True}}, "spec.yaml: prepare.enabled: the prepare"),
+        (
+            {"storage": {"uri": "s3://runs", "caBundle": "ca.crt"}},
+            "spec.yaml: storage.caBundle: holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+        ),
         (
             {"training": TRAIN | {"checkpoint": {"dir": "s3://x/y"}}},
             "spec.yaml: training.checkpoint.dir: 's3://x/y' is not an S3 URI",

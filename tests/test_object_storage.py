@@ -4,21 +4,29 @@ bucket, bad buckets and credentials refused with one line."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import http.server
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-from conftest import REPO, rank_log, run_ctl, tensorboard_scalars, tiny_spec
-from s3server import S3Server
+from certs import Tls, private_ca
+from conftest import REPO, rank_log, run_ctl, start_ctl, tensorboard_scalars, tiny_spec
+from s3server import S3Server, s3_server
 from test_checkpoint import (
     EVERY,
     EXIT_PREEMPTED,
@@ -36,12 +44,14 @@ from test_checkpoint import (
 )
 from test_tracking import mlflow_env  # noqa: F401 (a fixture: MLflow's file store in the test's directory)
 
+from ctl.processes import LOCAL_ADDRESS, free_port
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
-from trainer.location import NODE_CACHE_ENV
+from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
+from trainer.storage import reason
 from trainer.tracking import Tracker
 
 
@@ -155,6 +165,156 @@ def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env()["AWS_SECRET_ACCESS_KEY"])
     with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "):
         checkpointer("s3://no-such-bucket/run", tmp_path).store.check(writable=True)
+
+
+def test_a_server_that_is_not_there_is_its_root_cause_in_one_line(
+    s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No server at the endpoint: the request and the system's reason, not the client's 'error sending request'
+    and its error chain."""
+    endpoint = f"http://{LOCAL_ADDRESS}:{free_port()}"
+    monkeypatch.setenv(S3_ENDPOINT_ENV, endpoint)
+    with pytest.raises(SpecError) as refused:
+        checkpointer("s3://runs/a", tmp_path).store.check(writable=True)
+    expected = (
+        rf"checkpoint\.dir: cannot use s3://runs/a: GET {endpoint}/runs: Connection refused \(after \d+ retries in"
+    )
+    assert re.fullmatch(rf"{expected} [\d.]+ s\)", str(refused.value)), refused.value
+
+
+@contextlib.contextmanager
+def http_server(answer: str) -> Iterator[str]:
+    """A server on a free port that takes connections and, as `answer`, says nothing ('silent') or answers as a web
+    server that is no S3 server does ('404'); its endpoint."""
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    listener = socket.create_server((LOCAL_ADDRESS, 0))
+    port = listener.getsockname()[1]
+    if answer == "silent":  # connections wait in the backlog, unanswered
+        with listener:
+            yield f"http://{LOCAL_ADDRESS}:{port}"
+        return
+    listener.close()
+    server = http.server.ThreadingHTTPServer((LOCAL_ADDRESS, port), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{LOCAL_ADDRESS}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"),
+    [
+        ("silent", "no answer, timed out"),
+        ("404", "404 Not Found, an answer that is no S3 error (is the endpoint an S3 server?)"),
+    ],
+)
+def test_an_endpoint_that_is_no_s3_server_is_named_with_what_it_did(
+    s3_env: S3Server, monkeypatch: pytest.MonkeyPatch, answer: str, cause: str
+) -> None:
+    """The client as the trainer builds it, its request timeout and retries lowered (by default a silent server
+    takes 3 minutes: 30 s a request, retried for 180 s)."""
+    import obstore
+    import obstore.store
+
+    with http_server(answer) as endpoint:
+        monkeypatch.setenv(S3_ENDPOINT_ENV, endpoint)
+        store = obstore.store.S3Store(
+            "runs",
+            client_options={"allow_http": True, "timeout": "1s"},
+            retry_config={"max_retries": 1, "retry_timeout": datetime.timedelta(seconds=3)},
+        )
+        with pytest.raises(obstore.exceptions.BaseError) as failed:
+            obstore.list_with_delimiter(store, "a/")
+    assert re.fullmatch(
+        rf"GET {endpoint}/runs: {re.escape(cause)} \((after 1 retries )?in [\d.]+ s\)", reason(failed.value)
+    )
+
+
+@pytest.fixture(scope="module")
+def s3_private_ca(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, Tls]]:
+    """The S3 server over HTTPS, its certificate signed by a CA of the test's own (as an on-premises one's is)."""
+    tls = private_ca(tmp_path_factory.mktemp("s3-ca"), "test S3 CA")
+    with s3_server(tmp_path_factory.mktemp("s3-tls"), tls=tls) as server:
+        yield server, tls
+
+
+def test_aws_ca_bundle_names_the_private_ca_that_signed_the_endpoint(
+    s3_private_ca: tuple[S3Server, Tls], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without it the line says what is wrong and where the CA goes; with it the bucket is used; a file that is not
+    there or holds no certificate is bad input naming the variable."""
+    s3, tls = s3_private_ca
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(NODE_CACHE_ENV, str(tmp_path / "cache"))
+    s3.bucket("private")
+    with pytest.raises(SpecError) as untrusted:
+        checkpointer("s3://private/run", tmp_path).store.check(writable=True)
+    assert str(untrusted.value).startswith(
+        f"checkpoint.dir: cannot use s3://private/run: GET {s3.endpoint}/private: the server's TLS certificate is not"
+        f" trusted (UnknownIssuer): a private CA's certificates go in AWS_CA_BUNDLE (the chart's storage.caBundle)"
+    ), untrusted.value
+    monkeypatch.setenv(S3_CA_BUNDLE_ENV, str(tls.ca_file))
+    checkpointer("s3://private/run", tmp_path).store.check(writable=True)
+    other_name = s3.endpoint.replace(LOCAL_ADDRESS, "localhost")  # the certificate names 127.0.0.1 only
+    monkeypatch.setenv(S3_ENDPOINT_ENV, other_name)
+    with pytest.raises(SpecError) as refused:
+        checkpointer("s3://private/run", tmp_path).store.check(writable=True)
+    assert f"GET {other_name}/private: the server's TLS certificate is refused (NotValidFor" in str(refused.value)
+    monkeypatch.setenv(S3_ENDPOINT_ENV, s3.endpoint)
+    for bundle, problem in [
+        (tmp_path / "missing.crt", "cannot read '{}': No such file or directory"),
+        (tls.key_file, "'{}' holds no PEM certificate (-----BEGIN CERTIFICATE-----)"),
+    ]:
+        monkeypatch.setenv(S3_CA_BUNDLE_ENV, str(bundle))
+        with pytest.raises(SpecError, match=f"^AWS_CA_BUNDLE: {re.escape(problem.format(bundle))}$"):
+            checkpointer("s3://private/run", tmp_path)
+    broken = tmp_path / "broken.crt"
+    broken.write_text("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n")
+    monkeypatch.setenv(S3_CA_BUNDLE_ENV, str(broken))
+    with pytest.raises(SpecError, match=r"^AWS_CA_BUNDLE: '.*broken\.crt': a certificate it holds is invalid \(\w+\)$"):
+        checkpointer("s3://private/run", tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_ctl_run_trusts_the_private_ca_of_storage_ca_bundle_and_reads_its_stop_step_there(
+    s3_private_ca: tuple[S3Server, Tls], tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """storage.caBundle reaches the ranks as a file of the job's ConfigMap (as in a pod): the run keeps its
+    checkpoints in a bucket whose endpoint's certificate no system CA signed. Stopped, ctl reads the step it
+    resumes from in the bucket as the ranks reach it: the endpoint and the CA of the spec alone, none exported."""
+    s3, tls = s3_private_ca
+    s3.bucket("private-run")
+    spec = object_storage_spec(corpus_file, s3, "private-run")
+    spec["storage"]["caBundle"] = tls.ca_file.read_text()
+    spec["training"] |= {"maxSteps": 100_000, "checkpoint": {"every": 2, "keepLast": 2}}
+    exported = {k: v for k, v in os.environ.items() if k not in (S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV)}
+    keys = {k: v for k, v in s3.env().items() if k != S3_ENDPOINT_ENV}
+    env = exported | keys | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
+    try:
+        assert ctl.stdout is not None
+        for line in ctl.stdout:
+            if (step := re.search(r"step (\d+)/", line)) and int(step[1]) >= 5:  # after the checkpoint of step 4
+                break
+        ctl.send_signal(signal.SIGTERM)
+        _, stderr = ctl.communicate(timeout=120)
+    finally:
+        ctl.kill()
+    assert ctl.returncode == EXIT_PREEMPTED, stderr
+    stopped = re.search(r"stopped at step (\d+), resumable", stderr)
+    assert stopped, stderr
+    latest = s3.root / "private-run" / "team" / "tiny" / "latest"
+    assert latest.read_text().strip() == f"step-{int(stopped[1]):08d}"
 
 
 def test_sigkill_at_a_random_moment_then_resume_on_another_node_from_the_bucket_is_bitwise_exact(

@@ -17,6 +17,7 @@ import trainer.names as names
 from ctl.local_pods import local_job, rendered_pods
 from ctl.render import CHART_ENV, render
 from ctl.spec import JobSpec
+from trainer.location import PEM_CERTIFICATE, S3_CA_BUNDLE_ENV
 
 # Prints what the container got: a chart variable, one the spec's env overrides, the operator's node rank, a
 # downward-API field, and the run directory its mounted training.yaml names (a container path, rewritten here).
@@ -111,3 +112,19 @@ def test_every_variable_the_trainer_reads_is_set_by_the_rendered_pods(api_kind: 
     # The trainer container has the name its controller requires, the name ctl reads logs and overrides from.
     for pod in rendered_pods(render(spec), spec).values():
         assert spec.kind.container in [c["name"] for c in pod["containers"]]
+
+
+def test_a_configmap_file_that_is_data_reaches_ctl_run_as_written(corpus_file: Path) -> None:
+    """training.yaml names container paths, which ctl run rewrites to its directories (the first test here);
+    storage.caBundle's PEM is data: a base64 line may read like a mount path and must stay as it is."""
+    values = tiny_spec(corpus_file) | {"storage": {"uri": "s3://runs/team"}}
+    placeholder = JobSpec.model_validate(values | {"storage": values["storage"] | {"caBundle": PEM_CERTIFICATE}})
+    (pod,) = rendered_pods(render(placeholder), placeholder).values()
+    (variable,) = [var for var in pod["containers"][0]["env"] if var["name"] == S3_CA_BUNDLE_ENV]
+    mount = variable["value"].rpartition("/")[0]  # where the pod finds it: the ConfigMap's mount path
+    pem = f"{PEM_CERTIFICATE}\n{mount}/+ZW5k\n-----END CERTIFICATE-----\n"
+    spec = JobSpec.model_validate(values | {"storage": values["storage"] | {"caBundle": pem}})
+    with local_job(spec) as job:
+        (node,) = job.nodes
+        bundle = Path(node.container.env[S3_CA_BUNDLE_ENV])
+        assert bundle.is_relative_to(job.work_dir) and bundle.read_text() == pem

@@ -17,6 +17,12 @@ S3_ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 S3_REGION_ENV = "AWS_REGION"
 S3_ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 S3_SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+# PEM certificates of the CA(s) that signed the endpoint's certificate (a private CA), trusted beside the system's;
+# the chart sets it to its file of storage.caBundle (a key of the job's ConfigMap).
+S3_CA_BUNDLE_ENV = "AWS_CA_BUNDLE"
+PEM_CERTIFICATE = "-----BEGIN CERTIFICATE-----"
+# Every variable of the S3 client that the chart may set.
+S3_VARIABLES = (S3_ENDPOINT_ENV, S3_REGION_ENV, S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV, S3_CA_BUNDLE_ENV)
 # S3's bucket naming rules (3-63 characters of lower-case letters, digits, dots and hyphens).
 BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 

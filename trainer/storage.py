@@ -32,7 +32,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
-from trainer.location import S3_ENDPOINT_ENV, S3Location, is_s3, node_cache, run_cache
+from trainer.location import (
+    PEM_CERTIFICATE,
+    S3_CA_BUNDLE_ENV,
+    S3_ENDPOINT_ENV,
+    S3Location,
+    is_s3,
+    node_cache,
+    run_cache,
+)
 from trainer.spec import CheckpointSpec, SpecError
 
 if TYPE_CHECKING:
@@ -42,6 +50,13 @@ if TYPE_CHECKING:
 # In the XML error body that S3 servers answer with (the client quotes it in its exceptions).
 S3_CODE = re.compile(r"<Code>(\w+)</Code>")
 S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+# A request that got no S3 answer: the client's first line names it and its retries, the root cause is in the error
+# chain it appends in Rust's debug form (the system's own words, a TLS error's name, or the kind of HTTP error).
+REQUEST = re.compile(r"Error performing (\w+) ([^?\s]+)\S* in ([\d.]+)(m?s)(?:, after (\d+) retries)?")
+SYSTEM_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
+TLS_ERROR = re.compile(r"(?:error|source): (Invalid\w+)\(([\w\s(]*\w)")
+HTTP_STATUS = re.compile(r"Server returned non-2xx status code: (\d+ [^:]+)")
+HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 
 
 class Store(Protocol):
@@ -171,22 +186,80 @@ def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
 
 def reason(exc: BaseException) -> str:
     """The S3 error's code and message (`NoSuchBucket: The specified bucket does not exist`) when the server sent
-    one, else the client's first line (a refused connection, a timeout)."""
+    one; else the request and its root cause (`GET https://s3.example/runs: Connection refused (after 10 retries in
+    2.1 s)`), or the client's first line."""
     text = str(exc)
     code, message = S3_CODE.search(text), S3_MESSAGE.search(text)
     if code:
         return f"{code[1]}: {message[1]}" if message else code[1]
-    return next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    request = REQUEST.search(first)
+    cause = root_cause(text)
+    if not request or not cause:
+        return first
+    method, url, elapsed, unit, retries = request.groups()
+    seconds = float(elapsed) / (1000 if unit == "ms" else 1)
+    tries = f"after {retries} retries in {seconds:.1f} s" if retries else f"in {seconds:.1f} s"
+    return f"{method} {url}: {cause} ({tries})"
+
+
+def root_cause(text: str) -> str | None:
+    """What failed below the client, from its error chain: None where it has none that says more."""
+    if tls := tls_error(text):
+        error, detail = tls
+        if detail == "UnknownIssuer":
+            return (
+                f"the server's TLS certificate is not trusted ({detail}): a private CA's certificates go in"
+                f" {S3_CA_BUNDLE_ENV} (the chart's storage.caBundle)"
+            )
+        if error == "InvalidCertificate":  # expired, or for another name (NotValidForNameContext)
+            return f"the server's TLS certificate is refused ({detail})"
+        return f"TLS handshake failed ({error}: {detail}; is the endpoint https?)"
+    if status := HTTP_STATUS.search(text):
+        return f"{status[1]}, an answer that is no S3 error (is the endpoint an S3 server?)"
+    if messages := SYSTEM_MESSAGE.findall(text):
+        return messages[-1]  # the innermost: the system's own words
+    if (kind := HTTP_KIND.search(text)) and kind[1] == "Timeout":
+        return "no answer, timed out"
+    return None
+
+
+def tls_error(text: str) -> tuple[str, str] | None:
+    """A TLS error in the client's error chain: its name and innermost reason (InvalidCertificate, UnknownIssuer)."""
+    if found := TLS_ERROR.search(text):
+        return found[1], found[2].split("(")[-1].strip()
+    return None
 
 
 def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
-    """A client of `bucket` (its keys under `prefix`) from the standard AWS variables (an http:// endpoint allowed)."""
+    """A client of `bucket` (its keys under `prefix`) from the standard AWS variables (an http:// endpoint allowed,
+    a private CA's certificates trusted from AWS_CA_BUNDLE, as the AWS SDKs do)."""
+    import obstore.exceptions
     import obstore.store
 
     endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
-    return obstore.store.S3Store(
-        bucket, prefix=prefix or None, client_options={"allow_http": endpoint.startswith("http://")}
-    )
+    options: dict[str, str | bool] = {"allow_http": endpoint.startswith("http://")}
+    bundle = os.environ.get(S3_CA_BUNDLE_ENV)
+    if bundle:
+        options["root_certificate"] = ca_certificates(bundle)
+    try:
+        return obstore.store.S3Store(bucket, prefix=prefix or None, client_options=options)
+    except obstore.exceptions.BaseError as exc:  # the client is built at once: the certificates are parsed here
+        if bundle and (tls := tls_error(str(exc))):
+            raise SpecError(f"{S3_CA_BUNDLE_ENV}: {bundle!r}: a certificate it holds is invalid ({tls[1]})") from None
+        raise
+
+
+def ca_certificates(path: str) -> str:
+    """The PEM certificates of the file AWS_CA_BUNDLE names, or SpecError naming it."""
+    try:
+        pem = Path(path).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not a PEM file"
+        raise SpecError(f"{S3_CA_BUNDLE_ENV}: cannot read {path!r}: {why}") from None
+    if PEM_CERTIFICATE not in pem:
+        raise SpecError(f"{S3_CA_BUNDLE_ENV}: {path!r} holds no PEM certificate ({PEM_CERTIFICATE})")
+    return pem
 
 
 class S3Store:

@@ -80,8 +80,8 @@ true
 {{- end }}
 
 {{/*
-The standard AWS variables of a run on object storage (storage.uri): endpoint, region, and the keys of
-storage.secretName; without a Secret the client finds the pod's cloud identity.
+The standard AWS variables of a run on object storage (storage.uri): endpoint, region, the private CA's file, and
+the keys of storage.secretName; without a Secret the client finds the pod's cloud identity.
 */}}
 {{- define "ddpjob.s3Env" -}}
 {{- $names := include "ddpjob.names" . | fromJson -}}
@@ -92,6 +92,10 @@ storage.secretName; without a Secret the client finds the pod's cloud identity.
 {{- with .Values.storage.region }}
 - name: {{ $names.env.s3Region }}
   value: {{ . | quote }}
+{{- end }}
+{{- if .Values.storage.caBundle }}
+- name: {{ $names.env.s3CaBundle }}
+  value: {{ printf "%s/%s" (include "ddpjob.configDir" .) (include "ddpjob.s3CaFile" .) | quote }}
 {{- end }}
 {{- with .Values.storage.secretName }}
 {{- range $key := list $names.env.s3AccessKey $names.env.s3SecretKey }}
@@ -123,6 +127,13 @@ Where training.yaml is mounted; the container command reads it.
 */}}
 {{- define "ddpjob.configDir" -}}
 /etc/ddpjob
+{{- end }}
+
+{{/*
+The file of that ConfigMap holding storage.caBundle (a run on object storage with a private CA).
+*/}}
+{{- define "ddpjob.s3CaFile" -}}
+s3-ca.crt
 {{- end }}
 
 {{/*
