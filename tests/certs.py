@@ -1,4 +1,4 @@
-"""A private CA for the tests' TLS servers: its certificate, and a server certificate it signed for 127.0.0.1."""
+"""A private CA for the tests' TLS servers: its certificate, and a server certificate it signed for an IP address."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ class Tls:
     key_file: Path
 
 
-def private_ca(directory: Path, name: str) -> Tls:
-    """A CA named `name` and a server certificate it signed for 127.0.0.1, valid for an hour, written in `directory`."""
+def private_ca(directory: Path, name: str, address: str = "127.0.0.1") -> Tls:
+    """A CA named `name` and a server certificate it signed for `address`, valid for an hour, written in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -42,12 +43,12 @@ def private_ca(directory: Path, name: str) -> Tls:
     server = (
         x509.CertificateBuilder(
             issuer_name=ca_name,
-            subject_name=x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]),
+            subject_name=x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]),
             public_key=server_key.public_key(),
             **valid,
         )
         .serial_number(x509.random_serial_number())
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())

@@ -33,6 +33,7 @@ import kubernetes
 import node
 import pytest
 import yaml
+from certs import private_ca
 from cluster_binaries import BuildError, ensure_binaries
 from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 from node import NODE_NAME, POD_CIDR
@@ -398,18 +399,25 @@ def test_a_two_node_job_on_object_storage_runs_without_any_volume_claim(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """storage.uri: no claim is rendered or mounted; the pods reach a real S3 server (versitygw on this machine's
-    end of the node's link) with keys from a Secret, rank 0 shares the prepared dataset through the bucket, and the
-    job's checkpoints, export and report end up there."""
+    end of the node's link, over HTTPS with a certificate of a private CA, which storage.caBundle gives the pods)
+    with keys from a Secret, rank 0 shares the prepared dataset through the bucket, and the job's checkpoints, export
+    and report end up there."""
     if cluster.plane is None:
         pytest.skip("the S3 server runs on this machine: the tier's own node reaches it, another cluster may not")
-    with s3_server(tmp_path / "s3", address=node.HOST_ADDRESS) as s3:
+    tls = private_ca(tmp_path / "ca", "e2e S3 CA", node.HOST_ADDRESS)
+    with s3_server(tmp_path / "s3", address=node.HOST_ADDRESS, tls=tls) as s3:
         s3.bucket("runs")
         keys = {name: value for name, value in s3.env().items() if name in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV)}
         kubernetes.client.CoreV1Api(cluster.client()).create_namespaced_secret(
             namespace, {"metadata": {"name": "s3-keys"}, "stringData": keys}
         )
         marker = uuid.uuid4().hex
-        storage = {"uri": "s3://runs/e2e", "endpoint": s3.endpoint, "secretName": "s3-keys"}
+        storage = {
+            "uri": "s3://runs/e2e",
+            "endpoint": s3.endpoint,
+            "secretName": "s3-keys",
+            "caBundle": tls.ca_file.read_text(),
+        }
         spec = job_spec(marker, storage=storage)
         assert "PersistentVolumeClaim" not in [m.kind for m in render(spec)]
         apply_rendered(cluster, spec, namespace)
