@@ -108,17 +108,19 @@ class StorageSpec(SpecModel):
         " rendered); the run directory is <uri>/<name> unless training.checkpoint.dir names one.",
     )
     endpoint: str = Field(
-        "", description="With uri: the S3-compatible endpoint URL (AWS_ENDPOINT_URL); empty: AWS S3 of `region`."
+        "",
+        description="The S3 server of `uri` and of s3:// data: an S3-compatible endpoint URL (AWS_ENDPOINT_URL);"
+        " empty: AWS S3 of `region`.",
     )
-    region: str = Field("", description="With uri: the bucket's region (AWS_REGION).")
+    region: str = Field("", description="The S3 buckets' region (AWS_REGION).")
     secret_name: str = Field(
         "",
-        description="With uri: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, given to the"
+        description="For S3: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, given to the"
         " pods as those variables; empty: the pods' cloud identity (IRSA, EKS Pod Identity, instance profile).",
     )
     ca_bundle: str = Field(
         "",
-        description="With uri: PEM certificates of the private CA that signed the endpoint's TLS certificate, trusted"
+        description="For S3: PEM certificates of the private CA that signed the endpoint's TLS certificate, trusted"
         " beside the system's (a file of the job's ConfigMap, named by AWS_CA_BUNDLE).",
     )
 

@@ -447,6 +447,19 @@ def test_a_run_on_object_storage_has_no_claim_and_gives_the_pods_the_aws_variabl
         assert env["TORCH_FR_DUMP_TEMP_FILE"]["value"].startswith(env["HOME"]["value"])
 
 
+def test_s3_data_for_a_run_on_the_volume_gets_the_s3_variables_too() -> None:
+    """The S3 server's keys serve s3:// data as well as storage.uri: without a uri the claim stays, and the trainer
+    pods and the prepare Job get the same variables and CA file."""
+    storage = {"endpoint": "https://s3.example.com", "secretName": "s3-keys", "caBundle": PRIVATE_CA}
+    by_kind = objects(spec_of(storage=storage, prepare={"enabled": True}))
+    assert "PersistentVolumeClaim" in by_kind and by_kind["ConfigMap"]["data"]["s3-ca.crt"] == PRIVATE_CA
+    trainer = trainer_container(pod_templates(by_kind["PyTorchJob"])["Master"])
+    (prepare,) = by_kind["Job"]["spec"]["template"]["spec"]["containers"]
+    for container in (trainer, prepare):
+        names = [var["name"] for var in container["env"] if "AWS" in var["name"]]
+        assert names == ["AWS_ENDPOINT_URL", "AWS_CA_BUNDLE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [

@@ -51,7 +51,7 @@ from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
-from trainer.storage import reason
+from trainer.storage import matching_objects, reason, s3_client
 from trainer.tracking import Tracker
 
 
@@ -544,6 +544,44 @@ def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
     local = tmp_path / "cache" / "sources" / bucket / "corpus"
     assert sorted(path.name for path in local.glob("part-*")) == ["part-0.txt", "part-1.txt"]
     assert json.loads((s3.root / bucket / "team" / "second" / "report.json").read_text())["steps"] == 6
+
+
+def test_a_data_uri_names_an_object_a_folder_the_whole_bucket_or_a_glob(s3_env: S3Server, bucket: str) -> None:
+    """The client lists a prefix as a folder (`corpus` lists corpus/...): an object's own key is asked for by itself."""
+    root = s3_env.bucket(bucket)
+    (root / "corpus").mkdir()
+    for key in ("corpus/a.txt", "corpus/b.jsonl", "top.txt"):
+        (root / key).write_text(key)
+    named = {
+        key: sorted(meta["path"] for meta in matching_objects(s3_client(bucket), key))
+        for key in ("corpus/a.txt", "top.txt", "corpus", "corpus/", "", "corpus/*.txt", "corpus/a", "nothing")
+    }
+    assert named == {
+        "corpus/a.txt": ["corpus/a.txt"],
+        "top.txt": ["top.txt"],
+        "corpus": ["corpus/a.txt", "corpus/b.jsonl"],
+        "corpus/": ["corpus/a.txt", "corpus/b.jsonl"],
+        "": ["corpus/a.txt", "corpus/b.jsonl", "top.txt"],
+        "corpus/*.txt": ["corpus/a.txt"],
+        "corpus/a": [],
+        "nothing": [],
+    }
+
+
+def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """No storage.uri (the run directory on the volume, ./runs here) and s3:// data: storage.endpoint reaches the
+    ranks all the same (only the keys are exported, as a Secret would give them)."""
+    (s3.bucket(bucket) / "corpus.txt").write_text(corpus_file.read_text())
+    spec = tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0}) | {"storage": {"endpoint": s3.endpoint}}
+    spec["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
+    keys = {k: v for k, v in s3.env().items() if k != S3_ENDPOINT_ENV}
+    env = {k: v for k, v in os.environ.items() if k != S3_ENDPOINT_ENV} | keys | {NODE_CACHE_ENV: str(tmp_path / "c")}
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())["steps"] == 2
+    assert (tmp_path / "c" / "sources" / bucket / "corpus.txt").read_text() == corpus_file.read_text()
 
 
 def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(

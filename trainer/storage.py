@@ -427,14 +427,17 @@ def matching_objects(store: obstore.store.S3Store, pattern: str) -> list[ObjectM
     """The objects a data URI's key names: that object, every object under it as a prefix, or those its glob
     matches (`**` across folders too)."""
     import obstore
+    import obstore.exceptions
 
-    glob = GLOB.search(pattern)
-    prefix = pattern[: glob.start()].rpartition("/")[0] if glob else pattern.rstrip("/")
-    listed = [meta for batch in obstore.list(store, prefix or None) for meta in batch]
-    if glob:
-        return [meta for meta in listed if fnmatch.fnmatchcase(meta["path"], pattern)]
-    exact = [meta for meta in listed if meta["path"] == pattern]
-    return exact or [meta for meta in listed if meta["path"].startswith(f"{prefix}/")]
+    if glob := GLOB.search(pattern):
+        prefix = pattern[: glob.start()].rpartition("/")[0]
+        listed = obstore.list(store, prefix or None)
+        return [meta for batch in listed for meta in batch if fnmatch.fnmatchcase(meta["path"], pattern)]
+    folder = pattern.rstrip("/")
+    if folder and folder == pattern:  # an object's key: the client lists a prefix as a folder, never its object
+        with contextlib.suppress(FileNotFoundError, obstore.exceptions.NotFoundError):  # head raises the former
+            return [obstore.head(store, folder)]
+    return [meta for batch in obstore.list(store, folder or None) for meta in batch]
 
 
 @s3_errors

@@ -80,8 +80,9 @@ true
 {{- end }}
 
 {{/*
-The standard AWS variables of a run on object storage (storage.uri): endpoint, region, the private CA's file, and
-the keys of storage.secretName; without a Secret the client finds the pod's cloud identity.
+The standard AWS variables of the S3 server of a run on object storage (storage.uri) or of s3:// data: endpoint,
+region, the private CA's file, and the keys of storage.secretName; without a Secret the client finds the pod's cloud
+identity.
 */}}
 {{- define "ddpjob.s3Env" -}}
 {{- $names := include "ddpjob.names" . | fromJson -}}
@@ -410,8 +411,8 @@ spec:
         {{- with include "ddpjob.ncclEnv" . | trim }}
         {{- . | nindent 8 }}
         {{- end }}
-        {{- if .Values.storage.uri }}
-        {{- include "ddpjob.s3Env" . | trim | nindent 8 }}
+        {{- with include "ddpjob.s3Env" . | trim }}
+        {{- . | nindent 8 }}
         {{- end }}
         {{- with .Values.env }}
         {{- toYaml . | nindent 8 }}
