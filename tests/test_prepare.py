@@ -165,6 +165,15 @@ def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
     assert list(read_texts(files, "text", "data.train")) == ["a text file", "a JSONL row", "a CSV row"]
 
 
+def test_a_boolean_field_is_spelled_as_json_writes_it(tmp_path) -> None:
+    """JSON's and Parquet's true and false are the labels "true" and "false", as a CSV has them, not Python's."""
+    (tmp_path / "a.jsonl").write_text('{"label": true}\n{"label": false}\n')
+    parquet({"label": [True, False]})(tmp_path / "b.parquet")
+    (tmp_path / "c.csv").write_text("label\ntrue\nfalse\n")
+    files = [tmp_path / name for name in ("a.jsonl", "b.parquet", "c.csv")]
+    assert list(read_texts(files, "label", "data.train")) == ["true", "false"] * 3
+
+
 def test_a_directory_names_the_files_under_it(tmp_path) -> None:
     """As an S3 prefix names its objects: every file below it, in order, hidden ones (.git, .DS_Store) left out."""
     corpus = tmp_path / "corpus [v2]"  # glob's special characters in the name are the name's

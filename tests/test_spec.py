@@ -68,6 +68,12 @@ BAD_SPECS = [
         [],
         "training.data.valFraction: Input should be less",
     ),
+    (
+        "labels-yaml-boolean",  # `labels: [yes, no]`: YAML's booleans, not the rows' "yes" and "no"
+        {"training": {"task": "classification", "data": {"labels": ["maybe", True]}}},
+        [],
+        "training.data.labels.1: a YAML boolean (yes, no, on, off, true or false unquoted), not a label: quote it",
+    ),
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -86,9 +87,19 @@ class TokenizerSpec(SpecModel):
     vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
 
 
+def not_a_boolean(value: Any) -> Any:
+    """YAML reads yes/no/on/off/true/false unquoted as booleans: never what a label list means to say."""
+    if isinstance(value, bool):
+        raise ValueError("a YAML boolean (yes, no, on, off, true or false unquoted), not a label: quote it")
+    return value
+
+
 # A label as the data's rows hold it: a string, or a number as written ([0, 1] as the rows' 0 and 1 are "0", "1").
 Label = Annotated[
-    str, Field(coerce_numbers_to_str=True), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})
+    str,
+    BeforeValidator(not_a_boolean),
+    Field(coerce_numbers_to_str=True),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]}),
 ]
 
 

@@ -36,13 +36,16 @@ def _text_file(path: Path, key: str) -> str:
 
 
 def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
-    """A field as text: a string, or a number as written. A list or an object (a multi-label row) is not one label."""
+    """A field as text: a string, a number as written, a boolean as JSON writes it. A list or an object (a multi-label
+    row) is not one label."""
     value = record.get(name)
     if name not in record:
         raise SpecError(f"{key}: {where}: no {name!r} field")
     # JSON's null, Parquet's missing value, a CSV's empty or absent cell, pandas' missing number (NaN)
     if value is None or value == "" or value != value:
         raise SpecError(f"{key}: {where}: {name!r} is empty")
+    if isinstance(value, bool):  # JSON's and Parquet's booleans, spelled as JSON (and a CSV) has them
+        return "true" if value else "false"
     if not isinstance(value, str | int | float):
         kind = JSON_KINDS.get(type(value), type(value).__name__)
         raise SpecError(f"{key}: {where}: {name!r} is {kind}, not a string or a number")
