@@ -285,6 +285,22 @@ def test_missing_tokenizer_directory_is_named_as_such(workdir, corpus_file: Path
     run_bad_input(workdir, spec, [], f"error: tokenizer.path: {missing}: no such directory", times=1)
 
 
+def test_a_directory_without_a_tokenizer_is_named_as_such(tmp_path: Path) -> None:
+    """An empty folder (transformers says to install sentencepiece or tiktoken, which would not help), or a model
+    saved without its tokenizer (transformers makes an empty GPT-2 tokenizer of its config.json)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    for directory in (tmp_path / "empty", model):
+        directory.mkdir(exist_ok=True)
+        with pytest.raises(SpecError) as refused:
+            load_tokenizer(str(directory), "tokenizer.path")
+        assert str(refused.value) == (
+            f"tokenizer.path: cannot load a tokenizer from '{directory}': no tokenizer in the directory (none of"
+            " tokenizer.json, tokenizer_config.json, vocab.json, vocab.txt, tokenizer.model)"
+        )
+
+
 def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

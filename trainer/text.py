@@ -109,8 +109,17 @@ def pretrained_failure(source: str, exc: Exception, options: dict[str, Any]) -> 
     return f"no such directory here, nor {where}: {reason}"
 
 
+# The files a saved tokenizer has one of (save_pretrained: the fast serialization, its config, a vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
 def load_tokenizer(source: str, key: str):  # -> PreTrainedTokenizerBase
     """From a directory (or a hub id when the network allows); pad = eos when it has no pad token."""
+    if Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        # A model saved without its tokenizer: transformers makes an empty GPT-2 tokenizer of its config.json (every
+        # text 0 tokens), or without one says to install sentencepiece or tiktoken.
+        why = f"no tokenizer in the directory (none of {', '.join(TOKENIZER_FILES)})"
+        raise SpecError(f"{key}: cannot load a tokenizer from {source!r}: {why}")
     options = pretrained_options(source, key)
     try:
         with importing():
