@@ -87,20 +87,16 @@ class TokenizerSpec(SpecModel):
     vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
 
 
-def not_a_boolean(value: Any) -> Any:
-    """YAML reads yes/no/on/off/true/false unquoted as booleans: never what a label list means to say."""
+def label_text(value: Any) -> Any:
+    """A number as written ([0, 1] as the rows' 0 and 1 are "0", "1"). YAML reads yes/no/on/off/true/false unquoted
+    as booleans: never what a label list means to say."""
     if isinstance(value, bool):
         raise ValueError("a YAML boolean (yes, no, on, off, true or false unquoted), not a label: quote it")
-    return value
+    return str(value) if isinstance(value, int | float) else value
 
 
-# A label as the data's rows hold it: a string, or a number as written ([0, 1] as the rows' 0 and 1 are "0", "1").
-Label = Annotated[
-    str,
-    BeforeValidator(not_a_boolean),
-    Field(coerce_numbers_to_str=True),
-    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]}),
-]
+# A label as the data's rows hold it: a string, or a number as written.
+Label = Annotated[str, BeforeValidator(label_text), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})]
 
 
 class DataSpec(SpecModel):
