@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from test_checkpoint import (
     training,
     uninterrupted,  # noqa: F401 (a fixture: the weights of the same run, uninterrupted, on the local disk)
 )
+from test_failures import silent_server
 from test_tracking import mlflow_env  # noqa: F401 (a fixture: MLflow's file store in the test's directory)
 
 from ctl.processes import LOCAL_ADDRESS, free_port
@@ -183,9 +183,8 @@ def test_a_server_that_is_not_there_is_its_root_cause_in_one_line(
 
 
 @contextlib.contextmanager
-def http_server(answer: str) -> Iterator[str]:
-    """A server on a free port that takes connections and, as `answer`, says nothing ('silent') or answers as a web
-    server that is no S3 server does ('404'); its endpoint."""
+def web_server() -> Iterator[int]:
+    """A web server that is no S3 server on a free port: it answers 404 to everything; its port."""
 
     class NotS3(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -194,17 +193,10 @@ def http_server(answer: str) -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    listener = socket.create_server((LOCAL_ADDRESS, 0))
-    port = listener.getsockname()[1]
-    if answer == "silent":  # connections wait in the backlog, unanswered
-        with listener:
-            yield f"http://{LOCAL_ADDRESS}:{port}"
-        return
-    listener.close()
-    server = http.server.ThreadingHTTPServer((LOCAL_ADDRESS, port), NotS3)
+    server = http.server.ThreadingHTTPServer((LOCAL_ADDRESS, 0), NotS3)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://{LOCAL_ADDRESS}:{port}"
+        yield server.server_address[1]
     finally:
         server.shutdown()
         server.server_close()
@@ -225,7 +217,8 @@ def test_an_endpoint_that_is_no_s3_server_is_named_with_what_it_did(
     import obstore
     import obstore.store
 
-    with http_server(answer) as endpoint:
+    with silent_server(accept=True) if answer == "silent" else web_server() as port:
+        endpoint = f"http://{LOCAL_ADDRESS}:{port}"
         monkeypatch.setenv(S3_ENDPOINT_ENV, endpoint)
         store = obstore.store.S3Store(
             "runs",
