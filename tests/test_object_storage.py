@@ -278,6 +278,14 @@ def test_aws_ca_bundle_names_the_private_ca_that_signed_the_endpoint(
         checkpointer("s3://private/run", tmp_path)
 
 
+def keys_exported_only(s3: S3Server, cache: Path) -> dict[str, str]:
+    """This process's environment with the server's keys exported, and neither its endpoint nor a CA file: what the
+    spec names must reach the ranks by itself. The node cache is `cache`."""
+    exported = {k: v for k, v in os.environ.items() if k not in (S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV)}
+    keys = {k: v for k, v in s3.env().items() if k != S3_ENDPOINT_ENV}
+    return exported | keys | {NODE_CACHE_ENV: str(cache)}
+
+
 @pytest.mark.timeout(300)
 def test_ctl_run_trusts_the_private_ca_of_storage_ca_bundle_and_reads_its_stop_step_there(
     s3_private_ca: tuple[S3Server, Tls], tmp_path: Path, write_spec, corpus_file: Path
@@ -290,9 +298,7 @@ def test_ctl_run_trusts_the_private_ca_of_storage_ca_bundle_and_reads_its_stop_s
     spec = object_storage_spec(corpus_file, s3, "private-run")
     spec["storage"]["caBundle"] = tls.ca_file.read_text()
     spec["training"] |= {"maxSteps": 100_000, "checkpoint": {"every": 2, "keepLast": 2}}
-    exported = {k: v for k, v in os.environ.items() if k not in (S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV)}
-    keys = {k: v for k, v in s3.env().items() if k != S3_ENDPOINT_ENV}
-    env = exported | keys | {NODE_CACHE_ENV: str(tmp_path / "cache")}
+    env = keys_exported_only(s3, tmp_path / "cache")
     ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
     try:
         assert ctl.stdout is not None
@@ -569,8 +575,7 @@ def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_sp
     (s3.bucket(bucket) / "corpus.txt").write_text(corpus_file.read_text())
     spec = tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0}) | {"storage": {"endpoint": s3.endpoint}}
     spec["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
-    keys = {k: v for k, v in s3.env().items() if k != S3_ENDPOINT_ENV}
-    env = {k: v for k, v in os.environ.items() if k != S3_ENDPOINT_ENV} | keys | {NODE_CACHE_ENV: str(tmp_path / "c")}
+    env = keys_exported_only(s3, tmp_path / "c")
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())["steps"] == 2
