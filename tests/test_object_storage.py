@@ -52,6 +52,7 @@ from trainer.names import EXIT_BAD_INPUT
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
 from trainer.storage import matching_objects, reason, s3_client
+from trainer.text import expand_paths
 from trainer.tracking import Tracker
 
 
@@ -546,10 +547,13 @@ def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
 
 
 def test_a_data_uri_names_an_object_a_folder_the_whole_bucket_or_a_glob(s3_env: S3Server, bucket: str) -> None:
-    """The client lists a prefix as a folder (`corpus` lists corpus/...): an object's own key is asked for by itself."""
+    """The client lists a prefix as a folder (`corpus` lists corpus/...): an object's own key is asked for by itself.
+    A folder or glob of the bucket names the objects that the same folder or glob names on disk (expand_paths):
+    `*` within a folder, `**` across none or more, hidden names only where the pattern spells the dot."""
     root = s3_env.bucket(bucket)
-    (root / "corpus").mkdir()
-    for key in ("corpus/a.txt", "corpus/b.jsonl", "top.txt"):
+    keys = ("corpus/a.txt", "corpus/b.jsonl", "corpus/sub/c.txt", "corpus/.hidden.txt", "corpus/.git/d.txt", "top.txt")
+    for key in keys:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
         (root / key).write_text(key)
     named = {
         key: sorted(meta["path"] for meta in matching_objects(s3_client(bucket), key))
@@ -558,13 +562,24 @@ def test_a_data_uri_names_an_object_a_folder_the_whole_bucket_or_a_glob(s3_env: 
     assert named == {
         "corpus/a.txt": ["corpus/a.txt"],
         "top.txt": ["top.txt"],
-        "corpus": ["corpus/a.txt", "corpus/b.jsonl"],
-        "corpus/": ["corpus/a.txt", "corpus/b.jsonl"],
-        "": ["corpus/a.txt", "corpus/b.jsonl", "top.txt"],
+        "corpus": ["corpus/a.txt", "corpus/b.jsonl", "corpus/sub/c.txt"],
+        "corpus/": ["corpus/a.txt", "corpus/b.jsonl", "corpus/sub/c.txt"],
+        "": ["corpus/a.txt", "corpus/b.jsonl", "corpus/sub/c.txt", "top.txt"],
         "corpus/*.txt": ["corpus/a.txt"],
         "corpus/a": [],
         "nothing": [],
     }
+    globs = ("**/*.txt", "corpus/**/*.txt", "corpus/**", "corpus/*", "*/s?b/*", "corpus/[ab].*", "corpus/.*", "*")
+    on_disk = {
+        pattern: sorted(path.relative_to(root).as_posix() for path in expand_paths([f"{root}/{pattern}"], "k"))
+        for pattern in globs
+    }
+    assert {
+        pattern: sorted(meta["path"] for meta in matching_objects(s3_client(bucket), pattern)) for pattern in globs
+    } == on_disk
+    assert on_disk["corpus/**/*.txt"] == ["corpus/a.txt", "corpus/sub/c.txt"] and on_disk["corpus/.*"] == [
+        "corpus/.hidden.txt"
+    ]
 
 
 def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(

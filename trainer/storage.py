@@ -424,20 +424,41 @@ GLOB = re.compile(r"[*?\[]")
 
 @s3_errors
 def matching_objects(store: obstore.store.S3Store, pattern: str) -> list[ObjectMeta]:
-    """The objects a data URI's key names: that object, every object under it as a prefix, or those its glob
-    matches (`**` across folders too)."""
+    """The objects a data URI's key names: that object, every object under it as a folder, or those its glob
+    matches, as a local path, folder or glob names files (trainer.text.expand_paths)."""
     import obstore
     import obstore.exceptions
 
     if glob := GLOB.search(pattern):
         prefix = pattern[: glob.start()].rpartition("/")[0]
-        listed = obstore.list(store, prefix or None)
-        return [meta for batch in listed for meta in batch if fnmatch.fnmatchcase(meta["path"], pattern)]
-    folder = pattern.rstrip("/")
-    if folder and folder == pattern:  # an object's key: the client lists a prefix as a folder, never its object
-        with contextlib.suppress(FileNotFoundError, obstore.exceptions.NotFoundError):  # head raises the former
-            return [obstore.head(store, folder)]
-    return [meta for batch in obstore.list(store, folder or None) for meta in batch]
+    else:
+        prefix = pattern.rstrip("/")
+        if prefix and prefix == pattern:  # an object's key: the client lists a prefix as a folder, never its object
+            with contextlib.suppress(FileNotFoundError, obstore.exceptions.NotFoundError):  # head raises the former
+                return [obstore.head(store, prefix)]
+        pattern = f"{prefix}/**" if prefix else "**"  # a folder names its files as a `**` glob, as a local one does
+    parts = pattern.split("/")
+    listed = obstore.list(store, prefix or None)
+    return [meta for batch in listed for meta in batch if glob_matches(parts, meta["path"].split("/"))]
+
+
+def glob_matches(parts: list[str], names: list[str]) -> bool:
+    """Whether a key's folder and file names match a glob's parts as Python's `glob(recursive=True)` matches a
+    local path: `*`, `?` and `[...]` within one name, `**` any folders (none too) or, last, any files under them,
+    and a wildcard never a hidden name (`.git`), so a folder of a bucket names what the same folder on disk would."""
+    if not parts:
+        return not names
+    part, rest = parts[0], parts[1:]
+    if part == "**":
+        visible = 0  # how many of the leading names `**` may stand for
+        while visible < len(names) and names[visible][:1] not in ("", "."):
+            visible += 1
+        if not rest:
+            return visible == len(names) > 0
+        return any(glob_matches(rest, names[skipped:]) for skipped in range(visible + 1))
+    if not names or not names[0] or (names[0].startswith(".") and not part.startswith(".")):  # "": a folder's key
+        return False
+    return fnmatch.fnmatchcase(names[0], part) and glob_matches(rest, names[1:])
 
 
 @s3_errors
