@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from trainer.data import CharVocab
 from trainer.dist import Dist
 from trainer.names import EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV, PREPARED_BY_JOB_ENV
-from trainer.preparation import build, encode
+from trainer.preparation import build, encode, readers
 from trainer.prepare import (
     MANIFEST,
     Builder,
@@ -174,6 +174,30 @@ def test_a_boolean_field_is_spelled_as_json_writes_it(tmp_path) -> None:
     assert list(read_texts(files, "label", "data.train")) == ["true", "false"] * 3
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_a_json_file_may_be_one_array_of_rows(tmp_path, monkeypatch, chunk) -> None:
+    """As `json.dump(rows)` writes it, indented or not: the same rows as json.load reads, read a few bytes at a time
+    too (characters of several bytes, numbers and strings cut by a read); a bad row names its line."""
+    monkeypatch.setattr(readers, "JSON_CHUNK", chunk)
+    rows = [
+        {"text": f'row {i} caf\u00e9 \u4e2d\u6587 \U0001f600 \\ "q"', "n": 10**i, "x": [1.5, {}]} for i in range(12)
+    ]
+    for name, text in (
+        ("indented.json", json.dumps(rows, indent=2)),
+        ("flat.json", json.dumps(rows, ensure_ascii=False)),
+    ):
+        (tmp_path / name).write_text("\ufeff \n" + text + "\n", encoding="utf-8")
+        assert list(read_texts([tmp_path / name], "text", "data.train")) == [row["text"] for row in rows]
+        assert [int(n) for n in read_texts([tmp_path / name], "n", "data.train")] == [10**i for i in range(12)]
+    (tmp_path / "empty.json").write_text(" [ ] ")
+    assert list(read_texts([tmp_path / "empty.json"], "text", "data.train")) == []
+    lines = json.dumps([{"text": "a"}, {"body": "b"}], indent=1).splitlines()  # the second row opens on line 5
+    assert lines[4] == " {"
+    (tmp_path / "bad.json").write_text("\n".join(lines))
+    with pytest.raises(SpecError, match=f"^data.train: {tmp_path / 'bad.json'}:5: no 'text' field$"):
+        list(read_texts([tmp_path / "bad.json"], "text", "data.train"))
+
+
 def test_a_directory_names_the_files_under_it(tmp_path) -> None:
     """As an S3 prefix names its objects: every file below it, in order, hidden ones (.git, .DS_Store) left out."""
     corpus = tmp_path / "corpus [v2]"  # glob's special characters in the name are the name's
@@ -287,6 +311,37 @@ BAD = {
         "rows.jsonl",
         lambda p: p.write_text('{"text": "a"}\n{"text": ["b", "c"]}\n'),
         "rows.jsonl:2: 'text' is a list, not a string or a number",
+    ),
+    # A .json file that is one array (json.dump(rows)): the line of the problem, as json.load would name it
+    "json-array-trailing-comma": (
+        "rows.json",
+        lambda p: p.write_text('[\n {"text": "a"},\n {"text": "b"},\n]\n'),
+        "rows.json:4: invalid JSON: Expecting value",
+    ),
+    "json-array-no-comma": (
+        "rows.json",
+        lambda p: p.write_text('[\n {"text": "a"}\n {"text": "b"}\n]'),
+        "rows.json:3: invalid JSON: Expecting ',' delimiter",
+    ),
+    "json-array-not-closed": (
+        "rows.json",
+        lambda p: p.write_text('[{"text": "a"}, {"text": "b"'),
+        "rows.json:1: invalid",
+    ),
+    "json-array-extra": (
+        "rows.json",
+        lambda p: p.write_text('[{"text": "a"}]\n[]'),
+        "rows.json:2: invalid JSON: Extra",
+    ),
+    "json-array-of-strings": (
+        "rows.json",
+        lambda p: p.write_text('[\n{"text": "a"},\n"b"]'),
+        "rows.json:3: expected a JSON object per element of the array",
+    ),
+    "json-array-not-utf-8": (
+        "rows.json",
+        lambda p: p.write_bytes('[{"text": "caf\xe9"}]'.encode("latin-1")),
+        "rows.json is not UTF-8 text (byte 14)",
     ),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
 }

@@ -1,10 +1,12 @@
-"""Reading documents as a stream: plain text files, JSONL, CSV and Parquet rows, one row in memory at a time;
-bad input is one SpecError naming the key, the file and the row."""
+"""Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV and Parquet rows, one row in memory
+at a time; bad input is one SpecError naming the key, the file and the row."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,8 @@ from trainer.text import RECORD_SUFFIXES
 PARQUET_SUFFIX = ".parquet"
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
 CSV_FIELD_LIMIT = 2**31 - 1  # characters: the most the csv module takes on every platform (a C long)
+JSON_CHUNK = 1 << 20  # bytes a JSON array file is read by at least
+NOT_BLANK = re.compile(r"\S")
 JSON_KINDS = {list: "a list", dict: "an object"}  # what a row's field may be instead of a string or a number
 
 
@@ -82,6 +86,8 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
                 yield f"{path}:{reader.line_num}", row
         except csv.Error as exc:
             raise SpecError(f"{key}: {path}:{reader.line_num}: invalid CSV: {exc}") from None
+    elif path.suffix == ".json" and _first_character(path, key) == "[":
+        yield from _json_array(path, key)
     else:
         for number, line in _lines(path, key):
             if not line.strip():
@@ -93,6 +99,93 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             if not isinstance(record, dict):
                 raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
             yield f"{path}:{number}", record
+
+
+def _first_character(path: Path, key: str) -> str:
+    """The first character of a file that is not blank (nor a byte order mark); "" for a blank file."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(codecs.BOM_UTF8)).removeprefix(codecs.BOM_UTF8).lstrip()
+            while not head and (chunk := file.read(JSON_CHUNK)):
+                head = chunk.lstrip()
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    return chr(head[0]) if head else ""
+
+
+def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file:line, object) for each element of a `.json` file that is one JSON array of objects, as `json.dump(rows)`
+    writes it (HF datasets reads such files too), read a chunk at a time: an element is decoded once the text read
+    holds all of it, so memory is bounded by the largest element, not by the file."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    parser = json.JSONDecoder()
+    buffer, start, line, offset = "", 0, 1, 0  # offset: bytes read; line: the line of buffer[start]
+
+    def more() -> bool:
+        """Read on (at least as much as is unread, so a long element costs a few decodes, not one per chunk)."""
+        nonlocal buffer, start, offset
+        raw = file.read(max(JSON_CHUNK, len(buffer) - start))
+        try:
+            text = decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as exc:
+            byte = offset - len(decoder.getstate()[0]) + exc.start
+            raise SpecError(f"{key}: {path} is not UTF-8 text (byte {byte})") from None
+        if not raw:  # the end: what was read stays as it is, for a message's line
+            return False
+        offset += len(raw)
+        buffer, start = buffer[start:] + text, 0
+        return True
+
+    def next_character() -> str:
+        """The next character that is not blank ("" at the end of the file); `start` and `line` move to it."""
+        nonlocal start, line
+        while True:
+            if found := NOT_BLANK.search(buffer, start):
+                line += buffer.count("\n", start, found.start())
+                start = found.start()
+                return buffer[start]
+            line += buffer.count("\n", start)
+            start = len(buffer)
+            if not more():
+                return ""
+
+    def invalid(message: str, position: int) -> SpecError:
+        where = line + buffer.count("\n", start, position)
+        return SpecError(f"{key}: {path}:{where}: invalid JSON: {message}")
+
+    try:
+        with path.open("rb") as file:
+            next_character()  # the array's "[", as _first_character found
+            start += 1
+            if next_character() == "]":
+                start += 1
+            else:
+                while True:
+                    next_character()
+                    while True:  # decode the element, reading on while the text read ends inside it
+                        try:
+                            element, end = parser.raw_decode(buffer, start)
+                        except json.JSONDecodeError as exc:
+                            if more():
+                                continue
+                            raise invalid(exc.msg, exc.pos) from None
+                        if end < len(buffer) or not more():  # a number at the end of the text read may go on
+                            break
+                    if not isinstance(element, dict):
+                        raise SpecError(f"{key}: {path}:{line}: expected a JSON object per element of the array")
+                    yield f"{path}:{line}", element
+                    line += buffer.count("\n", start, end)
+                    start = end
+                    separator = next_character()
+                    start += 1
+                    if separator == "]":
+                        break
+                    if separator != ",":
+                        raise invalid("Expecting ',' delimiter", start - 1)
+            if next_character():
+                raise invalid("Extra data", start)
+    except OSError as exc:
+        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
 
 
 def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: str) -> None:
