@@ -113,8 +113,10 @@ class DataSpec(SpecModel):
     val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
-    text_field: str = Field("text", min_length=1, description="JSONL/CSV field holding the text.")
-    label_field: str = Field("label", min_length=1, description="classification: JSONL/CSV field holding the label.")
+    text_field: str = Field(
+        "text", min_length=1, description="The rows' field holding the text (JSONL, JSON, CSV, Parquet)."
+    )
+    label_field: str = Field("label", min_length=1, description="classification: the rows' field holding the label.")
     labels: list[Label] | None = Field(
         None,
         min_length=2,
