@@ -33,8 +33,41 @@ app = typer.Typer(
 )
 
 
+def version_text() -> str:
+    """ddpjob's installed version and the chart `ctl` renders with (a source checkout's, $DDPJOB_CHART's or the
+    install's): what a bug report needs, as `kubectl version` and `helm version` print theirs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import yaml
+
+    from ctl.render import RenderError, chart_path
+
+    try:
+        installed = version("ddpjob")
+    except PackageNotFoundError:
+        installed = "(not installed)"
+    try:
+        path = chart_path()
+        chart = yaml.safe_load((path / "Chart.yaml").read_text(encoding="utf-8"))
+        rendered = f"chart {chart['name']}-{chart['version']} (appVersion {chart['appVersion']}) at {path}"
+    except RenderError as exc:
+        rendered = f"chart: {exc}"
+    return f"ddpjob {installed}\n{rendered}"
+
+
+def show_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
 @app.callback()
-def cli() -> None:
+def cli(
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print ddpjob's version and its chart's, then exit.", callback=show_version),
+    ] = False,
+) -> None:
     """Train GPT-2-style models with PyTorch DDP: locally, or as a Kubeflow PyTorchJob or TrainJob."""
 
 

@@ -131,6 +131,16 @@ def test_the_client_install_has_no_torch_and_renders_a_job(client_venv: Path, tm
     assert "kind: PyTorchJob" in result.stdout
 
 
+def test_ctl_version_names_the_installed_version_and_the_chart_it_renders_with(
+    client_venv: Path, tmp_path: Path
+) -> None:
+    result = subprocess.run([client_venv / "bin" / "ctl", "--version"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    version = PROJECT["version"]
+    chart = client_venv / "share" / "ddpjob" / "helm" / "ddpjob"  # the wheel's copy, not the source tree's
+    assert result.stdout == f"ddpjob {version}\nchart ddpjob-{version} (appVersion {version}) at {chart}\n"
+
+
 def test_ctl_run_without_the_trainer_says_what_to_install(client_venv: Path, tmp_path: Path) -> None:
     result = client_ctl(client_venv, "run", tmp_path)
     assert result.returncode == 2
