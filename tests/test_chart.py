@@ -341,6 +341,25 @@ def test_core_objects_and_pods_validate_strictly(name: str, spec: JobSpec) -> No
                 kubernetes_validate.validate(manifest.obj, version, strict=True)
 
 
+def with_text_replaced(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, dict):
+        return {with_text_replaced(k, old, new): with_text_replaced(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_text_replaced(v, old, new) for v in value]
+    return value.replace(old, new) if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("name", ["true", "no", "null"])
+@pytest.mark.parametrize("variant", ["everything", "trainjob-everything"])
+def test_a_job_name_that_yaml_reads_as_a_boolean_or_null_stays_text(variant: str, name: str) -> None:
+    """`true`, `no`, `null` (and `y`, `on` for Go's YAML) are DNS labels: every name, label and reference the chart
+    writes must be quoted, or the manifest says `name: true` (a boolean) and kubectl and the API server refuse it."""
+    values = VARIANTS[variant]
+    as_written = [m.obj for m in render(spec_of(**values, name=name))]
+    other_name = [with_text_replaced(m.obj, "zqx", name) for m in render(spec_of(**values, name="zqx"))]
+    assert as_written == other_name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What the objects say.
 

@@ -45,7 +45,7 @@ Selector labels: stable for the life of a release.
 {{- define "ddpjob.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ddpjob.name" . }}
 {{- $names := include "ddpjob.names" . | fromJson }}
-{{ $names.instanceLabel }}: {{ .Release.Name | trunc (int $names.dnsLabelMax) | trimSuffix "-" }}
+{{ $names.instanceLabel }}: {{ .Release.Name | trunc (int $names.dnsLabelMax) | trimSuffix "-" | quote }}
 {{- end }}
 
 {{/*
@@ -296,7 +296,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  serviceAccountName: {{ include "ddpjob.serviceAccountName" . }}
+  serviceAccountName: {{ include "ddpjob.serviceAccountName" . | quote }}
   automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
   {{- if .Values.queue.volcano }}
   schedulerName: volcano
