@@ -7,6 +7,7 @@ PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=valu
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -491,12 +492,17 @@ class JobSpec(SpecModel):
         return self.kind.longest_replica(self).pod_name(self.name)
 
 
-def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
+def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str], str]:
     key, sep, raw = assignment.partition("=")
     path = key.strip().split(".")
     if not sep or not all(path):
-        raise SpecError(f"--set {assignment!r}: expected dotted.key=value")
+        raise SpecError(f"{flag} {assignment!r}: expected {form}")
+    return path, raw
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
+    path, raw = _split_assignment(assignment, "--set", "dotted.key=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -504,25 +510,38 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(values: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """Return a copy of `values` with every `--set` assignment applied in order."""
+def read_file_override(assignment: str) -> tuple[list[str], str]:
+    """`a.b=path` -> (["a", "b"], the file's text), as helm's --set-file: a certificate, a long prompt."""
+    path, name = _split_assignment(assignment, "--set-file", "dotted.key=path")
+    file = Path(name).expanduser()
+    try:
+        return path, file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"--set-file {assignment!r}: {file} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecError(f"--set-file {assignment!r}: cannot read {file}: {exc.strerror}") from None
+
+
+def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: Sequence[str] = ()) -> dict[str, Any]:
+    """Return a copy of `values` with every `--set` assignment applied in order, then every `--set-file` one."""
     merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(values))
-    for assignment in assignments:
-        path, value = parse_override(assignment)
+    overrides = [("--set", a, *parse_override(a)) for a in assignments]
+    overrides += [("--set-file", a, *read_file_override(a)) for a in files]
+    for flag, assignment, path, value in overrides:
         node = merged
         for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(path[: depth + 1])
-                raise SpecError(f"--set {assignment!r}: {where} is not a mapping")
+                raise SpecError(f"{flag} {assignment!r}: {where} is not a mapping")
             node = child
         node[path[-1]] = value
     return merged
 
 
-def load_spec(path: Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read, override and validate a job spec; every problem is one SpecError line."""
-    values = apply_overrides(read_yaml_mapping(path), overrides or [])
+def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = ()) -> JobSpec:
+    """Read, override (--set, then --set-file) and validate a job spec; every problem is one SpecError line."""
+    values = apply_overrides(read_yaml_mapping(path), overrides, files)
     try:
         return JobSpec.model_validate(values)
     except ValidationError as exc:

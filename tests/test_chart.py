@@ -995,6 +995,22 @@ def test_ctl_render_prints_multi_document_yaml_and_json(tmp_path: Path) -> None:
     assert (bad.returncode, bad.stdout, bad.stderr) == (2, "", "error: --output 'xml': expected yaml or json\n")
 
 
+def test_ctl_render_set_file_gives_a_key_a_file_s_text_after_set(tmp_path: Path) -> None:
+    """As helm's --set-file: the text as it is (a PEM, its newlines kept), never read as YAML, applied after --set."""
+    example = REPO / "examples" / "quickstart.yaml"
+    (tmp_path / "ca.crt").write_text(PRIVATE_CA)
+    (tmp_path / "name").write_text("true")  # YAML would make it a boolean, no name
+    set_file = ("--set-file", "storage.caBundle=ca.crt", "--set", "storage.uri=s3://runs/team")
+    result = run_ctl("render", str(example), *set_file, "--set", "storage.caBundle=overridden", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (config,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "ConfigMap"]
+    assert config["data"]["s3-ca.crt"] == PRIVATE_CA
+    not_yaml = run_ctl("render", str(example), "--set-file", "name=name", cwd=tmp_path)
+    assert not_yaml.returncode == 0, not_yaml.stderr
+    (job,) = [d for d in yaml.safe_load_all(not_yaml.stdout) if d and d["kind"] == "PyTorchJob"]
+    assert job["metadata"]["name"] == "true"
+
+
 def test_ctl_render_notes_a_read_write_many_claim_on_the_default_class(tmp_path: Path) -> None:
     """No cluster to ask: a note on stderr (the objects still on stdout) when a multi-node job's claim relies on the
     default class, which on EKS, GKE and AKS cannot give ReadWriteMany; none when a class is named or one node

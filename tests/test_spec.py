@@ -77,6 +77,13 @@ BAD_SPECS = [
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
+    (
+        "set-file-missing",
+        {},
+        ["--set-file", "storage.caBundle=absent.crt"],
+        "--set-file 'storage.caBundle=absent.crt': cannot read absent.crt: No such file or directory",
+    ),
+    ("set-file-without-path", {}, ["--set-file", "storage.caBundle"], "--set-file 'storage.caBundle': expected"),
 ]
 
 

@@ -1,5 +1,5 @@
 """What every command shares: the one place where errors become exit codes and one-line messages, the cluster
-commands' --kubeconfig, --context and -n (defined once), the spec's argument and --set, progress notes."""
+commands' --kubeconfig, --context and -n (defined once), the spec's argument, --set and --set-file, progress notes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm cha
 SetOpt = Annotated[
     list[str],
     typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
+]
+SetFileOpt = Annotated[
+    list[str],
+    typer.Option(
+        "--set-file",
+        help="Set a spec key to a file's text, after --set: dotted.key=path (repeatable; storage.caBundle=ca.crt).",
+        metavar="KEY=PATH",
+    ),
 ]
 
 
@@ -114,12 +122,12 @@ def command(cluster: bool = False) -> Callable[[Callable[..., None]], Callable[.
     return wrap
 
 
-def load_job(spec: Path, set_values: list[str]) -> JobSpec:
+def load_job(spec: Path, set_values: list[str], set_files: list[str]) -> JobSpec:
     """The validated spec (a SpecError: exit 2 with its one-line problem)."""
     # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
     from ctl.spec import load_spec
 
-    return load_spec(spec, set_values)
+    return load_spec(spec, set_values, set_files)
 
 
 def note(message: str) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ctl.commands.common import Cluster, SetOpt, SpecArg, command, fail, load_job, note
+from ctl.commands.common import Cluster, SetFileOpt, SetOpt, SpecArg, command, fail, load_job, note
 from ctl.commands.output import follow_log, interruptible, print_data, print_logs
 from ctl.tables import list_table, status_line, status_table
 
@@ -30,6 +30,7 @@ OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or j
 def submit(
     spec: SpecArg,
     set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    set_files: SetFileOpt = [],  # noqa: B006
     dry_run: Annotated[
         str, typer.Option("--dry-run", help="none; client (print the objects); server (the API server validates).")
     ] = "none",
@@ -45,10 +46,10 @@ def submit(
     """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
     if dry_run not in ("none", "client", "server"):
         raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
-    job = load_job(spec, set_values)
+    job = load_job(spec, set_values, set_files)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
-        job = served_kind(target, job, spec, set_values)
+        job = served_kind(target, job, spec, set_values, set_files)
     from ctl.render import render, to_yaml
 
     manifests = render(job)
@@ -87,7 +88,7 @@ def outcome(target: Target, name: str, follow: bool, timeout: float) -> int:
     return code
 
 
-def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str]) -> JobSpec:
+def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str], set_files: list[str]) -> JobSpec:
     """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
     spec as a TrainJob (validated as one), said on stderr."""
     from ctl.cluster import serves
@@ -102,7 +103,7 @@ def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str])
         f"apiKind unset: the cluster serves {served.kind} ({served.operator}), not {DEFAULT_KIND.kind}:"
         f" submitting a {served.kind}"
     )
-    return load_job(spec, [*set_values, f"apiKind={served.kind}"])
+    return load_job(spec, [*set_values, f"apiKind={served.kind}"], set_files)
 
 
 @command(cluster=True)
