@@ -4,10 +4,13 @@ prepares once and runs map what it wrote."""
 
 from __future__ import annotations
 
+import bz2
 import csv
 import errno
 import fcntl
+import gzip
 import json
+import lzma
 import multiprocessing.util
 import os
 import signal
@@ -47,7 +50,7 @@ from trainer.prepare import (
     read_texts,
     stop,
 )
-from trainer.spec import SpecError, TrainingSpec
+from trainer.spec import DataSpec, SpecError, TrainingSpec
 from trainer.text import expand_paths, train_tokenizer
 from trainer.workloads import PreparationFailed, prepare_now, wait_for
 
@@ -198,6 +201,36 @@ def test_a_json_file_may_be_one_array_of_rows(tmp_path, monkeypatch, chunk) -> N
         list(read_texts([tmp_path / "bad.json"], "text", "data.train"))
 
 
+@pytest.mark.parametrize("compression", ["gz", "bz2", "xz"])
+def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs, compression) -> None:
+    """C4 ships as `.json.gz` JSON Lines: a compressed file is the file its name has under the compression suffix
+    (in any case), read as a stream; a document's size is the compressed bytes it took, so progress ends at the
+    files' sizes on disk."""
+    files, documents_in_order = mixed_inputs
+    opener = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}[compression]
+    compressed = []
+    for index, path in enumerate(files):
+        if path.suffix == ".parquet":  # compressed inside
+            compressed.append(path)
+            continue
+        target = tmp_path / f"{index:02d}{path.suffix.upper() if index % 2 else path.suffix}.{compression}"
+        with opener(target, "wb") as out:
+            out.write(path.read_bytes())
+        compressed.append(target)
+    assert list(read_texts(compressed, "text", "data.train")) == documents_in_order
+    data = DataSpec.model_validate({"train": [str(p) for p in compressed]})
+
+    def sizes(paths: list[Path]) -> dict[Path, list[int]]:
+        return {
+            path: [d.size for d in readers.documents([path], data, False, "k", readers.Skipped())] for path in paths
+        }
+
+    plain = {path: sum(docs) for path, docs in sizes(files).items() if docs}  # (a file may hold no document)
+    assert plain == {path: path.stat().st_size for path in plain}  # every byte of a file, once
+    packed = {path: sum(docs) for path, docs in sizes(compressed).items() if docs}
+    assert len(packed) == len(plain) and all(0 < size <= path.stat().st_size for path, size in packed.items())
+
+
 def test_a_directory_names_the_files_under_it(tmp_path) -> None:
     """As an S3 prefix names its objects: every file below it, in order, hidden ones (.git, .DS_Store) left out."""
     corpus = tmp_path / "corpus [v2]"  # glob's special characters in the name are the name's
@@ -343,6 +376,12 @@ BAD = {
         lambda p: p.write_bytes('[{"text": "caf\xe9"}]'.encode("latin-1")),
         "rows.json is not UTF-8 text (byte 14)",
     ),
+    "gzip-cut-short": (
+        "rows.jsonl.gz",
+        lambda p: p.write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:-30]),
+        "rows.jsonl.gz: not a readable .gz file: Compressed file ended before the end-of-stream marker was reached",
+    ),
+    "not-gzip": ("rows.jsonl.gz", lambda p: p.write_text('{"text": "a"}\n'), "rows.jsonl.gz: not a readable .gz file"),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
 }
 

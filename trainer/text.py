@@ -21,7 +21,6 @@ from trainer.location import is_s3
 from trainer.spec import SpecError
 from trainer.storage import s3_sources
 
-RECORD_SUFFIXES = {".jsonl", ".json", ".csv"}
 EOS = "<|endoftext|>"
 HUB_CONNECT_TIMEOUT_S = 5.0
 

@@ -1,21 +1,35 @@
 """Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV and Parquet rows, one row in memory
-at a time; bad input is one SpecError naming the key, the file and the row."""
+at a time, from files compressed with gzip, bzip2 or xz too (C4's `.json.gz`); bad input is one SpecError naming
+the key, the file and the row."""
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import contextlib
 import csv
+import gzip
 import json
+import lzma
 import re
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from trainer.spec import DataSpec, SpecError
-from trainer.text import RECORD_SUFFIXES
 
 PARQUET_SUFFIX = ".parquet"
+RECORD_SUFFIXES = {".jsonl", ".json", ".csv", PARQUET_SUFFIX}  # a file of rows; any other is one document of text
+# A compressed file is read through its decompressor (the standard library's), its format named by the suffix before.
+DECOMPRESSORS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
+    ".gz": lambda raw: gzip.GzipFile(fileobj=raw),
+    ".bz2": bz2.BZ2File,
+    ".xz": lzma.LZMAFile,
+}
+# What reading a file may raise: the system's errors, and a compressed stream that is damaged or cut short.
+READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
 CSV_FIELD_LIMIT = 2**31 - 1  # characters: the most the csv module takes on every platform (a C long)
 JSON_CHUNK = 1 << 20  # bytes a JSON array file is read by at least
@@ -27,16 +41,44 @@ JSON_KINDS = {list: "a list", dict: "an object"}  # what a row's field may be in
 class Document:
     text: str
     label: str | None
-    size: int  # bytes of input it stands for, for progress
+    size: int  # bytes of the file it stands for (compressed, where the file is), for progress
 
 
-def _text_file(path: Path, key: str) -> str:
+def data_format(path: Path) -> str:
+    """A data file's format, its suffix in lower case under any compression suffix: `c4-00001.JSON.gz` -> `.json`."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if suffixes and suffixes[-1] in DECOMPRESSORS:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _unreadable(path: Path, key: str, exc: BaseException) -> SpecError:
+    if isinstance(exc, OSError) and exc.strerror:
+        return SpecError(f"{key}: cannot read {path}: {exc.strerror}")
+    return SpecError(f"{key}: {path}: not a readable {path.suffix} file: {exc}")  # a damaged compressed stream
+
+
+@contextlib.contextmanager
+def _opened(path: Path, key: str) -> Iterator[tuple[IO[bytes], Callable[[], int]]]:
+    """The file's bytes, decompressed when its name says so, and how many bytes of the file itself are read so far;
+    an error while reading is one SpecError."""
     try:
-        return path.read_bytes().decode("utf-8-sig")
+        with path.open("rb") as raw:
+            decompress = DECOMPRESSORS.get(path.suffix.lower())
+            yield (decompress(raw) if decompress else raw), raw.tell
+    except READ_ERRORS as exc:
+        raise _unreadable(path, key, exc) from None
+
+
+def _text_file(path: Path, key: str) -> tuple[str, int]:
+    """The file's text, and its size."""
+    with _opened(path, key) as (file, consumed):
+        data = file.read()
+        size = consumed()
+    try:
+        return data.decode("utf-8-sig"), size
     except UnicodeDecodeError as exc:
         raise SpecError(f"{key}: {path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
 
 
 def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
@@ -56,40 +98,47 @@ def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
     return str(value)
 
 
-def _lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 file, read incrementally; an undecodable line names its number. A byte order
-    mark (Excel's "CSV UTF-8", Notepad) is not part of the first line: it would be in the first column's name."""
-    try:
-        with path.open("rb") as file:
-            for number, raw in enumerate(file, start=1):
-                try:
-                    yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                except UnicodeDecodeError as exc:
-                    raise SpecError(f"{key}: {path}:{number}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+def _lines(path: Path, key: str) -> Iterator[tuple[int, str, int]]:
+    """(line number, line, bytes of the file read) of a UTF-8 file, read incrementally; an undecodable line names its
+    number. A byte order mark (Excel's "CSV UTF-8", Notepad) is not part of the first line: it would be in the first
+    column's name."""
+    with _opened(path, key) as (file, consumed):
+        for number, raw in enumerate(file, start=1):
+            try:
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8"), consumed()
+            except UnicodeDecodeError as exc:
+                raise SpecError(f"{key}: {path}:{number}: not UTF-8 text (byte {exc.start})") from None
 
 
-def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) for each row of a JSONL, CSV or Parquet file, one row in memory at a time."""
-    if path.suffix == PARQUET_SUFFIX:
+def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """(where, record, bytes of the file read) for each row of a JSONL, JSON, CSV or Parquet file, one row in memory
+    at a time."""
+    kind = data_format(path)
+    if kind == PARQUET_SUFFIX:
         yield from _parquet_records(path, fields, key)
-    elif path.suffix == ".csv":
+    elif kind == ".csv":
         # A field may be a whole document: the csv module's default bound (128 KiB) would refuse a long one.
         csv.field_size_limit(CSV_FIELD_LIMIT)
-        lines = (line for _, line in _lines(path, key))
-        reader = csv.DictReader(lines)
+        read = 0
+        lines = _lines(path, key)
+
+        def text() -> Iterator[str]:
+            nonlocal read
+            for _, line, read in lines:  # noqa: B007 (`read`: how far the rows yielded have come)
+                yield line
+
+        reader = csv.DictReader(text())
         if reader.fieldnames is not None:  # None: an empty file
             _check_columns(path, fields, reader.fieldnames, key)
         try:
             for row in reader:
-                yield f"{path}:{reader.line_num}", row
+                yield f"{path}:{reader.line_num}", row, read
         except csv.Error as exc:
             raise SpecError(f"{key}: {path}:{reader.line_num}: invalid CSV: {exc}") from None
-    elif path.suffix == ".json" and _first_character(path, key) == "[":
+    elif kind == ".json" and _first_character(path, key) == "[":
         yield from _json_array(path, key)
     else:
-        for number, line in _lines(path, key):
+        for number, line, read in _lines(path, key):
             if not line.strip():
                 continue
             try:
@@ -98,25 +147,22 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
                 raise SpecError(f"{key}: {path}:{number}: invalid JSON: {exc.msg}") from None
             if not isinstance(record, dict):
                 raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
-            yield f"{path}:{number}", record
+            yield f"{path}:{number}", record, read
 
 
 def _first_character(path: Path, key: str) -> str:
     """The first character of a file that is not blank (nor a byte order mark); "" for a blank file."""
-    try:
-        with path.open("rb") as file:
-            head = file.read(len(codecs.BOM_UTF8)).removeprefix(codecs.BOM_UTF8).lstrip()
-            while not head and (chunk := file.read(JSON_CHUNK)):
-                head = chunk.lstrip()
-    except OSError as exc:
-        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    with _opened(path, key) as (file, _):
+        head = file.read(len(codecs.BOM_UTF8)).removeprefix(codecs.BOM_UTF8).lstrip()
+        while not head and (chunk := file.read(JSON_CHUNK)):
+            head = chunk.lstrip()
     return chr(head[0]) if head else ""
 
 
-def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file:line, object) for each element of a `.json` file that is one JSON array of objects, as `json.dump(rows)`
-    writes it (HF datasets reads such files too), read a chunk at a time: an element is decoded once the text read
-    holds all of it, so memory is bounded by the largest element, not by the file."""
+def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """(file:line, object, bytes of the file read) for each element of a `.json` file that is one JSON array of
+    objects, as `json.dump(rows)` writes it (HF datasets reads such files too), read a chunk at a time: an element is
+    decoded once the text read holds all of it, so memory is bounded by the largest element, not by the file."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     parser = json.JSONDecoder()
     buffer, start, line, offset = "", 0, 1, 0  # offset: bytes read; line: the line of buffer[start]
@@ -153,39 +199,36 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any]]]:
         where = line + buffer.count("\n", start, position)
         return SpecError(f"{key}: {path}:{where}: invalid JSON: {message}")
 
-    try:
-        with path.open("rb") as file:
-            next_character()  # the array's "[", as _first_character found
+    with _opened(path, key) as (file, consumed):
+        next_character()  # the array's "[", as _first_character found
+        start += 1
+        if next_character() == "]":
             start += 1
-            if next_character() == "]":
-                start += 1
-            else:
-                while True:
-                    next_character()
-                    while True:  # decode the element, reading on while the text read ends inside it
-                        try:
-                            element, end = parser.raw_decode(buffer, start)
-                        except json.JSONDecodeError as exc:
-                            if more():
-                                continue
-                            raise invalid(exc.msg, exc.pos) from None
-                        if end < len(buffer) or not more():  # a number at the end of the text read may go on
-                            break
-                    if not isinstance(element, dict):
-                        raise SpecError(f"{key}: {path}:{line}: expected a JSON object per element of the array")
-                    yield f"{path}:{line}", element
-                    line += buffer.count("\n", start, end)
-                    start = end
-                    separator = next_character()
-                    start += 1
-                    if separator == "]":
+        else:
+            while True:
+                next_character()
+                while True:  # decode the element, reading on while the text read ends inside it
+                    try:
+                        element, end = parser.raw_decode(buffer, start)
+                    except json.JSONDecodeError as exc:
+                        if more():
+                            continue
+                        raise invalid(exc.msg, exc.pos) from None
+                    if end < len(buffer) or not more():  # a number at the end of the text read may go on
                         break
-                    if separator != ",":
-                        raise invalid("Expecting ',' delimiter", start - 1)
-            if next_character():
-                raise invalid("Extra data", start)
-    except OSError as exc:
-        raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+                if not isinstance(element, dict):
+                    raise SpecError(f"{key}: {path}:{line}: expected a JSON object per element of the array")
+                yield f"{path}:{line}", element, consumed()
+                line += buffer.count("\n", start, end)
+                start = end
+                separator = next_character()
+                start += 1
+                if separator == "]":
+                    break
+                if separator != ",":
+                    raise invalid("Expecting ',' delimiter", start - 1)
+        if next_character():
+            raise invalid("Extra data", start)
 
 
 def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: str) -> None:
@@ -195,21 +238,23 @@ def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: s
         raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(columns)})")
 
 
-def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
     import pyarrow
     import pyarrow.parquet
 
     try:
+        size = path.stat().st_size
         parquet = pyarrow.parquet.ParquetFile(path)
     except (OSError, pyarrow.ArrowException) as exc:
         raise SpecError(f"{key}: {path}: not a readable Parquet file: {str(exc).splitlines()[0]}") from None
     _check_columns(path, fields, parquet.schema_arrow.names, key)
+    rows = max(1, parquet.metadata.num_rows)
     row = 0
     try:
         for batch in parquet.iter_batches(batch_size=1024, columns=fields):
             for record in batch.to_pylist():
                 row += 1
-                yield f"{path}: row {row}", record
+                yield f"{path}: row {row}", record, size * row // rows  # the file's bytes in proportion to its rows
     except (OSError, pyarrow.ArrowException) as exc:
         raise SpecError(f"{key}: {path}: row {row + 1}: unreadable: {str(exc).splitlines()[0]}") from None
 
@@ -217,24 +262,26 @@ def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[
 def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str:
     """Where the first row labelled `label` is (`file:line`, `file: row N`), for a message: read only then."""
     for path in paths:
-        for where, record in _records(path, [label_field], key):
+        for where, record, _ in _records(path, [label_field], key):
             if str(record.get(label_field)) == label:
                 return where
     return ", ".join(map(str, paths))
 
 
 def _file_documents(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
-    if path.suffix not in (*RECORD_SUFFIXES, PARQUET_SUFFIX):
+    if data_format(path) not in RECORD_SUFFIXES:
         if labelled:
-            raise SpecError(f"{key}: {path}: expected a .jsonl, .csv or .parquet file of text/label rows")
-        text = _text_file(path, key)
-        yield Document(text, None, len(text))
+            raise SpecError(f"{key}: {path}: expected a .jsonl, .json, .csv or .parquet file of text/label rows")
+        text, size = _text_file(path, key)
+        yield Document(text, None, size)
         return
     fields = [data.text_field, data.label_field] if labelled else [data.text_field]
-    for where, record in _records(path, fields, key):
+    done = 0
+    for where, record, read in _records(path, fields, key):
         text = _value(record, data.text_field, where, key)
         label = _value(record, data.label_field, where, key) if labelled else None
-        yield Document(text, label, len(text))
+        yield Document(text, label, read - done)
+        done = read
 
 
 @dataclass
@@ -255,7 +302,7 @@ def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipp
     for path in paths:
         if data.on_bad_file == "skip":
             try:
-                if path.suffix in (*RECORD_SUFFIXES, PARQUET_SUFFIX):
+                if data_format(path) in RECORD_SUFFIXES:
                     for _ in _file_documents(path, data, labelled, key):
                         pass
                 else:
