@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+import yaml
 from certs import Tls, private_ca
 from conftest import REPO, rank_log, run_ctl, start_ctl, tensorboard_scalars, tiny_spec
 from s3server import S3Server, s3_server
@@ -51,7 +52,7 @@ from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
-from trainer.storage import matching_objects, reason, s3_client
+from trainer.storage import StorageUnreachable, matching_objects, reason, s3_client, s3_sources
 from trainer.text import expand_paths
 from trainer.tracking import Tracker
 
@@ -172,15 +173,16 @@ def test_a_server_that_is_not_there_is_its_root_cause_in_one_line(
     s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No server at the endpoint: the request and the system's reason, not the client's 'error sending request'
-    and its error chain."""
+    and its error chain. Not bad input (exit 2, never retried): an S3 server restarting as the job starts is no
+    answer too, so the rank exits 1 with the line, and the job's restart policy tries again; s3:// data alike."""
     endpoint = f"http://{LOCAL_ADDRESS}:{free_port()}"
     monkeypatch.setenv(S3_ENDPOINT_ENV, endpoint)
-    with pytest.raises(SpecError) as refused:
+    with pytest.raises(StorageUnreachable) as refused:
         checkpointer("s3://runs/a", tmp_path).store.check(writable=True)
-    expected = (
-        rf"checkpoint\.dir: cannot use s3://runs/a: GET {endpoint}/runs: Connection refused \(after \d+ retries in"
-    )
-    assert re.fullmatch(rf"{expected} [\d.]+ s\)", str(refused.value)), refused.value
+    expected = rf"(GET|HEAD) {endpoint}/runs\S*: Connection refused \(after \d+ retries in [\d.]+ s\)"
+    assert re.fullmatch(rf"checkpoint\.dir: cannot reach s3://runs/a: {expected}", str(refused.value)), refused.value
+    with pytest.raises(StorageUnreachable, match=rf"^data\.train: cannot reach s3://runs/corpus/: {expected}$"):
+        s3_sources("s3://runs/corpus/", "data.train")
 
 
 @contextlib.contextmanager
@@ -591,10 +593,40 @@ def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_sp
     spec = tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0}) | {"storage": {"endpoint": s3.endpoint}}
     spec["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
     env = keys_exported_only(s3, tmp_path / "c")
+    prepared = run_ctl("prepare", str(write_spec(spec)), cwd=tmp_path, env=env)  # ctl's own process: the same server
+    assert prepared.returncode == 0, prepared.stderr
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"prepared data {prepared.stdout.strip()}" in rank_log(tmp_path / "runs" / "tiny", 0, 0).read_text()
     assert json.loads((tmp_path / "runs" / "tiny" / "report.json").read_text())["steps"] == 2
     assert (tmp_path / "c" / "sources" / bucket / "corpus.txt").read_text() == corpus_file.read_text()
+
+
+def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_input(
+    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """A restarting server is no answer too: the ranks (and `ctl prepare`) exit 1 with the line, which a job's
+    restart policy retries; exit 2 would end the job for good."""
+    closed = f"http://{LOCAL_ADDRESS}:{free_port()}"
+    env = keys_exported_only(s3, tmp_path / "c")
+    on_s3 = object_storage_spec(corpus_file, s3, bucket) | {
+        "storage": {"uri": f"s3://{bucket}/team", "endpoint": closed}
+    }
+    result = run_ctl("run", str(write_spec(on_s3)), cwd=tmp_path, env=env)
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"failed: checkpoint.dir: cannot reach s3://{bucket}/team/tiny: GET {closed}/{bucket}" in line, line
+    data = tiny_spec(corpus_file) | {"storage": {"endpoint": closed}}
+    data["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
+    prepared = run_ctl("prepare", str(write_spec(data)), cwd=tmp_path, env=env)
+    assert prepared.returncode == 1 and prepared.stdout == "", prepared.stderr
+    assert prepared.stderr.startswith(f"error: data.train: cannot reach s3://{bucket}/corpus.txt: HEAD {closed}/")
+    # The chart's prepare Job: its podFailurePolicy ends the job at exit 2, and retries exit 1.
+    config = tmp_path / "training.yaml"
+    config.write_text(yaml.safe_dump(data["training"] | {"checkpoint": {"dir": str(tmp_path / "job")}}))
+    command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
+    job = subprocess.run(command, capture_output=True, text=True, env=env | {S3_ENDPOINT_ENV: closed}, timeout=120)
+    assert job.returncode == 1 and job.stderr.splitlines()[-1].startswith("error: data.train: cannot reach"), job.stderr
 
 
 def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(

@@ -40,7 +40,7 @@ from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
 from trainer.rundir import export_final, prepare_run_dir, publish, remove_if_empty, restore_run_ids, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
-from trainer.storage import S3Store, run_dir_of
+from trainer.storage import S3Store, StorageUnreachable, run_dir_of
 from trainer.tasks import load
 from trainer.tracking import check_installed, finish
 from trainer.workloads import PreparationFailed, check_resumed_data
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     except SpecError as exc:
         exit_with(EXIT_BAD_INPUT, str(exc))
     except PreparationFailed as exc:  # the data was not prepared, and waiting longer will not change that
+        exit_with(EXIT_ERROR, str(exc))
+    except StorageUnreachable as exc:  # the S3 server did not answer: a start after a restart may find it
         exit_with(EXIT_ERROR, str(exc))
     except NonFiniteLoss as exc:  # every rank stops on it at the same step
         exit_with(EXIT_ERROR, str(exc), everywhere=True)

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.names import EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, METRICS_HOST_ENV, METRICS_PORT_ENV
 from trainer.preparation.build import Builder, worker_count
 from trainer.preparation.encode import fast_malloc
 from trainer.preparation.plan import MANIFEST, TOKENIZER_DIR, Plan, make_plan, read_manifest
 from trainer.preparation.progress import PrepareMetrics
 from trainer.preparation.readers import read_texts
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
-from trainer.storage import run_dir_of
+from trainer.storage import StorageUnreachable, run_dir_of
 from trainer.text import load_tokenizer
 
 __all__ = [
@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         prepare_spec(spec, run_dir, log, for_job=True)
     except SpecError as exc:
         log(f"error: {exc}")
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    except StorageUnreachable as exc:  # not bad data: the Job's next try may reach the server
+        log(f"error: {exc}")
+        sys.exit(EXIT_ERROR)
     except Stopped:
         log(f"trainer.prepare: stopped by SIGTERM, nothing kept; the next start prepares again (exit {EXIT_PREEMPTED})")
         sys.exit(EXIT_PREEMPTED)

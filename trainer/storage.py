@@ -166,6 +166,15 @@ R = TypeVar("R")
 class StorageError(OSError):
     """An S3 request failed: the checkpoint code handles it as any other I/O error of its run directory."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the one line, without OSError's "[Errno 5]"
+
+
+class StorageUnreachable(StorageError):
+    """No server answered (connection refused or reset, no such host, no reply in time): not bad input, since it may
+    be a moment's outage (a restarting S3 server), so a rank that meets it exits 1, which the job's restart policy
+    retries, with its one line."""
+
 
 def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
     """The client's errors as OSError, with the server's S3 error code and message as their reason."""
@@ -179,7 +188,8 @@ def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
         except obstore.exceptions.NotFoundError as exc:
             raise FileNotFoundError(errno.ENOENT, reason(exc)) from None
         except obstore.exceptions.BaseError as exc:
-            raise StorageError(errno.EIO, reason(exc)) from None
+            unanswered = unreachable(str(exc))
+            raise (StorageUnreachable if unanswered else StorageError)(errno.EIO, reason(exc)) from None
 
     return wrapper
 
@@ -222,6 +232,13 @@ def root_cause(text: str) -> str | None:
     if (kind := HTTP_KIND.search(text)) and kind[1] == "Timeout":
         return "no answer, timed out"
     return None
+
+
+def unreachable(text: str) -> bool:
+    """Whether the client's error chain says that no server answered: a connection that failed (no TLS error: a
+    certificate is an answer) or timed out."""
+    kind = HTTP_KIND.search(text)
+    return bool(kind) and kind[1] in ("Connect", "Timeout", "Interrupted") and not tls_error(text)
 
 
 def tls_error(text: str) -> tuple[str, str] | None:
@@ -389,8 +406,8 @@ class S3Store:
                 known[file.name] = size
 
     def check(self, writable: bool) -> None:
-        """SpecError naming checkpoint.dir when the bucket cannot be listed (missing, refused credentials, no
-        server) or, with `writable`, written: before any training."""
+        """SpecError naming checkpoint.dir when the bucket cannot be listed (missing, refused credentials) or, with
+        `writable`, written, StorageUnreachable when no server answers: before any training."""
         import obstore
 
         try:
@@ -399,6 +416,10 @@ class S3Store:
                 probe = f".write-test-{os.getpid()}"
                 self.write_text(probe, "ok")
                 obstore.delete(self.store, probe)
+        except StorageUnreachable as exc:
+            raise StorageUnreachable(
+                errno.EIO, f"checkpoint.dir: cannot reach {self.location}: {exc.strerror}"
+            ) from None
         except OSError as exc:
             raise SpecError(f"checkpoint.dir: cannot use {self.location}: {exc.strerror}") from None
 
@@ -497,5 +518,7 @@ def s3_sources(uri: str, key: str) -> list[Path]:
         if not objects:
             raise SpecError(f"{key}: no object matches {uri!r}")
         return [download(store, meta, root / meta["path"]) for meta in objects]
+    except StorageUnreachable as exc:
+        raise StorageUnreachable(errno.EIO, f"{key}: cannot reach {uri}: {exc.strerror}") from None
     except OSError as exc:
         raise SpecError(f"{key}: cannot read {uri}: {exc.strerror}") from None

@@ -49,6 +49,7 @@ ERROR_EXITS = (
     ("ctl.cluster", "KubeconfigError", EXIT_BAD_INPUT),  # --kubeconfig, $KUBECONFIG, --context
     ("ctl.cluster", "ClusterError", EXIT_ERROR),
     ("trainer.spec", "SpecError", EXIT_BAD_INPUT),
+    ("trainer.storage", "StorageUnreachable", EXIT_ERROR),  # ctl run/prepare reading s3:// data: no server answered
     ("ctl.render", "RenderError", EXIT_ERROR),
     ("ctl.pod", "PodSetupError", EXIT_ERROR),  # a pod ctl run cannot start here
 )

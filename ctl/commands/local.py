@@ -43,7 +43,7 @@ def run(
 
     with local_pods(job, run_dir) as pods:
         if job.prepare.enabled:  # what the chart's prepare Job does, first: the trainers then wait for its data
-            prepare_data(job, pods.run_dir)
+            prepare_data(job, pods)
         code = run_local(job, pods, verbose)
     raise typer.Exit(code)
 
@@ -65,14 +65,18 @@ def require_trainer(command: str) -> None:
         raise fail(f"ctl {command} needs the trainer: pip install 'ddpjob[train]' (missing: {', '.join(missing)})")
 
 
-def prepare_data(job: JobSpec, directory: Path):  # -> trainer.prepare.Plan
-    """The job's dataset in its cache, prepared here unless it is there already (a SpecError on bad data)."""
+def prepare_data(job: JobSpec, pods: LocalJob):  # -> trainer.prepare.Plan
+    """The job's dataset in its cache, prepared here unless it is there already (a SpecError on bad data), with the
+    pods' S3 variables (s3:// data from storage.endpoint's server)."""
     try:
         # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
         from trainer.prepare import prepare_spec
     except ImportError as exc:
         raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
-    return prepare_spec(job.training, directory, note)
+    from ctl.local import pod_variables
+
+    with pod_variables(pods.nodes[0]):
+        return prepare_spec(job.training, pods.run_dir, note)
 
 
 @command()
@@ -90,7 +94,7 @@ def prepare(
     job = load_job(spec, set_values, set_files)
     require_trainer("prepare")
     with local_pods(job, run_dir) as pods:  # the run directory is the one the rendered training config names
-        plan = prepare_data(job, pods.run_dir)
+        plan = prepare_data(job, pods)
     typer.echo(str(plan.entry))
 
 
