@@ -231,6 +231,26 @@ def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs
     assert len(packed) == len(plain) and all(0 < size <= path.stat().st_size for path, size in packed.items())
 
 
+def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
+    """GLUE's train.tsv: tab-separated, a quote is text (read as CSV quoting, a field opening with one took in the
+    rows up to the next quote, silently)."""
+    rows = [("sentence", "label"), ('"a film" about nothing', "0"), ("it's 5' 11\" tall", "1"), ('plain "quoted', "1")]
+    (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
+    assert list(read_texts([tmp_path / "train.tsv"], "sentence", "data.train")) == [row[0] for row in rows[1:]]
+    assert list(read_texts([tmp_path / "train.tsv"], "label", "data.train")) == ["0", "1", "1"]
+    (tmp_path / "short.tsv").write_text("sentence\tlabel\nno label here\n")
+    with pytest.raises(SpecError, match=r"short\.tsv:2: 'label' is empty$"):
+        list(
+            readers.documents(
+                [tmp_path / "short.tsv"],
+                DataSpec.model_validate({"train": ["x"], "textField": "sentence"}),
+                True,
+                "data.train",
+                readers.Skipped(),
+            )
+        )
+
+
 def test_a_directory_names_the_files_under_it(tmp_path) -> None:
     """As an S3 prefix names its objects: every file below it, in order, hidden ones (.git, .DS_Store) left out."""
     corpus = tmp_path / "corpus [v2]"  # glob's special characters in the name are the name's

@@ -1,6 +1,6 @@
-"""Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV and Parquet rows, one row in memory
-at a time, from files compressed with gzip, bzip2 or xz too (C4's `.json.gz`); bad input is one SpecError naming
-the key, the file and the row."""
+"""Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV, TSV and Parquet rows, one row in
+memory at a time, from files compressed with gzip, bzip2 or xz too (C4's `.json.gz`); bad input is one SpecError
+naming the key, the file and the row."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from typing import IO, Any
 from trainer.spec import DataSpec, SpecError
 
 PARQUET_SUFFIX = ".parquet"
-RECORD_SUFFIXES = {".jsonl", ".json", ".csv", PARQUET_SUFFIX}  # a file of rows; any other is one document of text
+RECORD_SUFFIXES = {".jsonl", ".json", ".csv", ".tsv", PARQUET_SUFFIX}  # a file of rows; any other is one document
+# The csv module's reading of each table format. A TSV has no quoting (IANA's text/tab-separated-values, GLUE's
+# files): a quote is text, where CSV quoting would join the rows up to the next quote into one field.
+TABLES: dict[str, dict[str, Any]] = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
 # A compressed file is read through its decompressor (the standard library's), its format named by the suffix before.
 DECOMPRESSORS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
     ".gz": lambda raw: gzip.GzipFile(fileobj=raw),
@@ -111,12 +114,12 @@ def _lines(path: Path, key: str) -> Iterator[tuple[int, str, int]]:
 
 
 def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
-    """(where, record, bytes of the file read) for each row of a JSONL, JSON, CSV or Parquet file, one row in memory
-    at a time."""
+    """(where, record, bytes of the file read) for each row of a JSONL, JSON, CSV, TSV or Parquet file, one row in
+    memory at a time."""
     kind = data_format(path)
     if kind == PARQUET_SUFFIX:
         yield from _parquet_records(path, fields, key)
-    elif kind == ".csv":
+    elif kind in TABLES:
         # A field may be a whole document: the csv module's default bound (128 KiB) would refuse a long one.
         csv.field_size_limit(CSV_FIELD_LIMIT)
         read = 0
@@ -127,14 +130,14 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             for _, line, read in lines:  # noqa: B007 (`read`: how far the rows yielded have come)
                 yield line
 
-        reader = csv.DictReader(text())
+        reader = csv.DictReader(text(), **TABLES[kind])
         if reader.fieldnames is not None:  # None: an empty file
             _check_columns(path, fields, reader.fieldnames, key)
         try:
             for row in reader:
                 yield f"{path}:{reader.line_num}", row, read
         except csv.Error as exc:
-            raise SpecError(f"{key}: {path}:{reader.line_num}: invalid CSV: {exc}") from None
+            raise SpecError(f"{key}: {path}:{reader.line_num}: invalid {kind[1:].upper()}: {exc}") from None
     elif kind == ".json" and _first_character(path, key) == "[":
         yield from _json_array(path, key)
     else:
@@ -271,7 +274,7 @@ def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str
 def _file_documents(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
     if data_format(path) not in RECORD_SUFFIXES:
         if labelled:
-            raise SpecError(f"{key}: {path}: expected a .jsonl, .json, .csv or .parquet file of text/label rows")
+            raise SpecError(f"{key}: {path}: expected a .jsonl, .json, .csv, .tsv or .parquet file of text/label rows")
         text, size = _text_file(path, key)
         yield Document(text, None, size)
         return
