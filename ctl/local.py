@@ -266,7 +266,8 @@ def failure_line(cause: Failure, agent: Agent, job: str, logs: Path, kept: Path)
         who = f"rank {cause.rank} on {who}"
     if cause.log:
         log = Path(cause.log)
-        where = f"traceback in {kept / log.relative_to(logs) if log.is_relative_to(logs) else log}/stderr.log; {where}"
+        what = "traceback" if cause.traceback else "output"  # a signal or a one-line exit leaves no traceback
+        where = f"{what} in {kept / log.relative_to(logs) if log.is_relative_to(logs) else log}/stderr.log; {where}"
     return f"error: {who} failed: {cause.message} ({where})"
 
 

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import processes_with_marker, rank_log, run_ctl, start_ctl, tensorboard_scalars, tiny_spec, trainer_pids
+from conftest import (
+    CTL,
+    REPO,
+    processes_with_marker,
+    rank_log,
+    run_ctl,
+    start_ctl,
+    tensorboard_scalars,
+    tiny_spec,
+    trainer_pids,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctl.processes import PORTS_FROM, ephemeral_ports_start, free_port
@@ -103,7 +113,63 @@ def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, m
     assert ctl.returncode == 1
     # Rank 1's death, not rank 0's lost connection to it; its log and everyone's named.
     failed = re.search(r"^error: rank 1 on node 1 \(tiny-worker-0\) failed: killed by SIGKILL \((.*)\)$", stderr, re.M)
-    assert failed and failed.group(1).startswith(f"traceback in {tmp_path / 'runs' / 'tiny' / 'logs'}"), stderr
+    # A killed process left no traceback: its output is what the file holds.
+    assert failed and failed.group(1).startswith(f"output in {tmp_path / 'runs' / 'tiny' / 'logs'}"), stderr
+    assert processes_with_marker(marker) == []
+
+
+# Rank 1's Trainer.train raises an exception nothing in the trainer expects (a bug, a library's error), from a
+# sitecustomize module every Python process of the run imports.
+RAISE_IN_RANK_1 = """
+import importlib.abc, importlib.util, os, sys
+
+
+class RaiseInTrain(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "trainer.loop" or os.environ.get("RANK") != "1":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+
+            def train(self):
+                raise RuntimeError("unexpected in rank 1")
+
+            module.Trainer.train = train
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, RaiseInTrain())
+"""
+
+
+def test_a_rank_s_exception_names_the_file_with_its_traceback(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    env, marker = marked_env
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(RAISE_IN_RANK_1)
+    spec = tiny_spec(corpus_file) | {"nodes": 2, "procsPerNode": 1}
+    result = subprocess.run(
+        [*CTL, "run", str(write_spec(spec))],
+        cwd=tmp_path,
+        env=env | {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = re.search(
+        r"^error: rank 1 on node 1 \(tiny-worker-0\) failed: RuntimeError: unexpected in rank 1"
+        r" \(traceback in (\S+); logs of every rank in \S+\)$",
+        result.stderr,
+        re.M,
+    )
+    assert failed, result.stderr
+    assert "Traceback (most recent call last)" in Path(failed.group(1)).read_text(), failed.group(1)
     assert processes_with_marker(marker) == []
 
 

@@ -616,6 +616,7 @@ def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
     assert f"failed: checkpoint.dir: cannot reach s3://{bucket}/team/tiny: GET {closed}/{bucket}" in line, line
+    assert "(output in " in line, line  # one line, no traceback
     data = tiny_spec(corpus_file) | {"storage": {"endpoint": closed}}
     data["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
     prepared = run_ctl("prepare", str(write_spec(data)), cwd=tmp_path, env=env)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED
 
+# How Python's report of an uncaught exception begins.
+TRACEBACK = "Traceback (most recent call last)"
 # What gloo, NCCL and the rendezvous store say when the other end of a connection has gone.
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError")
 
@@ -54,6 +56,7 @@ class Failure:
     # Every rank failed so at the same step (a non-finite loss, summed over the ranks): the job's failure, told
     # without naming a rank or a node.
     everywhere: bool = False
+    traceback: bool = False  # its log ends with a Python traceback (an exception `@record` saw), not one line only
 
     @property
     def kind(self) -> Kind:
@@ -89,6 +92,8 @@ def write_record(path: Path, failure: Failure) -> None:
         extra["log"] = failure.log
     if failure.everywhere:
         extra["everywhere"] = "true"
+    if failure.traceback:
+        extra["traceback"] = "true"
     staging = path.with_name(f".{path.name}.tmp")
     record = {"message": failure.message, "errorCode": failure.code, "extraInfo": extra}
     staging.write_text(json.dumps({"message": record}), encoding="utf-8")
@@ -119,4 +124,6 @@ def read_record(path: Path, code: int) -> Failure | None:
         rank=None if rank is None else int(rank),
         log=extra.get("log"),
         everywhere=extra.get("everywhere") == "true",
+        # `@record`'s own record keeps the traceback in py_callstack; a relayed one says it has one.
+        traceback=extra.get("traceback") == "true" or str(extra.get("py_callstack", "")).startswith(TRACEBACK),
     )
