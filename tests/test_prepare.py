@@ -201,21 +201,35 @@ def test_a_json_file_may_be_one_array_of_rows(tmp_path, monkeypatch, chunk) -> N
         list(read_texts([tmp_path / "bad.json"], "text", "data.train"))
 
 
-@pytest.mark.parametrize("compression", ["gz", "bz2", "xz"])
+def zstd_frames(data: bytes) -> bytes:
+    """`data` as two zstd frames, one after the other: what `zstd` writes of files joined (The Pile's shards are
+    `.jsonl.zst`)."""
+    codec = pyarrow.Codec("zstd")
+    half = len(data) // 2
+    return codec.compress(data[:half], asbytes=True) + codec.compress(data[half:], asbytes=True)
+
+
+COMPRESS: dict[str, Callable[[bytes], bytes]] = {
+    "gz": gzip.compress,
+    "bz2": bz2.compress,
+    "xz": lzma.compress,
+    "zst": zstd_frames,
+}
+
+
+@pytest.mark.parametrize("compression", list(COMPRESS))
 def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs, compression) -> None:
     """C4 ships as `.json.gz` JSON Lines: a compressed file is the file its name has under the compression suffix
     (in any case), read as a stream; a document's size is the compressed bytes it took, so progress ends at the
     files' sizes on disk."""
     files, documents_in_order = mixed_inputs
-    opener = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}[compression]
     compressed = []
     for index, path in enumerate(files):
         if path.suffix == ".parquet":  # compressed inside
             compressed.append(path)
             continue
         target = tmp_path / f"{index:02d}{path.suffix.upper() if index % 2 else path.suffix}.{compression}"
-        with opener(target, "wb") as out:
-            out.write(path.read_bytes())
+        target.write_bytes(COMPRESS[compression](path.read_bytes()))
         compressed.append(target)
     assert list(read_texts(compressed, "text", "data.train")) == documents_in_order
     data = DataSpec.model_validate({"train": [str(p) for p in compressed]})
@@ -402,6 +416,16 @@ BAD = {
         "rows.jsonl.gz: not a readable .gz file: Compressed file ended before the end-of-stream marker was reached",
     ),
     "not-gzip": ("rows.jsonl.gz", lambda p: p.write_text('{"text": "a"}\n'), "rows.jsonl.gz: not a readable .gz file"),
+    "zstd-cut-short": (
+        "rows.jsonl.zst",
+        lambda p: p.write_bytes(zstd_frames(b'{"text": "a"}\n' * 1000)[:-10]),
+        "rows.jsonl.zst: not a readable .zst file: ",
+    ),
+    "not-zstd": (
+        "rows.jsonl.zst",
+        lambda p: p.write_text('{"text": "a"}\n'),
+        "rows.jsonl.zst: not a readable .zst file",
+    ),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
 }
 

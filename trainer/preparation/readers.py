@@ -1,6 +1,6 @@
 """Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV, TSV and Parquet rows, one row in
-memory at a time, from files compressed with gzip, bzip2 or xz too (C4's `.json.gz`); bad input is one SpecError
-naming the key, the file and the row."""
+memory at a time, from files compressed with gzip, bzip2, xz or zstd too (C4's `.json.gz`, The Pile's `.jsonl.zst`);
+bad input is one SpecError naming the key, the file and the row."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import codecs
 import contextlib
 import csv
 import gzip
+import io
 import json
 import lzma
 import re
@@ -25,11 +26,21 @@ RECORD_SUFFIXES = {".jsonl", ".json", ".csv", ".tsv", PARQUET_SUFFIX}  # a file 
 # The csv module's reading of each table format. A TSV has no quoting (IANA's text/tab-separated-values, GLUE's
 # files): a quote is text, where CSV quoting would join the rows up to the next quote into one field.
 TABLES: dict[str, dict[str, Any]] = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
-# A compressed file is read through its decompressor (the standard library's), its format named by the suffix before.
+
+
+def _zstd(raw: IO[bytes]) -> IO[bytes]:
+    # The standard library reads zstd from Python 3.14 on; Parquet's library (a dependency already) does meanwhile.
+    import pyarrow
+
+    return io.BufferedReader(pyarrow.CompressedInputStream(raw, "zstd"))  # its stream reads no lines by itself
+
+
+# A compressed file is read through its decompressor, its format named by the suffix before.
 DECOMPRESSORS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
     ".gz": lambda raw: gzip.GzipFile(fileobj=raw),
     ".bz2": bz2.BZ2File,
     ".xz": lzma.LZMAFile,
+    ".zst": _zstd,
 }
 # What reading a file may raise: the system's errors, and a compressed stream that is damaged or cut short.
 READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
