@@ -25,7 +25,7 @@ CASES = {
     "empty-dataset": (lambda d: {"train": jsonl(d / "empty.jsonl", [])}, "data.train: no examples in"),
     "row-without-text": (
         lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS, {"label": "odd"}])},
-        "t.jsonl:41: no 'text' field",
+        "t.jsonl:41: no 'text' field (fields: label)",
     ),
     "row-without-label": (
         lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS[:5], {"text": "x"}, *ROWS[5:]])},

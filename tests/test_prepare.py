@@ -197,7 +197,7 @@ def test_a_json_file_may_be_one_array_of_rows(tmp_path, monkeypatch, chunk) -> N
     lines = json.dumps([{"text": "a"}, {"body": "b"}], indent=1).splitlines()  # the second row opens on line 5
     assert lines[4] == " {"
     (tmp_path / "bad.json").write_text("\n".join(lines))
-    with pytest.raises(SpecError, match=f"^data.train: {tmp_path / 'bad.json'}:5: no 'text' field$"):
+    with pytest.raises(SpecError, match=f"^data.train: {tmp_path / 'bad.json'}:5: no 'text' field \\(fields: body\\)$"):
         list(read_texts([tmp_path / "bad.json"], "text", "data.train"))
 
 
@@ -362,7 +362,28 @@ BAD = {
     "jsonl-row": (
         "rows.jsonl",
         lambda p: p.write_text('{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n'),
-        "rows.jsonl:3: no 'text' field",
+        "rows.jsonl:3: no 'text' field (fields: body)",
+    ),
+    "jsonl-row-of-many-fields": (
+        "rows.jsonl",
+        lambda p: p.write_text(json.dumps({f"f{i}": i for i in range(12)}) + "\n"),
+        "rows.jsonl:1: no 'text' field (fields: f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, ...)",
+    ),
+    # One object holding the rows in a field (SQuAD's), on one line or indented: what the file is, not valid JSON
+    "json-object-of-rows": (
+        "rows.json",
+        lambda p: p.write_text(json.dumps({"version": 1, "data": [{"text": "a"}]})),
+        "rows.json:1: no 'text' field (fields: version, data)",
+    ),
+    "json-object-indented": (
+        "rows.json",
+        lambda p: p.write_text(json.dumps({"version": 1, "data": [{"text": "a"}]}, indent=2)),
+        "rows.json:1: invalid JSON: the object does not end on its line (JSON Lines: one object per line)",
+    ),
+    "jsonl-bad-value": (
+        "rows.jsonl",
+        lambda p: p.write_text('{"text": "a"}\n{"text": tru}\n'),
+        "rows.jsonl:2: invalid JSON: Expecting value",
     ),
     "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: 'text' is empty"),
     "csv-column": ("rows.csv", lambda p: p.write_text("body,n\na,1\n"), "rows.csv: no 'text' column (columns: body"),

@@ -45,6 +45,7 @@ DECOMPRESSORS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
 # What reading a file may raise: the system's errors, and a compressed stream that is damaged or cut short.
 READ_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 SKIPPED_SHOWN = 5  # names of skipped files a log line shows
+FIELDS_SHOWN = 10  # names of a row's fields a message shows
 CSV_FIELD_LIMIT = 2**31 - 1  # characters: the most the csv module takes on every platform (a C long)
 JSON_CHUNK = 1 << 20  # bytes a JSON array file is read by at least
 NOT_BLANK = re.compile(r"\S")
@@ -99,8 +100,10 @@ def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
     """A field as text: a string, a number as written, a boolean as JSON writes it. A list or an object (a multi-label
     row) is not one label."""
     value = record.get(name)
-    if name not in record:
-        raise SpecError(f"{key}: {where}: no {name!r} field")
+    if name not in record:  # with the fields it has: the name to set, or rows held in one field (`{"data": [...]}`)
+        names = [str(field) for field in record]
+        shown = ", ".join(names[:FIELDS_SHOWN]) + (", ..." if len(names) > FIELDS_SHOWN else "")
+        raise SpecError(f"{key}: {where}: no {name!r} field (fields: {shown or 'none'})")
     # JSON's null, Parquet's missing value, a CSV's empty or absent cell, pandas' missing number (NaN)
     if value is None or value == "" or value != value:
         raise SpecError(f"{key}: {where}: {name!r} is empty")
@@ -158,7 +161,10 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise SpecError(f"{key}: {path}:{number}: invalid JSON: {exc.msg}") from None
+                # Also a pretty-printed object (SQuAD's `{"data": [...]}` indented): its first line is all of it read.
+                ends = exc.pos >= len(line.rstrip())
+                why = "the object does not end on its line (JSON Lines: one object per line)" if ends else exc.msg
+                raise SpecError(f"{key}: {path}:{number}: invalid JSON: {why}") from None
             if not isinstance(record, dict):
                 raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
             yield f"{path}:{number}", record, read
