@@ -7,6 +7,7 @@ PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=valu
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,14 @@ from ctl.names import (
 )
 from trainer.location import PEM_CERTIFICATE, S3Location
 from trainer.names import EXIT_HUNG
-from trainer.spec import SpecError, SpecModel, TrainingSpec, describe_validation_error, read_yaml_mapping
+from trainer.spec import (
+    SpecError,
+    SpecModel,
+    TrainingSpec,
+    describe_validation_error,
+    parse_yaml_mapping,
+    read_yaml_mapping,
+)
 
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -539,10 +547,25 @@ def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: S
     return merged
 
 
+STDIN = "<stdin>"  # the spec's name in messages when it is read from standard input (`-`)
+
+
 def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = ()) -> JobSpec:
-    """Read, override (--set, then --set-file) and validate a job spec; every problem is one SpecError line."""
-    values = apply_overrides(read_yaml_mapping(path), overrides, files)
+    """Read (`-`: standard input, as `kubectl apply -f -`), override (--set, then --set-file) and validate a job spec;
+    every problem is one SpecError line."""
+    name = STDIN if str(path) == "-" else str(path)
+    values = read_yaml_mapping(path) if name != STDIN else parse_yaml_mapping(read_stdin(), name)
+    values = apply_overrides(values, overrides, files)
     try:
         return JobSpec.model_validate(values)
     except ValidationError as exc:
-        raise SpecError(f"{path}: {describe_validation_error(exc)}") from None
+        raise SpecError(f"{name}: {describe_validation_error(exc)}") from None
+
+
+def read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():  # closed, or a terminal: a forgotten pipe, not a spec to type
+        raise SpecError(f"{STDIN}: no spec piped in: `-` reads it from a pipe or a redirected file")
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{STDIN}: not UTF-8 text (byte {exc.start})") from None

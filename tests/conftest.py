@@ -109,7 +109,7 @@ def prometheus_server(config: Path, work_dir: Path) -> Iterator[str]:
 
 
 def run_ctl(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300, stdin: str | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*CTL, *args],
@@ -118,6 +118,7 @@ def run_ctl(
         capture_output=True,
         text=True,
         timeout=timeout,
+        input=stdin,
     )
 
 

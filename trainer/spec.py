@@ -332,14 +332,19 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
         raise SpecError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
+    return parse_yaml_mapping(text, str(path))
+
+
+def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
+    """Parse YAML text that must hold a mapping; every failure is a SpecError naming where the text came from."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise SpecError(f"{name}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping of keys at the top level")
+        raise SpecError(f"{name}: expected a mapping of keys at the top level")
     return data
 
 

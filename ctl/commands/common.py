@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from ctl.cluster import Target
     from ctl.spec import JobSpec
 
-SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML; also the Helm chart's values).", show_default=False)]
+SpecArg = Annotated[
+    Path,
+    typer.Argument(help="Job spec (YAML; also the Helm chart's values); - reads it from stdin.", show_default=False),
+]
 SetOpt = Annotated[
     list[str],
     typer.Option("--set", help="Override a spec key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
