@@ -24,6 +24,7 @@ from s3server import listening
 
 from ctl import cluster
 from ctl.cli import app
+from ctl.commands.common import seconds
 from ctl.local import keep_logs
 from ctl.processes import free_port
 from trainer.failures import Failure, root_cause
@@ -121,6 +122,17 @@ def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, c
     result = run_ctl(command, "--bogus", cwd=tmp_path)
     assert_one_line(result, EXIT_BAD_INPUT, f"ctl {command}: No such option: --bogus")
     assert f"ctl {command} --help" in result.stderr
+
+
+def test_a_timeout_is_seconds_or_a_duration_as_kubectl_takes(tmp_path: Path) -> None:
+    written = ("90", "1.5", "1e3", "90s", "30m", "1h30m", "1.5h", "500ms", ".5m", "1m0.5s")
+    assert [seconds(text) for text in written] == [90, 1.5, 1000, 90, 1800, 5400, 5400, 0.5, 30, 60.5]
+    for command in (["wait", "x"], ["submit", "spec.yaml", "--wait"]):
+        for text, problem in (("30M", "expected seconds or a duration such as 90s, 30m or 1h30m"), ("-1m", "")):
+            result = run_ctl(*command, "--timeout", text, cwd=tmp_path)
+            assert_one_line(result, EXIT_BAD_INPUT, f"ctl {command[0]}: Invalid value for '--timeout': {text!r}: ")
+            assert problem in result.stderr
+    assert "expected a duration of 0 or more" in run_ctl("wait", "x", "--timeout", "-5", cwd=tmp_path).stderr
 
 
 def test_run_without_a_spec_is_one_line_and_exit_2(tmp_path: Path) -> None:

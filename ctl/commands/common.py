@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,32 @@ SetFileOpt = Annotated[
         metavar="KEY=PATH",
     ),
 ]
+
+# A Go duration, as kubectl's --timeout takes: 90s, 30m, 1h30m, 1.5h, 500ms.
+DURATION = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
+DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def seconds(value: str | float) -> float:
+    """A --timeout: seconds (a number) or a Go duration, as kubectl takes (`30m`, `1h30m`)."""
+    text = str(value).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        parts = list(DURATION.finditer(text))
+        if not parts or "".join(part.group() for part in parts) != text:
+            raise typer.BadParameter(f"{text!r}: expected seconds or a duration such as 90s, 30m or 1h30m") from None
+        number = sum(float(part.group()[: part.start(1) - part.start()]) * DURATION_UNITS[part[1]] for part in parts)
+    if not (math.isfinite(number) and number >= 0):
+        raise typer.BadParameter(f"{text!r}: expected a duration of 0 or more")
+    return number
+
+
+def timeout_option(what: str) -> Any:
+    """--timeout: how long `what` waits, in seconds or as a duration."""
+    return typer.Option(
+        "--timeout", help=f"How long {what}: seconds, or 30m, 1h30m.", parser=seconds, metavar="<duration>"
+    )
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:

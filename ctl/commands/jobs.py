@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ctl.commands.common import Cluster, SetFileOpt, SetOpt, SpecArg, command, fail, load_job, note
+from ctl.commands.common import (
+    Cluster,
+    SetFileOpt,
+    SetOpt,
+    SpecArg,
+    command,
+    fail,
+    load_job,
+    note,
+    timeout_option,
+)
 from ctl.commands.output import follow_log, interruptible, print_data, print_logs
 from ctl.tables import list_table, status_line, status_table
 
@@ -39,7 +49,7 @@ def submit(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Print rank 0's log as it runs, until the job ends (implies --wait).")
     ] = False,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait/--follow wait.")] = 86_400,
+    timeout: Annotated[float, timeout_option("--wait/--follow wait")] = 86_400,
     *,
     cluster: Cluster,
 ) -> None:
@@ -110,7 +120,7 @@ def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str],
 def wait_command(
     name: NameArg,
     state: Annotated[str, typer.Option("--for", help="succeeded, failed or running.")] = "succeeded",
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 86_400,
+    timeout: Annotated[float, timeout_option("to wait")] = 86_400,
     *,
     cluster: Cluster,
 ) -> None:

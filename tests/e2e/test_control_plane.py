@@ -1008,13 +1008,13 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert again.returncode == 1 and f"{kind.api.kind.lower()} {name} already exists in namespace {namespace}" in (
         again.stderr
     )
-    assert ctl("wait", name, "--timeout", "0.5").returncode == EXIT_NOT_FINISHED
+    assert ctl("wait", name, "--timeout", "500ms").returncode == EXIT_NOT_FINISHED
 
     progress = progress_while_running(ctl, name)
     assert progress["plannedSteps"] == PROGRESS_STEPS and 0 < progress["step"] <= PROGRESS_STEPS
     assert progress["trainLoss"] > 0 and progress["tokensPerSecond"] > 0
 
-    done = ctl("wait", name, "--for", "succeeded", "--timeout", str(JOB_TIMEOUT_S))
+    done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S / 60}m")
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     assert set(status) == {
