@@ -26,7 +26,7 @@ install: $(BIN)/uv
 	$(COMPILE)
 
 dev: $(BIN)/uv
-	$(INSTALL) -e '.[dev]'
+	$(INSTALL) -e '.[dev,interop]'
 	$(COMPILE)
 
 demo: install

@@ -13,6 +13,7 @@ import json
 import lzma
 import multiprocessing.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow
+import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 import torch
@@ -245,6 +247,44 @@ def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs
     assert len(packed) == len(plain) and all(0 < size <= path.stat().st_size for path, size in packed.items())
 
 
+def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path) -> None:
+    """Hugging Face datasets' own format: Arrow IPC files (the stream format of `save_to_disk` and its cache; the file
+    format of Feather 2 too), memory-mapped, a slice of rows at a time. A folder `save_to_disk` wrote is its data files
+    in order, not its metadata; a saved DatasetDict names its splits' folders."""
+    import datasets
+
+    rows = {"text": [f"document {i}" for i in range(3000)], "label": [f"class {i % 3}" for i in range(3000)]}
+    dataset = datasets.Dataset.from_dict(rows)
+    dataset.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    shards = expand_paths([str(tmp_path / "saved")], "data.train")
+    assert [path.name for path in shards] == [f"data-0000{i}-of-00003.arrow" for i in range(3)]
+    data = DataSpec.model_validate({"train": [str(tmp_path / "saved")]})
+    read = [doc for path in shards for doc in readers.documents([path], data, True, "k", readers.Skipped())]
+    assert [(doc.text, doc.label) for doc in read] == list(zip(rows["text"], rows["label"], strict=True))
+    assert sum(doc.size for doc in read) == sum(path.stat().st_size for path in shards)  # progress ends at the sizes
+
+    table = pyarrow.table(rows)
+    with pyarrow.ipc.new_file(tmp_path / "feather.arrow", table.schema) as out:  # several batches
+        out.write_table(table, max_chunksize=700)
+    with pyarrow.ipc.new_stream(tmp_path / "one-batch.arrow", table.schema) as out:  # all rows in one
+        out.write_table(table)
+    for name in ("feather.arrow", "one-batch.arrow"):
+        assert list(read_texts([tmp_path / name], "label", "data.train")) == rows["label"], name
+
+    datasets.DatasetDict({"train": dataset, "test": dataset.select(range(5))}).save_to_disk(str(tmp_path / "splits"))
+    splits = f"{tmp_path / 'splits' / 'train'}, {tmp_path / 'splits' / 'test'}"
+    with pytest.raises(SpecError, match=f"^data.train: {tmp_path / 'splits'} is a saved DatasetDict: name one split's"):
+        expand_paths([str(tmp_path / "splits")], "data.train")
+    with pytest.raises(SpecError, match=re.escape(f"({splits})")):
+        expand_paths([str(tmp_path / "splits")], "data.train")
+    test_split = expand_paths([str(tmp_path / "splits" / "test")], "data.train")
+    assert list(read_texts(test_split, "text", "data.train")) == rows["text"][:5]
+    # Any other folder with a state.json is a folder of files, that one included.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "state.json").write_text('{"step": 3}')
+    assert expand_paths([str(tmp_path / "notes")], "data.train") == [tmp_path / "notes" / "state.json"]
+
+
 def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
     """GLUE's train.tsv: tab-separated, a quote is text (read as CSV quoting, a field opening with one took in the
     rows up to the next quote, silently)."""
@@ -447,6 +487,7 @@ BAD = {
         lambda p: p.write_text('{"text": "a"}\n'),
         "rows.jsonl.zst: not a readable .zst file",
     ),
+    "not-arrow": ("rows.arrow", lambda p: p.write_text("text\n"), "rows.arrow: not a readable Arrow file"),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),
 }
 

@@ -114,7 +114,7 @@ class DataSpec(SpecModel):
     test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
     text_field: str = Field(
-        "text", min_length=1, description="The rows' field holding the text (JSONL, JSON, CSV, TSV, Parquet)."
+        "text", min_length=1, description="The rows' field holding the text (JSONL, JSON, CSV, TSV, Parquet, Arrow)."
     )
     label_field: str = Field("label", min_length=1, description="classification: the rows' field holding the label.")
     labels: list[Label] | None = Field(

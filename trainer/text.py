@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import socket
 import sysconfig
@@ -36,12 +37,37 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
             continue
         expanded = pattern.replace("{stdlib}", stdlib)
         folder = os.path.isdir(expanded)
+        if folder and (saved := saved_dataset_files(Path(expanded), key)) is not None:
+            files.update(saved)
+            continue
         found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
         matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
             raise SpecError(f"{key}: no file {'in the directory' if folder else 'matches'} {expanded!r}")
         files.update(matches)
     return sorted(files)
+
+
+def saved_dataset_files(folder: Path, key: str) -> list[Path] | None:
+    """The Arrow files of a Hugging Face dataset saved with `save_to_disk`, as its state.json lists them (not its
+    metadata, dataset_info.json and state.json, which are no rows); None for any other folder. A saved DatasetDict
+    (a folder a split) is bad input naming its splits' folders: one of them is the data."""
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    else:
+        named = ", ".join(str(folder / str(split)) for split in splits)
+        raise SpecError(f"{key}: {folder} is a saved DatasetDict: name one split's folder ({named})")
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a folder of files (its state.json, if any, is not a dataset's)
+    files = [folder / name for name in names]
+    if missing := [path for path in files if not path.is_file()]:
+        raise SpecError(f"{key}: {folder}: the saved dataset's {missing[0].name} (in state.json) is missing")
+    return files
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> PreTrainedTokenizerFast

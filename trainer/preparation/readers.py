@@ -1,6 +1,6 @@
-"""Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV, TSV and Parquet rows, one row in
-memory at a time, from files compressed with gzip, bzip2, xz or zstd too (C4's `.json.gz`, The Pile's `.jsonl.zst`);
-bad input is one SpecError naming the key, the file and the row."""
+"""Reading documents as a stream: plain text files, JSONL (or a JSON array), CSV, TSV, Parquet and Arrow rows, one
+row in memory at a time, from files compressed with gzip, bzip2, xz or zstd too (C4's `.json.gz`, The Pile's
+`.jsonl.zst`); bad input is one SpecError naming the key, the file and the row."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from typing import IO, Any
 
 from trainer.spec import DataSpec, SpecError
 
-PARQUET_SUFFIX = ".parquet"
-RECORD_SUFFIXES = {".jsonl", ".json", ".csv", ".tsv", PARQUET_SUFFIX}  # a file of rows; any other is one document
+# Files of columns, read with pyarrow, by their suffix: the format's name.
+COLUMNAR = {".parquet": "Parquet", ".arrow": "Arrow"}
+RECORD_SUFFIXES = {".jsonl", ".json", ".csv", ".tsv", *COLUMNAR}  # a file of rows; any other is one document
+ROWS_AT_ONCE = 1024  # rows of a columnar file made Python objects at a time
+ARROW_FILE_MAGIC = b"ARROW1"  # how an Arrow IPC file of the file format begins; one of the stream format does not
 # The csv module's reading of each table format. A TSV has no quoting (IANA's text/tab-separated-values, GLUE's
 # files): a quote is text, where CSV quoting would join the rows up to the next quote into one field.
 TABLES: dict[str, dict[str, Any]] = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
@@ -128,11 +131,11 @@ def _lines(path: Path, key: str) -> Iterator[tuple[int, str, int]]:
 
 
 def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
-    """(where, record, bytes of the file read) for each row of a JSONL, JSON, CSV, TSV or Parquet file, one row in
-    memory at a time."""
+    """(where, record, bytes of the file read) for each row of a JSONL, JSON, CSV, TSV, Parquet or Arrow file, one
+    row in memory at a time."""
     kind = data_format(path)
-    if kind == PARQUET_SUFFIX:
-        yield from _parquet_records(path, fields, key)
+    if kind in COLUMNAR:
+        yield from _columnar_records(path, fields, key)
     elif kind in TABLES:
         # A field may be a whole document: the csv module's default bound (128 KiB) would refuse a long one.
         csv.field_size_limit(CSV_FIELD_LIMIT)
@@ -258,25 +261,76 @@ def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: s
         raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(columns)})")
 
 
-def _parquet_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
+def _columnar_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """Parquet and Arrow files: the spec's columns only, a slice of rows at a time."""
     import pyarrow
-    import pyarrow.parquet
 
+    kind = COLUMNAR[data_format(path)]
     try:
-        size = path.stat().st_size
-        parquet = pyarrow.parquet.ParquetFile(path)
+        columns, batches = (_parquet_batches if kind == "Parquet" else _arrow_batches)(path, fields)
     except (OSError, pyarrow.ArrowException) as exc:
-        raise SpecError(f"{key}: {path}: not a readable Parquet file: {str(exc).splitlines()[0]}") from None
-    _check_columns(path, fields, parquet.schema_arrow.names, key)
-    rows = max(1, parquet.metadata.num_rows)
+        raise SpecError(f"{key}: {path}: not a readable {kind} file: {str(exc).splitlines()[0]}") from None
+    _check_columns(path, fields, columns, key)
     row = 0
     try:
-        for batch in parquet.iter_batches(batch_size=1024, columns=fields):
-            for record in batch.to_pylist():
-                row += 1
-                yield f"{path}: row {row}", record, size * row // rows  # the file's bytes in proportion to its rows
+        for batch, read in batches:
+            # A file may be one batch of all its rows: Python objects for a slice of them at a time.
+            for start in range(0, batch.num_rows, ROWS_AT_ONCE):
+                for record in batch.slice(start, ROWS_AT_ONCE).to_pylist():
+                    row += 1
+                    yield f"{path}: row {row}", record, read
     except (OSError, pyarrow.ArrowException) as exc:
         raise SpecError(f"{key}: {path}: row {row + 1}: unreadable: {str(exc).splitlines()[0]}") from None
+
+
+Batches = Iterator[tuple[Any, int]]  # (a pyarrow RecordBatch of the spec's columns, bytes of the file read with it)
+
+
+def _parquet_batches(path: Path, fields: list[str]) -> tuple[list[str], Batches]:
+    import pyarrow.parquet
+
+    size = path.stat().st_size
+    parquet = pyarrow.parquet.ParquetFile(path)
+    rows = max(1, parquet.metadata.num_rows)
+
+    def batches() -> Batches:
+        done = 0
+        for batch in parquet.iter_batches(batch_size=ROWS_AT_ONCE, columns=fields):
+            done += batch.num_rows
+            yield batch, size * done // rows  # the file's bytes in proportion to its rows
+
+    return parquet.schema_arrow.names, batches()
+
+
+def _arrow_batches(path: Path, fields: list[str]) -> tuple[list[str], Batches]:
+    """An Arrow IPC file: the stream format (what Hugging Face datasets' `save_to_disk` and cache write) or the file
+    format (Feather 2, `pyarrow.ipc.new_file`), memory-mapped."""
+    import pyarrow.ipc
+
+    source = pyarrow.memory_map(str(path))
+    if source.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC:
+        reader = pyarrow.ipc.open_file(source)
+        count = reader.num_record_batches
+
+        def batches() -> Batches:
+            for index in range(count):
+                yield reader.get_batch(index).select(fields), source.size() * (index + 1) // count
+
+    else:
+        source.seek(0)
+        reader = pyarrow.ipc.open_stream(source)
+
+        def batches() -> Batches:
+            # Where each batch ends, the last at the file's end (after the stream's end marker).
+            held: tuple[Any, int] | None = None
+            for batch in reader:
+                if held:
+                    yield held
+                held = batch.select(fields), source.tell()
+            if held:
+                yield held[0], source.size()
+
+    return reader.schema.names, batches()
 
 
 def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str:
@@ -291,7 +345,9 @@ def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str
 def _file_documents(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
     if data_format(path) not in RECORD_SUFFIXES:
         if labelled:
-            raise SpecError(f"{key}: {path}: expected a .jsonl, .json, .csv, .tsv or .parquet file of text/label rows")
+            raise SpecError(
+                f"{key}: {path}: expected a .jsonl, .json, .csv, .tsv, .parquet or .arrow file of text/label rows"
+            )
         text, size = _text_file(path, key)
         yield Document(text, None, size)
         return
@@ -337,7 +393,7 @@ def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipp
 
 
 def read_texts(paths: list[Path], text_field: str, key: str) -> Iterator[str]:
-    """The text of every document of `paths` (a plain text file is one; each JSONL/CSV/Parquet row is one)."""
+    """The text of every document of `paths` (a plain text file is one; each row of a file of rows is one)."""
     # The spec models take their camelCase keys only (as a job spec spells them).
     data = DataSpec.model_validate({"train": [str(p) for p in paths], "textField": text_field})
     return (doc.text for doc in documents(paths, data, False, key, Skipped()))
