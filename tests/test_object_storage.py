@@ -50,6 +50,7 @@ from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
 from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV
 from trainer.names import EXIT_BAD_INPUT
+from trainer.preparation.readers import read_texts
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
 from trainer.storage import StorageUnreachable, matching_objects, reason, s3_client, s3_sources
@@ -582,6 +583,25 @@ def test_a_data_uri_names_an_object_a_folder_the_whole_bucket_or_a_glob(s3_env: 
     assert on_disk["corpus/**/*.txt"] == ["corpus/a.txt", "corpus/sub/c.txt"] and on_disk["corpus/.*"] == [
         "corpus/.hidden.txt"
     ]
+
+
+def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket: str) -> None:
+    """`save_to_disk("s3://...")` as on disk: the folder's Arrow files in state.json's order, not its metadata."""
+    import datasets
+
+    texts = [f"row {i}" for i in range(100)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(s3_env.bucket(bucket) / "saved"), num_shards=2)
+    for uri in (f"s3://{bucket}/saved", f"s3://{bucket}/saved/"):
+        files = expand_paths([uri], "data.train")
+        assert [path.name for path in files] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"], uri
+        assert list(read_texts(files, "text", "data.train")) == texts
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
+        str(s3_env.bucket(bucket) / "splits")
+    )
+    # Named by its URI, not by the copy in this node's cache.
+    dataset_dict = f"data.train: s3://{bucket}/splits is a saved DatasetDict: name one split's folder"
+    with pytest.raises(SpecError, match=re.escape(f"{dataset_dict} (s3://{bucket}/splits/train)")):
+        expand_paths([f"s3://{bucket}/splits"], "data.train")
 
 
 def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(

@@ -503,6 +503,11 @@ def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Pa
     return target
 
 
+def s3_source(bucket: str, prefix: str = "") -> Path:
+    """Where this node's cache keeps the objects of `bucket` under `prefix` (a folder's mirror)."""
+    return node_cache() / "sources" / bucket / prefix
+
+
 def s3_sources(uri: str, key: str) -> list[Path]:
     """The local copies of the objects a data URI names (`s3://bucket/file`, `s3://bucket/prefix/`, or a glob),
     each downloaded once into this node's cache (sources/<bucket>/<key>); a restart finds them there, so the
@@ -512,7 +517,7 @@ def s3_sources(uri: str, key: str) -> list[Path]:
     except ValueError as exc:
         raise SpecError(f"{key}: {exc}") from None
     store = s3_client(location.bucket)
-    root = node_cache() / "sources" / location.bucket
+    root = s3_source(location.bucket)
     try:
         objects = matching_objects(store, location.prefix)
         if not objects:

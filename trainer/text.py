@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.heap import importing
-from trainer.location import is_s3
+from trainer.location import S3Location, is_s3
 from trainer.spec import SpecError
-from trainer.storage import s3_sources
+from trainer.storage import s3_source, s3_sources
 
 EOS = "<|endoftext|>"
 HUB_CONNECT_TIMEOUT_S = 5.0
@@ -28,16 +28,21 @@ HUB_CONNECT_TIMEOUT_S = 5.0
 
 def expand_paths(patterns: list[str], key: str) -> list[Path]:
     """Expand globs (and `{stdlib}`) into a sorted list of files; a directory names the files under it, as a `**`
-    glob (hidden ones left out), as an S3 prefix names its objects. No match is a SpecError."""
+    glob (hidden ones left out), as an S3 prefix names its objects; one that `save_to_disk` wrote, on disk or in a
+    bucket, names its data files. No match is a SpecError."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files: set[Path] = set()
     for pattern in patterns:
         if is_s3(pattern):  # downloaded once into this node's cache
-            files.update(s3_sources(pattern, key))
+            sources = s3_sources(pattern, key)
+            location = S3Location.parse(pattern)
+            mirror = s3_source(location.bucket, location.prefix.strip("/"))  # a folder's copy: save_to_disk's?
+            saved = saved_dataset_files(mirror, key, pattern.rstrip("/")) if mirror.is_dir() else None
+            files.update(sources if saved is None else saved)
             continue
         expanded = pattern.replace("{stdlib}", stdlib)
         folder = os.path.isdir(expanded)
-        if folder and (saved := saved_dataset_files(Path(expanded), key)) is not None:
+        if folder and (saved := saved_dataset_files(Path(expanded), key, expanded.rstrip("/"))) is not None:
             files.update(saved)
             continue
         found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
@@ -48,17 +53,18 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
     return sorted(files)
 
 
-def saved_dataset_files(folder: Path, key: str) -> list[Path] | None:
+def saved_dataset_files(folder: Path, key: str, name: str) -> list[Path] | None:
     """The Arrow files of a Hugging Face dataset saved with `save_to_disk`, as its state.json lists them (not its
     metadata, dataset_info.json and state.json, which are no rows); None for any other folder. A saved DatasetDict
-    (a folder a split) is bad input naming its splits' folders: one of them is the data."""
+    (a folder a split) is bad input naming its splits' folders: one of them is the data. `name`: the folder's name
+    for messages (an s3:// URI for a bucket's folder copied to this node)."""
     try:
         splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     else:
-        named = ", ".join(str(folder / str(split)) for split in splits)
-        raise SpecError(f"{key}: {folder} is a saved DatasetDict: name one split's folder ({named})")
+        named = ", ".join(f"{name}/{split}" for split in splits)
+        raise SpecError(f"{key}: {name} is a saved DatasetDict: name one split's folder ({named})")
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         names = [entry["filename"] for entry in state["_data_files"]]
@@ -66,7 +72,7 @@ def saved_dataset_files(folder: Path, key: str) -> list[Path] | None:
         return None  # a folder of files (its state.json, if any, is not a dataset's)
     files = [folder / name for name in names]
     if missing := [path for path in files if not path.is_file()]:
-        raise SpecError(f"{key}: {folder}: the saved dataset's {missing[0].name} (in state.json) is missing")
+        raise SpecError(f"{key}: {name}: the saved dataset's {missing[0].name} (in state.json) is missing")
     return files
 
 
