@@ -554,7 +554,7 @@ def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = 
     """Read (`-`: standard input, as `kubectl apply -f -`), override (--set, then --set-file) and validate a job spec;
     every problem is one SpecError line."""
     name = STDIN if str(path) == "-" else str(path)
-    values = read_yaml_mapping(path) if name != STDIN else parse_yaml_mapping(read_stdin(), name)
+    values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
     values = apply_overrides(values, overrides, files)
     try:
         return JobSpec.model_validate(values)
@@ -563,6 +563,7 @@ def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = 
 
 
 def read_stdin() -> str:
+    """The spec piped in, whole."""
     if sys.stdin is None or sys.stdin.isatty():  # closed, or a terminal: a forgotten pipe, not a spec to type
         raise SpecError(f"{STDIN}: no spec piped in: `-` reads it from a pipe or a redirected file")
     try:
