@@ -35,6 +35,7 @@ from trainer.spec import (
     read_yaml_mapping,
 )
 
+LIST_INDEX = re.compile(r"\[\d*\]$")  # helm's --set a.list[0]=value
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Variables that carry credentials (W&B's WANDB_API_KEY, MLflow's MLFLOW_TRACKING_TOKEN/_PASSWORD, HF_TOKEN,
@@ -505,6 +506,9 @@ def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str],
     path = key.strip().split(".")
     if not sep or not all(path):
         raise SpecError(f"{flag} {assignment!r}: expected {form}")
+    if indexed := next((part for part in path if LIST_INDEX.search(part)), None):  # helm's `list[0]=value`
+        whole = ".".join([*path[: path.index(indexed)], LIST_INDEX.sub("", indexed)])
+        raise SpecError(f"{flag} {assignment!r}: no list items by index; set the whole list, {whole}=[a, b]")
     return path, raw
 
 

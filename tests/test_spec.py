@@ -84,6 +84,12 @@ BAD_SPECS = [
         "--set-file 'storage.caBundle=absent.crt': cannot read absent.crt: No such file or directory",
     ),
     ("set-file-without-path", {}, ["--set-file", "storage.caBundle"], "--set-file 'storage.caBundle': expected"),
+    (
+        "set-list-item",
+        {},
+        ["--set", "training.data.train[0]=x.txt"],
+        "--set 'training.data.train[0]=x.txt': no list items by index; set the whole list, training.data.train=[a, b]",
+    ),
 ]
 
 
