@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -595,6 +596,18 @@ def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket:
         files = expand_paths([uri], "data.train")
         assert [path.name for path in files] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"], uri
         assert list(read_texts(files, "text", "data.train")) == texts
+    # What the bucket has now, not what this node's cache kept of it: a shard gone is missing, state.json gone is a
+    # folder of files.
+    saved = s3_env.bucket(bucket) / "saved"
+    (saved / "data-00001-of-00002.arrow").unlink()
+    with pytest.raises(
+        SpecError, match=re.escape("saved dataset's data-00001-of-00002.arrow (in state.json) is missing")
+    ):
+        expand_paths([f"s3://{bucket}/saved"], "data.train")
+    shutil.rmtree(saved)
+    saved.mkdir()
+    (saved / "a.txt").write_text("a note")
+    assert [path.name for path in expand_paths([f"s3://{bucket}/saved"], "data.train")] == ["a.txt"]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
         str(s3_env.bucket(bucket) / "splits")
     )

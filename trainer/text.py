@@ -13,7 +13,7 @@ import socket
 import sysconfig
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
             sources = s3_sources(pattern, key)
             location = S3Location.parse(pattern)
             mirror = s3_source(location.bucket, location.prefix.strip("/"))  # a folder's copy: save_to_disk's?
-            saved = saved_dataset_files(mirror, key, pattern.rstrip("/")) if mirror.is_dir() else None
+            # Only what the bucket has now: the cache may still hold objects an earlier run downloaded.
+            saved = saved_dataset_files(mirror, key, pattern.rstrip("/"), set(sources).__contains__)
             files.update(sources if saved is None else saved)
             continue
         expanded = pattern.replace("{stdlib}", stdlib)
@@ -53,27 +54,37 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
     return sorted(files)
 
 
-def saved_dataset_files(folder: Path, key: str, name: str) -> list[Path] | None:
+def saved_dataset_files(
+    folder: Path, key: str, name: str, present: Callable[[Path], bool] = Path.is_file
+) -> list[Path] | None:
     """The Arrow files of a Hugging Face dataset saved with `save_to_disk`, as its state.json lists them (not its
     metadata, dataset_info.json and state.json, which are no rows); None for any other folder. A saved DatasetDict
     (a folder a split) is bad input naming its splits' folders: one of them is the data. `name`: the folder's name
-    for messages (an s3:// URI for a bucket's folder copied to this node)."""
+    for messages (an s3:// URI for a bucket's folder copied to this node); `present`: whether the folder has a
+    file (for a bucket's copy, whether the bucket has it)."""
     try:
-        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        splits = present_json(folder / "dataset_dict.json", present)["splits"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     else:
         named = ", ".join(f"{name}/{split}" for split in splits)
         raise SpecError(f"{key}: {name} is a saved DatasetDict: name one split's folder ({named})")
     try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        state = present_json(folder / "state.json", present)
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a folder of files (its state.json, if any, is not a dataset's)
     files = [folder / name for name in names]
-    if missing := [path for path in files if not path.is_file()]:
+    if missing := [path for path in files if not present(path)]:
         raise SpecError(f"{key}: {name}: the saved dataset's {missing[0].name} (in state.json) is missing")
     return files
+
+
+def present_json(path: Path, present: Callable[[Path], bool]) -> Any:
+    """The JSON `path` holds; FileNotFoundError when the folder has no such file (by `present`)."""
+    if not present(path):
+        raise FileNotFoundError(path)
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int):  # -> PreTrainedTokenizerFast
