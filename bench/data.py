@@ -6,7 +6,7 @@ site-packages, whatever is installed there: the text differs between machines, i
 not): the small one as is, the large one as several passes over them with per-pass variation
 (every `self` renamed per pass), until the size asked for; a machine with less text gets passes
 in the small one too. An 8k byte-level BPE is trained on the first 5 MB (at most the small corpus' size) and
-given as `tokenizer.path`.
+given as `training.tokenizer.path`.
 
 Measured in one invocation, on the small corpus and then the large one:
 

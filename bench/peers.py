@@ -41,7 +41,7 @@ def tokenize_packed(tokenizer, documents: list[str]) -> np.ndarray:
 
 
 def load_blocks(settings: dict) -> TokenBlocks:
-    documents = list(read_texts(expand_paths(settings["train"], "data.train"), "text", "data.train"))
+    documents = list(read_texts(expand_paths(settings["train"], "training.data.train"), "text", "training.data.train"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(settings["tokenizer"])
     return TokenBlocks(tokenize_packed(tokenizer, documents), settings["block"])
 

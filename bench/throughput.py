@@ -258,7 +258,7 @@ def prepare(
     """
     shape = SHAPES[size]
     corpus = CORPORA[size]
-    documents = read_texts(expand_paths(corpus, "data.train"), "text", "data.train")
+    documents = read_texts(expand_paths(corpus, "training.data.train"), "text", "training.data.train")
     tokenizer = train_tokenizer(documents, shape["vocab_size"])
     tokenizer.save_pretrained(workdir / "tokenizer")
     settings = {

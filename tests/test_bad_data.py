@@ -21,8 +21,8 @@ def jsonl(path: Path, rows: list[dict]) -> str:
 
 
 CASES = {
-    "missing-file": (lambda d: {"train": str(d / "absent.jsonl")}, "data.train: no file matches"),
-    "empty-dataset": (lambda d: {"train": jsonl(d / "empty.jsonl", [])}, "data.train: no examples in"),
+    "missing-file": (lambda d: {"train": str(d / "absent.jsonl")}, "training.data.train: no file matches"),
+    "empty-dataset": (lambda d: {"train": jsonl(d / "empty.jsonl", [])}, "training.data.train: no examples in"),
     "row-without-text": (
         lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS, {"label": "odd"}])},
         "t.jsonl:41: no 'text' field (fields: label)",
@@ -46,7 +46,7 @@ CASES = {
     ),
     "fewer-samples-than-ranks-x-batch": (
         lambda d: {"train": jsonl(d / "t.jsonl", ROWS[:20]), "valFraction": 0.1},
-        "data.train: 18 samples, fewer than world size x batchSize = 2 x 16",
+        "training.data.train: 18 samples, fewer than world size x batchSize = 2 x 16",
     ),
     "not-utf-8": (
         lambda d: (
@@ -82,7 +82,7 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
     result = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     # One line on the terminal, whichever rank found it first; ranks' own output is not shown.
-    assert result.stdout == "" and result.stderr.startswith("error: data.") and result.stderr.count("\n") == 1
+    assert result.stdout == "" and result.stderr.startswith("error: training.data.") and result.stderr.count("\n") == 1
     assert message in result.stderr, result.stderr
     if case == "fewer-samples-than-ranks-x-batch":  # found after preparing: the complete dataset stays for a rerun
         assert [p.name for p in (tmp_path / "runs").iterdir()] == ["_datasets"]

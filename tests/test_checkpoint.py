@@ -244,8 +244,8 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(
     output = finish(process)
     assert process.returncode != 0
     assert (
-        f"error: checkpoint: {step_name(step)} was written with different settings (changed: batchSize, optimizer.lr);"
-        in output
+        f"error: training.checkpoint: {step_name(step)} was written with different settings (changed:"
+        f" training.batchSize, training.optimizer.lr);" in output
     ), output
     assert committed_steps(run_dir)[-1] == step and not (run_dir / "final").exists()
 
@@ -334,7 +334,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, asy
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     message = str(failure.value)
-    assert message.startswith(f"checkpoint.dir: cannot save step-00000002 in {tmp_path}: ")
+    assert message.startswith(f"training.checkpoint.dir: cannot save step-00000002 in {tmp_path}: ")
     assert "File too large" in message and message.endswith("; step-00000001 stays the latest checkpoint")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
@@ -400,7 +400,8 @@ def test_a_diverging_run_stops_with_the_step_and_saves_nothing_non_finite(
     # Every rank stops on the summed loss at the same step: the line names the step, not a rank or a node.
     failed = re.fullmatch(
         r"error: the (training|validation) loss went non-finite \(nan\) at step \d+;"
-        r" (step-\d{8} in .* is the newest checkpoint|no checkpoint yet) \(lower optimizer.lr or set gradClip\)"
+        r" (step-\d{8} in .* is the newest checkpoint|no checkpoint yet) \(lower training.optimizer.lr or set"
+        r" training.gradClip\)"
         r" \(logs of every rank in (\S+)\)",
         result.stderr.splitlines()[-1],
     )

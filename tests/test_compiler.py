@@ -25,17 +25,17 @@ def test_the_compiler_must_find_pythons_headers(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(SpecError) as refused:
         check_compiler(torch.device("cpu"))
     assert str(refused.value).startswith(
-        f"compile: {shutil.which('g++')} cannot build against Python's headers in {tmp_path} ("
+        f"training.compile: {shutil.which('g++')} cannot build against Python's headers in {tmp_path} ("
     )
     assert "Python.h: No such file or directory" in str(refused.value)
-    assert str(refused.value).endswith("): install them (Debian: python3-dev), or set compile: false")
+    assert str(refused.value).endswith("): install them (Debian: python3-dev), or set training.compile: false")
 
 
 def test_on_a_gpu_it_is_tritons_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Triton's order: $CC, else gcc, else clang on PATH. No CUDA needed: nothing touches the device."""
     none = (
-        "compile: torch.compile needs a C compiler for Triton's launchers (CC, gcc, clang), and none was found:"
-        " install gcc, or set compile: false"
+        "training.compile: torch.compile needs a C compiler for Triton's launchers (CC, gcc, clang), and none"
+        " was found: install gcc, or set training.compile: false"
     )
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(SpecError, match=f"^{re.escape(none)}$"):
@@ -54,7 +54,8 @@ def test_a_compiler_that_does_not_run_is_named(tmp_path: Path, monkeypatch: pyte
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     with pytest.raises(
-        SpecError, match=f"^compile: torch.compile's compiler {re.escape(str(broken))} does not run \\(.*Exec format"
+        SpecError,
+        match=f"^training.compile: torch.compile's compiler {re.escape(str(broken))} does not run \\(.*Exec format",
     ):
         check_compiler(torch.device("cpu"))
 

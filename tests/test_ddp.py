@@ -89,7 +89,9 @@ def test_bf16_compiled_ddp_stays_close_to_fp32(tmp_path, corpus_file, single_pro
     # Rank 0 warned (stderr, in the run's logs) exactly when this CPU has no native bf16 matrix instructions.
     rank_logs = rank_log(tmp_path / "runs" / "bf16", 0, 0).read_text()
     assert "rank 0 of 2" in rank_logs
-    assert ("warning: precision: bf16 on a CPU without" in rank_logs) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (
+        "warning: training.precision: bf16 on a CPU without" in rank_logs
+    ) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -98,7 +100,9 @@ def test_half_precision_is_warned_about_only_on_a_cpu_without_its_instructions(m
     monkeypatch.setattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported", lambda: True)
     assert slow_precision_warning(dtype, torch.device("cpu")) is None
     monkeypatch.setattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported", lambda: False)
-    assert slow_precision_warning(dtype, torch.device("cpu")).startswith(f"warning: precision: {name} on a CPU")
+    assert slow_precision_warning(dtype, torch.device("cpu")).startswith(
+        f"warning: training.precision: {name} on a CPU"
+    )
     assert slow_precision_warning(dtype, torch.device("cuda", 0)) is None
     assert slow_precision_warning(None, torch.device("cpu")) is None  # fp32
 

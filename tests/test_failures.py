@@ -287,14 +287,16 @@ def test_block_size_beyond_the_data_names_model_block_size(workdir, corpus_file:
     path, env = workdir
     (path / "spec.yaml").write_text(yaml.safe_dump(spec))
     assert run_ctl("prepare", "spec.yaml", cwd=path, env=env).returncode == 0
-    run_bad_input(workdir, spec, [], "model.blockSize: 1000000000 is too long for the validation text", times=1)
+    run_bad_input(
+        workdir, spec, [], "training.model.blockSize: 1000000000 is too long for the validation text", times=1
+    )
 
 
 def test_missing_tokenizer_directory_is_named_as_such(workdir, corpus_file: Path) -> None:
     missing = workdir[0] / "no-tokenizer"
     spec = causal_lm(corpus_file, procs=1)
     spec["training"]["tokenizer"] = {"path": str(missing)}
-    run_bad_input(workdir, spec, [], f"error: tokenizer.path: {missing}: no such directory", times=1)
+    run_bad_input(workdir, spec, [], f"error: training.tokenizer.path: {missing}: no such directory", times=1)
 
 
 def test_a_directory_without_a_tokenizer_is_named_as_such(tmp_path: Path) -> None:
@@ -306,9 +308,10 @@ def test_a_directory_without_a_tokenizer_is_named_as_such(tmp_path: Path) -> Non
     for directory in (tmp_path / "empty", model):
         directory.mkdir(exist_ok=True)
         with pytest.raises(SpecError) as refused:
-            load_tokenizer(str(directory), "tokenizer.path")
+            load_tokenizer(str(directory), "training.tokenizer.path")
         assert str(refused.value) == (
-            f"tokenizer.path: cannot load a tokenizer from '{directory}': no tokenizer in the directory (none of"
+            f"training.tokenizer.path: cannot load a tokenizer from '{directory}': no tokenizer in the"
+            " directory (none of"
             " tokenizer.json, tokenizer_config.json, vocab.json, vocab.txt, tokenizer.model)"
         )
 
@@ -326,19 +329,20 @@ def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_onl
     hub_out_of_reach.cache_clear()  # asked once a process: each endpoint here is asked anew
     started = time.monotonic()
     with pytest.raises(SpecError) as refused:
-        load_tokenizer("models/gpt2-smal", "tokenizer.path")
+        load_tokenizer("models/gpt2-smal", "training.tokenizer.path")
     assert time.monotonic() - started < 10
     assert str(refused.value).startswith(
-        "tokenizer.path: cannot load a tokenizer from 'models/gpt2-smal': no such directory here, nor in the hub's"
+        "training.tokenizer.path: cannot load a tokenizer from 'models/gpt2-smal': no such directory here, nor"
+        " in the hub's"
         " local cache (the hub cannot be reached): "
     )
     assert "\n" not in str(refused.value)
     with silent_server(accept=True) as port:  # reachable
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{port}")
         hub_out_of_reach.cache_clear()
-        assert pretrained_options("models/gpt2-smal", "model.pretrained") == {}
+        assert pretrained_options("models/gpt2-smal", "training.model.pretrained") == {}
     (tmp_path / "models" / "gpt2-small").mkdir(parents=True)
-    assert pretrained_options("models/gpt2-small", "model.pretrained") == {}
+    assert pretrained_options("models/gpt2-small", "training.model.pretrained") == {}
 
 
 def test_compile_without_a_cpp_compiler_is_found_before_any_work(workdir, corpus_file: Path) -> None:
@@ -346,8 +350,8 @@ def test_compile_without_a_cpp_compiler_is_found_before_any_work(workdir, corpus
     path, env = workdir
     spec = tiny_spec(corpus_file, compile=True) | {"procsPerNode": 2}
     expected = (
-        "error: compile: torch.compile needs a C++ compiler for its CPU kernels (CXX, g++), and none was found:"
-        " install g++, or set compile: false"
+        "error: training.compile: torch.compile needs a C++ compiler for its CPU kernels (CXX, g++), and none"
+        " was found: install g++, or set training.compile: false"
     )
     run_bad_input((path, env | {"CXX": str(path / "no-g++")}), spec, [], expected, times=1)
 
@@ -360,7 +364,7 @@ def test_race_run_dir_is_an_existing_file(workdir, corpus_file: Path) -> None:
     """Two nodes: `ctl run` picks the root cause among them."""
     (workdir[0] / "taken").write_text("a file, not a directory\n")
     spec = tiny_spec(corpus_file) | {"nodes": 2}
-    expected = f"error: checkpoint.dir: cannot create {workdir[0] / 'taken'}: File exists"
+    expected = f"error: training.checkpoint.dir: cannot create {workdir[0] / 'taken'}: File exists"
     run_bad_input(workdir, spec, ["--run-dir", "taken"], expected, times=3)
 
 
@@ -368,7 +372,7 @@ def test_race_missing_pretrained_directory(workdir, corpus_file: Path) -> None:
     """Two processes on one node: the launcher picks the root cause among them."""
     missing = workdir[0] / "no-model"
     spec = causal_lm(corpus_file, procs=2, pretrained=str(missing))
-    run_bad_input(workdir, spec, [], f"error: model.pretrained: {missing}: no such directory", times=3)
+    run_bad_input(workdir, spec, [], f"error: training.model.pretrained: {missing}: no such directory", times=3)
 
 
 @pytest.fixture
@@ -389,7 +393,7 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
 
 def test_race_read_only_run_dir(workdir, corpus_file: Path, read_only_dir: Path) -> None:
     spec = tiny_spec(corpus_file) | {"nodes": 2}
-    expected = f"error: checkpoint.dir: {read_only_dir} is not writable: "
+    expected = f"error: training.checkpoint.dir: {read_only_dir} is not writable: "
     run_bad_input(workdir, spec, ["--run-dir", str(read_only_dir)], expected, times=2)
 
 
@@ -399,7 +403,10 @@ def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpu
     assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
     before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
     flags = ["--set", "training.optimizer.lr=0.01"]
-    expected = "error: checkpoint: step-00000002 was written with different settings (changed: optimizer.lr);"
+    expected = (
+        "error: training.checkpoint: step-00000002 was written with different settings"
+        " (changed: training.optimizer.lr);"
+    )
     assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
     assert tree(path) == before
     assert exact_tree(path / "runs" / "tiny") == run_before
@@ -407,7 +414,8 @@ def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpu
     verbose = run_ctl("run", "spec.yaml", *flags, "--verbose", cwd=path, env=env)
     assert verbose.returncode == EXIT_BAD_INPUT
     assert (
-        "[rank 0] rank 0 of 1 on " in verbose.stderr and "[rank 0] error: checkpoint: step-00000002" in verbose.stderr
+        "[rank 0] rank 0 of 1 on " in verbose.stderr
+        and "[rank 0] error: training.checkpoint: step-00000002" in verbose.stderr
     )
 
 
@@ -420,7 +428,7 @@ def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_f
     with corpus.open("a") as file:  # the resume would train on other data
         file.write("\nmore text\n")
     before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
-    expected = f"error: data.train: {corpus} changed since this run's checkpoints were written"
+    expected = f"error: training.data.train: {corpus} changed since this run's checkpoints were written"
     assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, expected)
     assert tree(path) == before
     assert exact_tree(path / "runs" / "tiny") == run_before
@@ -434,7 +442,7 @@ def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers
     stop = Failure(EXIT_PREEMPTED, "stopped", time=1.5, rank=2)
     own = Failure(1, "FloatingPointError: training loss is nan", time=2.0, rank=0)
     killed = Failure(137, "killed by SIGKILL", time=3.0, rank=3)
-    bad = Failure(EXIT_BAD_INPUT, "data.train: no file matches 'x'", time=4.0, rank=0)
+    bad = Failure(EXIT_BAD_INPUT, "training.data.train: no file matches 'x'", time=4.0, rank=0)
     assert root_cause([peer, stop, own, killed, bad]) == bad
     assert root_cause([peer, stop, killed, own]) == own  # the earliest own error
     assert root_cause([peer, killed]) == killed and root_cause([peer, stop]) == stop
@@ -504,7 +512,9 @@ def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_li
 
 def test_a_position_table_larger_than_the_machine_names_model_block_size() -> None:
     spec = ModelSpec(nLayer=1, nHead=2, nEmbd=32, blockSize=10**13)  # 1.2 PB of weights: no machine has that
-    with pytest.raises(SpecError, match=r"^model\.blockSize: 10000000000000 positions x nEmbd 32 take \d+ GiB"):
+    with pytest.raises(
+        SpecError, match=r"^training\.model\.blockSize: 10000000000000 positions x nEmbd 32 take \d+ GiB"
+    ):
         gpt_config(spec, vocab_size=100, eos_id=0)
 
 

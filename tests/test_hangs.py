@@ -148,7 +148,7 @@ def test_a_stopped_rank_fails_the_job_retryably_naming_it_and_a_rerun_resumes_ex
     assert named, report.group(2)
     # The others finished the step with rank 1's gradients; rank 1 may have been stopped before its optimizer step.
     assert int(named.group(1)) in (hung.stopped_after, hung.stopped_after + 1), (hung.stopped_after, report.group(2))
-    assert f"at least timeouts.hangFloorSeconds = {FLOOR}" in report.group(2)
+    assert f"at least training.timeouts.hangFloorSeconds = {FLOOR}" in report.group(2)
     # Rank 0 (the one not stopped) dumped its Python stacks into its log: its training thread waits in the gradient
     # all-reduce.
     log = rank_log(hung.run_dir, 0, 0)
@@ -209,7 +209,7 @@ def assert_killed_by_its_launcher(output: str, rank: int) -> None:
         r".*its node's launcher killed it",
         output,
     )
-    assert killed and f"at least timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), output
+    assert killed and f"at least training.timeouts.hangFloorSeconds = {FLOOR}" in killed.group(0), output
     assert_exited_hung(output)
 
 

@@ -77,7 +77,7 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
     spec = tiny_spec(corpus_file, data={"train": str(missing)}) | {"nodes": 2, "procsPerNode": 1}
     result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert (result.stdout, result.stderr) == ("", f"error: data.train: no file matches '{missing}'\n")
+    assert (result.stdout, result.stderr) == ("", f"error: training.data.train: no file matches '{missing}'\n")
     assert not (tmp_path / "runs").exists()
     assert processes_with_marker(marker) == []
 

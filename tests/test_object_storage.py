@@ -1,4 +1,4 @@
-"""Runs on object storage (`checkpoint.dir: s3://bucket/prefix`) against a real S3 server (versitygw,
+"""Runs on object storage (`training.checkpoint.dir: s3://bucket/prefix`) against a real S3 server (versitygw,
 tests/s3server.py): checkpoints committed by their marker object, retention after the commit, resume from the
 bucket, bad buckets and credentials refused with one line."""
 
@@ -164,10 +164,14 @@ def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
 ) -> None:
     for name, value in s3.env(secret="not-the-secret").items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://[\w-]+/run: SignatureDoesNotMatch: "):
+    with pytest.raises(
+        SpecError, match=r"^training\.checkpoint\.dir: cannot use s3://[\w-]+/run: SignatureDoesNotMatch: "
+    ):
         checkpointer(f"s3://{bucket}/run", tmp_path).store.check(writable=True)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.env()["AWS_SECRET_ACCESS_KEY"])
-    with pytest.raises(SpecError, match=r"^checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "):
+    with pytest.raises(
+        SpecError, match=r"^training\.checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "
+    ):
         checkpointer("s3://no-such-bucket/run", tmp_path).store.check(writable=True)
 
 
@@ -182,9 +186,13 @@ def test_a_server_that_is_not_there_is_its_root_cause_in_one_line(
     with pytest.raises(StorageUnreachable) as refused:
         checkpointer("s3://runs/a", tmp_path).store.check(writable=True)
     expected = rf"(GET|HEAD) {endpoint}/runs\S*: Connection refused \(after \d+ retries in [\d.]+ s\)"
-    assert re.fullmatch(rf"checkpoint\.dir: cannot reach s3://runs/a: {expected}", str(refused.value)), refused.value
-    with pytest.raises(StorageUnreachable, match=rf"^data\.train: cannot reach s3://runs/corpus/: {expected}$"):
-        s3_sources("s3://runs/corpus/", "data.train")
+    assert re.fullmatch(rf"training\.checkpoint\.dir: cannot reach s3://runs/a: {expected}", str(refused.value)), (
+        refused.value
+    )
+    with pytest.raises(
+        StorageUnreachable, match=rf"^training\.data\.train: cannot reach s3://runs/corpus/: {expected}$"
+    ):
+        s3_sources("s3://runs/corpus/", "training.data.train")
 
 
 @contextlib.contextmanager
@@ -258,7 +266,8 @@ def test_aws_ca_bundle_names_the_private_ca_that_signed_the_endpoint(
     with pytest.raises(SpecError) as untrusted:
         checkpointer("s3://private/run", tmp_path).store.check(writable=True)
     assert str(untrusted.value).startswith(
-        f"checkpoint.dir: cannot use s3://private/run: GET {s3.endpoint}/private: the server's TLS certificate is not"
+        f"training.checkpoint.dir: cannot use s3://private/run: GET {s3.endpoint}/private: the server's TLS"
+        " certificate is not"
         f" trusted (UnknownIssuer): a private CA's certificates go in AWS_CA_BUNDLE (the chart's storage.caBundle)"
     ), untrusted.value
     monkeypatch.setenv(S3_CA_BUNDLE_ENV, str(tls.ca_file))
@@ -499,7 +508,7 @@ def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
     result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
     assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"error: checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
+    assert line.startswith(f"error: training.checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
     assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written
 
 
@@ -525,7 +534,7 @@ def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_buc
 def test_training_data_from_a_bucket_prefix_is_downloaded_once_per_node(
     s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
 ) -> None:
-    """data.train names an s3:// prefix: its objects are downloaded once into the node's cache and prepared; a
+    """training.data.train names an s3:// prefix: its objects are downloaded once into the node's cache and prepared; a
     second job on the same node finds both the files and the prepared dataset there and reads nothing again."""
     text = corpus_file.read_text()
     corpus = s3.bucket(bucket) / "corpus"
@@ -593,9 +602,9 @@ def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket:
     texts = [f"row {i}" for i in range(100)]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(s3_env.bucket(bucket) / "saved"), num_shards=2)
     for uri in (f"s3://{bucket}/saved", f"s3://{bucket}/saved/"):
-        files = expand_paths([uri], "data.train")
+        files = expand_paths([uri], "training.data.train")
         assert [path.name for path in files] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"], uri
-        assert list(read_texts(files, "text", "data.train")) == texts
+        assert list(read_texts(files, "text", "training.data.train")) == texts
     # What the bucket has now, not what this node's cache kept of it: a shard gone is missing, state.json gone is a
     # folder of files.
     saved = s3_env.bucket(bucket) / "saved"
@@ -603,18 +612,18 @@ def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket:
     with pytest.raises(
         SpecError, match=re.escape("saved dataset's data-00001-of-00002.arrow (in state.json) is missing")
     ):
-        expand_paths([f"s3://{bucket}/saved"], "data.train")
+        expand_paths([f"s3://{bucket}/saved"], "training.data.train")
     shutil.rmtree(saved)
     saved.mkdir()
     (saved / "a.txt").write_text("a note")
-    assert [path.name for path in expand_paths([f"s3://{bucket}/saved"], "data.train")] == ["a.txt"]
+    assert [path.name for path in expand_paths([f"s3://{bucket}/saved"], "training.data.train")] == ["a.txt"]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts})}).save_to_disk(
         str(s3_env.bucket(bucket) / "splits")
     )
     # Named by its URI, not by the copy in this node's cache.
-    dataset_dict = f"data.train: s3://{bucket}/splits is a saved DatasetDict: name one split's folder"
+    dataset_dict = f"training.data.train: s3://{bucket}/splits is a saved DatasetDict: name one split's folder"
     with pytest.raises(SpecError, match=re.escape(f"{dataset_dict} (s3://{bucket}/splits/train)")):
-        expand_paths([f"s3://{bucket}/splits"], "data.train")
+        expand_paths([f"s3://{bucket}/splits"], "training.data.train")
 
 
 def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(
@@ -648,19 +657,23 @@ def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_
     result = run_ctl("run", str(write_spec(on_s3)), cwd=tmp_path, env=env)
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
-    assert f"failed: checkpoint.dir: cannot reach s3://{bucket}/team/tiny: GET {closed}/{bucket}" in line, line
+    assert f"failed: training.checkpoint.dir: cannot reach s3://{bucket}/team/tiny: GET {closed}/{bucket}" in line, line
     assert "(output in " in line, line  # one line, no traceback
     data = tiny_spec(corpus_file) | {"storage": {"endpoint": closed}}
     data["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
     prepared = run_ctl("prepare", str(write_spec(data)), cwd=tmp_path, env=env)
     assert prepared.returncode == 1 and prepared.stdout == "", prepared.stderr
-    assert prepared.stderr.startswith(f"error: data.train: cannot reach s3://{bucket}/corpus.txt: HEAD {closed}/")
+    assert prepared.stderr.startswith(
+        f"error: training.data.train: cannot reach s3://{bucket}/corpus.txt: HEAD {closed}/"
+    )
     # The chart's prepare Job: its podFailurePolicy ends the job at exit 2, and retries exit 1.
     config = tmp_path / "training.yaml"
     config.write_text(yaml.safe_dump(data["training"] | {"checkpoint": {"dir": str(tmp_path / "job")}}))
     command = [sys.executable, "-m", "trainer.prepare", "--config", str(config)]
     job = subprocess.run(command, capture_output=True, text=True, env=env | {S3_ENDPOINT_ENV: closed}, timeout=120)
-    assert job.returncode == 1 and job.stderr.splitlines()[-1].startswith("error: data.train: cannot reach"), job.stderr
+    assert job.returncode == 1 and job.stderr.splitlines()[-1].startswith("error: training.data.train: cannot reach"), (
+        job.stderr
+    )
 
 
 def test_a_dataset_prepared_on_one_node_is_fetched_from_the_bucket_on_another(
@@ -698,4 +711,4 @@ def test_a_resume_from_the_bucket_on_changed_data_is_refused_with_one_line(
     again = run_ctl("run", str(spec), cwd=tmp_path, env=os.environ | s3.env() | {NODE_CACHE_ENV: str(tmp_path / "b")})
     assert again.returncode == EXIT_BAD_INPUT, again.stdout + again.stderr
     (line,) = again.stderr.splitlines()
-    assert line.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), line
+    assert line.startswith(f"error: training.data.train: {corpus} changed since this run's checkpoints"), line

@@ -154,10 +154,10 @@ def test_causal_lm_tokens_equal_a_single_process_tokenization(
 def test_read_texts_reads_every_document_from_the_text_field_it_is_given(tmp_path, mixed_inputs) -> None:
     """The benches' reader: the same documents as preparation reads, in order, from the field named."""
     files, documents = mixed_inputs
-    assert list(read_texts(files, "text", "data.train")) == documents
+    assert list(read_texts(files, "text", "training.data.train")) == documents
     body = tmp_path / "body.jsonl"
     body.write_text("".join(json.dumps({"body": t, "text": ""}) + "\n" for t in documents[:3]), encoding="utf-8")
-    assert list(read_texts([body], "body", "data.train")) == documents[:3]
+    assert list(read_texts([body], "body", "training.data.train")) == documents[:3]
 
 
 def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
@@ -167,7 +167,7 @@ def test_a_byte_order_mark_is_not_part_of_the_text(tmp_path) -> None:
     with (tmp_path / "c.csv").open("w", newline="", encoding="utf-8-sig") as out:
         csv.writer(out).writerows([["text", "label"], ["a CSV row", "x"]])
     files = [tmp_path / name for name in ("a.txt", "b.jsonl", "c.csv")]
-    assert list(read_texts(files, "text", "data.train")) == ["a text file", "a JSONL row", "a CSV row"]
+    assert list(read_texts(files, "text", "training.data.train")) == ["a text file", "a JSONL row", "a CSV row"]
 
 
 def test_a_boolean_field_is_spelled_as_json_writes_it(tmp_path) -> None:
@@ -176,7 +176,7 @@ def test_a_boolean_field_is_spelled_as_json_writes_it(tmp_path) -> None:
     parquet({"label": [True, False]})(tmp_path / "b.parquet")
     (tmp_path / "c.csv").write_text("label\ntrue\nfalse\n")
     files = [tmp_path / name for name in ("a.jsonl", "b.parquet", "c.csv")]
-    assert list(read_texts(files, "label", "data.train")) == ["true", "false"] * 3
+    assert list(read_texts(files, "label", "training.data.train")) == ["true", "false"] * 3
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
@@ -192,15 +192,17 @@ def test_a_json_file_may_be_one_array_of_rows(tmp_path, monkeypatch, chunk) -> N
         ("flat.json", json.dumps(rows, ensure_ascii=False)),
     ):
         (tmp_path / name).write_text("\ufeff \n" + text + "\n", encoding="utf-8")
-        assert list(read_texts([tmp_path / name], "text", "data.train")) == [row["text"] for row in rows]
-        assert [int(n) for n in read_texts([tmp_path / name], "n", "data.train")] == [10**i for i in range(12)]
+        assert list(read_texts([tmp_path / name], "text", "training.data.train")) == [row["text"] for row in rows]
+        assert [int(n) for n in read_texts([tmp_path / name], "n", "training.data.train")] == [10**i for i in range(12)]
     (tmp_path / "empty.json").write_text(" [ ] ")
-    assert list(read_texts([tmp_path / "empty.json"], "text", "data.train")) == []
+    assert list(read_texts([tmp_path / "empty.json"], "text", "training.data.train")) == []
     lines = json.dumps([{"text": "a"}, {"body": "b"}], indent=1).splitlines()  # the second row opens on line 5
     assert lines[4] == " {"
     (tmp_path / "bad.json").write_text("\n".join(lines))
-    with pytest.raises(SpecError, match=f"^data.train: {tmp_path / 'bad.json'}:5: no 'text' field \\(fields: body\\)$"):
-        list(read_texts([tmp_path / "bad.json"], "text", "data.train"))
+    with pytest.raises(
+        SpecError, match=f"^training.data.train: {tmp_path / 'bad.json'}:5: no 'text' field \\(fields: body\\)$"
+    ):
+        list(read_texts([tmp_path / "bad.json"], "text", "training.data.train"))
 
 
 def zstd_frames(data: bytes) -> bytes:
@@ -233,7 +235,7 @@ def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs
         target = tmp_path / f"{index:02d}{path.suffix.upper() if index % 2 else path.suffix}.{compression}"
         target.write_bytes(COMPRESS[compression](path.read_bytes()))
         compressed.append(target)
-    assert list(read_texts(compressed, "text", "data.train")) == documents_in_order
+    assert list(read_texts(compressed, "text", "training.data.train")) == documents_in_order
     data = DataSpec.model_validate({"train": [str(p) for p in compressed]})
 
     def sizes(paths: list[Path]) -> dict[Path, list[int]]:
@@ -256,7 +258,7 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
     rows = {"text": [f"document {i}" for i in range(3000)], "label": [f"class {i % 3}" for i in range(3000)]}
     dataset = datasets.Dataset.from_dict(rows)
     dataset.save_to_disk(str(tmp_path / "saved"), num_shards=3)
-    shards = expand_paths([str(tmp_path / "saved")], "data.train")
+    shards = expand_paths([str(tmp_path / "saved")], "training.data.train")
     assert [path.name for path in shards] == [f"data-0000{i}-of-00003.arrow" for i in range(3)]
     data = DataSpec.model_validate({"train": [str(tmp_path / "saved")]})
     read = [doc for path in shards for doc in readers.documents([path], data, True, "k", readers.Skipped())]
@@ -269,19 +271,21 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
     with pyarrow.ipc.new_stream(tmp_path / "one-batch.arrow", table.schema) as out:  # all rows in one
         out.write_table(table)
     for name in ("feather.arrow", "one-batch.arrow"):
-        assert list(read_texts([tmp_path / name], "label", "data.train")) == rows["label"], name
+        assert list(read_texts([tmp_path / name], "label", "training.data.train")) == rows["label"], name
 
     datasets.DatasetDict({"train": dataset, "test": dataset.select(range(5))}).save_to_disk(str(tmp_path / "splits"))
     splits = f"{tmp_path / 'splits' / 'train'}, {tmp_path / 'splits' / 'test'}"
-    dataset_dict = f"data.train: {tmp_path / 'splits'} is a saved DatasetDict: name one split's folder ({splits})"
+    dataset_dict = (
+        f"training.data.train: {tmp_path / 'splits'} is a saved DatasetDict: name one split's folder ({splits})"
+    )
     with pytest.raises(SpecError, match=f"^{re.escape(dataset_dict)}$"):
-        expand_paths([str(tmp_path / "splits")], "data.train")
-    test_split = expand_paths([str(tmp_path / "splits" / "test")], "data.train")
-    assert list(read_texts(test_split, "text", "data.train")) == rows["text"][:5]
+        expand_paths([str(tmp_path / "splits")], "training.data.train")
+    test_split = expand_paths([str(tmp_path / "splits" / "test")], "training.data.train")
+    assert list(read_texts(test_split, "text", "training.data.train")) == rows["text"][:5]
     # Any other folder with a state.json is a folder of files, that one included.
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "state.json").write_text('{"step": 3}')
-    assert expand_paths([str(tmp_path / "notes")], "data.train") == [tmp_path / "notes" / "state.json"]
+    assert expand_paths([str(tmp_path / "notes")], "training.data.train") == [tmp_path / "notes" / "state.json"]
 
 
 def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
@@ -289,8 +293,8 @@ def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
     rows up to the next quote, silently)."""
     rows = [("sentence", "label"), ('"a film" about nothing', "0"), ("it's 5' 11\" tall", "1"), ('plain "quoted', "1")]
     (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
-    assert list(read_texts([tmp_path / "train.tsv"], "sentence", "data.train")) == [row[0] for row in rows[1:]]
-    assert list(read_texts([tmp_path / "train.tsv"], "label", "data.train")) == ["0", "1", "1"]
+    assert list(read_texts([tmp_path / "train.tsv"], "sentence", "training.data.train")) == [row[0] for row in rows[1:]]
+    assert list(read_texts([tmp_path / "train.tsv"], "label", "training.data.train")) == ["0", "1", "1"]
     (tmp_path / "short.tsv").write_text("sentence\tlabel\nno label here\n")
     with pytest.raises(SpecError, match=r"short\.tsv:2: 'label' is empty$"):
         list(
@@ -298,7 +302,7 @@ def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
                 [tmp_path / "short.tsv"],
                 DataSpec.model_validate({"train": ["x"], "textField": "sentence"}),
                 True,
-                "data.train",
+                "training.data.train",
                 readers.Skipped(),
             )
         )
@@ -310,10 +314,14 @@ def test_a_directory_names_the_files_under_it(tmp_path) -> None:
     for relative in ("b.txt", "a/c.txt", "a/d/e.jsonl", ".git/HEAD", "a/.DS_Store"):
         (corpus / relative).parent.mkdir(parents=True, exist_ok=True)
         (corpus / relative).write_text("x")
-    assert expand_paths([str(corpus)], "data.train") == [corpus / "a/c.txt", corpus / "a/d/e.jsonl", corpus / "b.txt"]
+    assert expand_paths([str(corpus)], "training.data.train") == [
+        corpus / "a/c.txt",
+        corpus / "a/d/e.jsonl",
+        corpus / "b.txt",
+    ]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SpecError, match=f"^data.val: no file in the directory '{tmp_path / 'empty'}'$"):
-        expand_paths([str(tmp_path / "empty")], "data.val")
+    with pytest.raises(SpecError, match=f"^training.data.val: no file in the directory '{tmp_path / 'empty'}'$"):
+        expand_paths([str(tmp_path / "empty")], "training.data.val")
 
 
 def test_a_csv_field_may_be_a_long_document(tmp_path) -> None:
@@ -321,7 +329,7 @@ def test_a_csv_field_may_be_a_long_document(tmp_path) -> None:
     document = "a long document. " * 20_000
     with (tmp_path / "long.csv").open("w", newline="", encoding="utf-8") as out:
         csv.writer(out).writerows([["text"], [document], ["a short one"]])
-    assert list(read_texts([tmp_path / "long.csv"], "text", "data.train")) == [document, "a short one"]
+    assert list(read_texts([tmp_path / "long.csv"], "text", "training.data.train")) == [document, "a short one"]
 
 
 def test_the_tokenizing_processes_preload_the_allocator_they_are_given(monkeypatch) -> None:
@@ -395,8 +403,8 @@ def parquet(rows: dict[str, list]) -> Callable[[Path], None]:
 
 
 BAD = {
-    "missing": ("absent.txt", None, "data.train: no file matches"),
-    "empty": ("empty.txt", lambda p: p.write_text("  \n"), "data.train: no text in"),
+    "missing": ("absent.txt", None, "training.data.train: no file matches"),
+    "empty": ("empty.txt", lambda p: p.write_text("  \n"), "training.data.train: no text in"),
     "undecodable": ("latin1.txt", lambda p: p.write_bytes("caf\xe9".encode("latin-1")), "latin1.txt is not UTF-8 text"),
     "jsonl-row": (
         "rows.jsonl",
@@ -511,7 +519,9 @@ def test_bad_inputs_name_key_file_and_row_and_leave_nothing(tmp_path, case) -> N
         return
     logged: list[str] = []
     entry = prepare_spec(skipping, tmp_path / "run", logged.append).entry
-    assert any(line.startswith(f"skipped 1 bad file(s) (data.onBadFile: skip): {tmp_path / name}") for line in logged)
+    assert any(
+        line.startswith(f"skipped 1 bad file(s) (training.data.onBadFile: skip): {tmp_path / name}") for line in logged
+    )
     assert json.loads((entry / MANIFEST).read_text())["skipped"] == {"count": 1, "files": [str(tmp_path / name)]}
     assert len(tokens(entry)) == len("some good text\n" * 50)
 
@@ -542,7 +552,7 @@ def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(t
     resumed = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert resumed.returncode == 2, resumed.stdout + resumed.stderr
     (failure,) = resumed.stderr.splitlines()
-    assert failure.startswith(f"error: data.train: {corpus} changed since this run's checkpoints"), failure
+    assert failure.startswith(f"error: training.data.train: {corpus} changed since this run's checkpoints"), failure
 
 
 def test_the_prepare_jobs_command_prepares_with_several_processes(tmp_path) -> None:
@@ -700,9 +710,9 @@ def test_ranks_waiting_for_the_prepare_job_exit_with_its_bad_data_line(tmp_path,
     corpus.write_text("text\n")
     plan = make_plan(training("char-gpt", [str(corpus)], tmp_path), tmp_path / "run", None)
     plan.error_path.parent.mkdir(parents=True)
-    plan.error_path.write_text(f"error data.train: {corpus}:1: something wrong")
+    plan.error_path.write_text(f"error training.data.train: {corpus}:1: something wrong")
     monkeypatch.setenv(PREPARED_BY_JOB_ENV, "1")
-    with pytest.raises(SpecError, match=f"^data.train: {corpus}:1: something wrong$"):
+    with pytest.raises(SpecError, match=f"^training.data.train: {corpus}:1: something wrong$"):
         wait_for(plan, Dist(rank=0, local_rank=0, world_size=2, device=torch.device("cpu")))
 
 
@@ -711,7 +721,7 @@ def waiting_rank() -> Dist:
 
 
 def with_wait_bound(spec: TrainingSpec, seconds: int) -> TrainingSpec:
-    """`spec` with `timeouts.prepareStallSeconds` below what the model allows (10 s), to keep the test short."""
+    """`spec` with `training.timeouts.prepareStallSeconds` below what the model allows (10 s): a short test."""
     return spec.model_copy(update={"timeouts": spec.timeouts.model_copy(update={"prepare_stall_seconds": seconds})})
 
 
@@ -814,7 +824,7 @@ def test_a_resubmission_after_fixing_the_data_waits_for_its_own_prepare_job(tmp_
     corpus.write_text("\n \n")
     config = prepare_job_config(tmp_path, corpus)
     failed = prepare_job(config, tmp_path)
-    assert failed.returncode == 2 and f"error: data.train: no text in {corpus}" in failed.stderr, failed.stderr
+    assert failed.returncode == 2 and f"error: training.data.train: no text in {corpus}" in failed.stderr, failed.stderr
     spec = with_wait_bound(training("char-gpt", [str(corpus)], tmp_path, prepareWorkers=1), 30)
     assert make_plan(spec, tmp_path / "run", None).error_path.exists()
 

@@ -54,6 +54,14 @@ BAD_SPECS = [
         "training.data: set train (files or globs) or builtin",
     ),
     ("missing-name", {"name": None}, [], "name: required key is missing"),
+    # A rule across keys names the key it refuses, in full as `--set` takes it.
+    (
+        "labels-outside-classification",
+        {"training": {"data": {"labels": ["a", "b"]}}},
+        [],
+        "spec.yaml: training.data.labels: only for task classification",
+    ),
+    ("char-gpt-pretrained", {"training": {"model": {"size": "gpt2"}}}, [], "spec.yaml: training.model: char-gpt"),
     ("heads", {"training": {"model": {"nEmbd": 30, "nHead": 4}}}, [], "must be a multiple of nHead"),
     ("elastic-range", {"nodes": 5, "elastic": {"enabled": True, "maxNodes": 4}}, [], "elastic: nodes (5)"),
     (

@@ -264,10 +264,11 @@ class Checkpointer:
         """Checkpoint `name`'s state.json, once it is clear that this run may resume from it."""
         saved = json.loads(self.store.read_bytes(f"{name}/{STATE}"))
         if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
-            keys = changed_keys(config_values(saved["config"]), config_values(self.config))
+            keys = changed_keys(config_values(saved["config"]), config_values(self.config), "training.")
             raise SpecError(
-                f"checkpoint: {name} was written with different settings (changed: {', '.join(keys)});"
-                " set checkpoint.allowConfigChange=true to resume anyway, or use a new checkpoint.dir"
+                f"training.checkpoint: {name} was written with different settings (changed: {', '.join(keys)});"
+                " set training.checkpoint.allowConfigChange: true to resume anyway, or use a new"
+                " training.checkpoint.dir"
             )
         return saved
 
@@ -371,7 +372,7 @@ class Checkpointer:
             kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise CheckpointError(
-                f"checkpoint.dir: cannot save {name} in {self.store.describe()}: {reason}; {kept}"
+                f"training.checkpoint.dir: cannot save {name} in {self.store.describe()}: {reason}; {kept}"
             ) from None
         self.prune()
         size = sum(self.store.sizes(name).values())

@@ -18,7 +18,7 @@ import torch
 
 from trainer.spec import SpecError
 
-ADVICE = "or set compile: false"
+ADVICE = "or set training.compile: false"
 
 
 def c_compiler() -> str | None:
@@ -42,7 +42,9 @@ def check_compiler(device: torch.device) -> None:
         language, compiler, needed = "c++", cpp_compiler(), "a C++ compiler for its CPU kernels (CXX, g++)"
         install = "g++"
     if compiler is None:
-        raise SpecError(f"compile: torch.compile needs {needed}, and none was found: install {install}, {ADVICE}")
+        raise SpecError(
+            f"training.compile: torch.compile needs {needed}, and none was found: install {install}, {ADVICE}"
+        )
     headers = Path(sysconfig.get_path("include"))
     try:
         built = subprocess.run(
@@ -54,12 +56,13 @@ def check_compiler(device: torch.device) -> None:
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         raise SpecError(
-            f"compile: torch.compile's compiler {compiler} does not run ({error}): install a working one, {ADVICE}"
+            f"training.compile: torch.compile's compiler {compiler} does not run ({error}): install a working"
+            f" one, {ADVICE}"
         ) from None
     if built.returncode != 0:
         lines = built.stderr.strip().splitlines() or [f"exit {built.returncode}"]
         why = next((line for line in lines if "error" in line), lines[0])
         raise SpecError(
-            f"compile: {compiler} cannot build against Python's headers in {headers} ({why}): install them"
+            f"training.compile: {compiler} cannot build against Python's headers in {headers} ({why}): install them"
             f" (Debian: python3-dev), {ADVICE}"
         )

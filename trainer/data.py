@@ -141,7 +141,8 @@ class PadCollator:
 def raise_block_too_long(block_size: int, count: int, unit: str, split: str) -> None:
     """A split's text holds no block: blockSize is what to change (or the data)."""
     raise SpecError(
-        f"model.blockSize: {block_size} is too long for the {split} text ({count} {unit}; a block takes blockSize + 1)"
+        f"training.model.blockSize: {block_size} is too long for the {split} text ({count} {unit}; a block"
+        " takes blockSize + 1)"
     )
 
 

@@ -124,7 +124,7 @@ def barrier(dist: Dist) -> None:
         arrived = dist.store.add(key, 0)
         raise TimeoutError(
             f"rank {dist.rank}: {arrived} of {dist.world_size} ranks reached barrier {key} within"
-            f" timeouts.longWorkSeconds ({dist.timeouts.long_work_seconds} s)"
+            f" training.timeouts.longWorkSeconds ({dist.timeouts.long_work_seconds} s)"
         ) from exc
 
 

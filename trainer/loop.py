@@ -94,8 +94,9 @@ def slow_precision_warning(dtype: torch.dtype | None, device: torch.device) -> s
     if getattr(torch.ops.mkldnn, f"_is_mkldnn_{name}_supported")():  # what oneDNN and Inductor consult
         return None
     return (
-        f"{WARNING_PREFIX}precision: {name} on a CPU without native {name} matrix instructions: its matrix products run"
-        " tens of times slower than in fp32 here; precision: auto (fp32 on a CPU) trains faster"
+        f"{WARNING_PREFIX}training.precision: {name} on a CPU without native {name} matrix instructions: its"
+        " matrix products run tens of times slower than in fp32 here; training.precision: auto (fp32 on a CPU)"
+        " trains faster"
     )
 
 
@@ -570,5 +571,6 @@ def raise_non_finite(what: str, value: float, step: int, checkpoints: Checkpoint
     where = checkpoints.store.describe()
     kept = f"{newest[-1][1]} in {where} is the newest checkpoint" if newest else "no checkpoint yet"
     raise NonFiniteLoss(
-        f"the {what} went non-finite ({value}) at step {step}; {kept} (lower optimizer.lr or set gradClip)"
+        f"the {what} went non-finite ({value}) at step {step}; {kept} (lower training.optimizer.lr or set"
+        " training.gradClip)"
     )

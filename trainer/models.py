@@ -33,8 +33,8 @@ def check_positions_fit(positions: int, width: int) -> None:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if table > memory:
         raise SpecError(
-            f"model.blockSize: {positions} positions x nEmbd {width} take {table / 2**30:.0f} GiB for the position"
-            f" embeddings alone, more than this machine's {memory / 2**30:.0f} GiB of memory"
+            f"training.model.blockSize: {positions} positions x nEmbd {width} take {table / 2**30:.0f} GiB for"
+            f" the position embeddings alone, more than this machine's {memory / 2**30:.0f} GiB of memory"
         )
 
 
@@ -48,16 +48,16 @@ def gpt_config(spec: ModelSpec, vocab_size: int, eos_id: int) -> GPTConfig:
 
 
 def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
-    options = pretrained_options(spec.pretrained, "model.pretrained")
+    options = pretrained_options(spec.pretrained, "training.model.pretrained")
     try:
         with importing():  # the model's transformers module
             model = auto_class.from_pretrained(spec.pretrained, **options, **kwargs)
     except (OSError, ValueError) as exc:
         why = pretrained_failure(spec.pretrained, exc, options)
-        raise SpecError(f"model.pretrained: cannot load {spec.pretrained!r}: {why}") from None
+        raise SpecError(f"training.model.pretrained: cannot load {spec.pretrained!r}: {why}") from None
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if positions and spec.block_size > positions:
-        raise SpecError(f"model.blockSize: {spec.block_size} is more than the model's {positions} positions")
+        raise SpecError(f"training.model.blockSize: {spec.block_size} is more than the model's {positions} positions")
     return model
 
 

@@ -55,7 +55,7 @@ def prepare_spec(spec: TrainingSpec, run_dir: Path, log: Callable[[str], None], 
 
         builtin = stdlib_docstrings.build(run_dir / "data" / spec.data.builtin)
     source = spec.tokenizer.path or spec.model.pretrained
-    key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
+    key = "training.tokenizer.path" if spec.tokenizer.path else "training.model.pretrained"
     tokenizer = load_tokenizer(source, key) if source else None
     plan = make_plan(spec, run_dir, tokenizer, builtin)
     # A previous attempt's (or submission's) failure: this one's outcome is not known yet, or the data is prepared.

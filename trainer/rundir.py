@@ -73,7 +73,7 @@ def prepare_run_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SpecError(f"checkpoint.dir: cannot create {path}: {exc.strerror}") from None
+        raise SpecError(f"training.checkpoint.dir: cannot create {path}: {exc.strerror}") from None
     # A real write: permissions, read-only mounts and full disks all show up here, before any training.
     probe = path / f".write-test-{os.getpid()}"
     try:
@@ -82,7 +82,7 @@ def prepare_run_dir(path: Path) -> Path:
             os.fsync(file.fileno())
         probe.unlink()
     except OSError as exc:
-        raise SpecError(f"checkpoint.dir: {path} is not writable: {exc.strerror}") from None
+        raise SpecError(f"training.checkpoint.dir: {path} is not writable: {exc.strerror}") from None
     return path.resolve()
 
 

@@ -31,6 +31,14 @@ class SpecError(ValueError):
     """Bad input: one line naming the key (or file) and the problem."""
 
 
+class KeyProblem(ValueError):
+    """A model validator's problem with one of the model's keys (dotted, camelCase): the line names that key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(problem)
+        self.key = key
+
+
 class SpecModel(BaseModel):
     """Base for every spec section: camelCase keys, unknown keys rejected, no infinite or NaN number anywhere."""
 
@@ -303,16 +311,18 @@ class TrainingSpec(SpecModel):
         if self.task != "classification":
             misplaced = [key for key in ("builtin", "test", "labels") if getattr(self.data, key)]
             if misplaced:
-                raise ValueError(f"data.{misplaced[0]}: only for task classification")
+                raise KeyProblem(f"data.{misplaced[0]}", "only for task classification")
         if self.task == "char-gpt" and (self.model.pretrained or self.model.size):
-            raise ValueError("model: char-gpt trains from scratch: no pretrained or size")
+            raise KeyProblem("model", "char-gpt trains from scratch: no pretrained or size")
         return self
 
 
 def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
     """One line for the first problem: `dotted.key: what is wrong` (+ how many more)."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in (prefix, *first["loc"]) if part != "")
+    cause = first.get("ctx", {}).get("error")
+    own = cause.key.split(".") if isinstance(cause, KeyProblem) else []
+    key = ".".join(str(part) for part in (prefix, *first["loc"], *own) if part != "")
     if first["type"] == "extra_forbidden":
         problem = "unknown key"
     elif first["type"] == "missing":

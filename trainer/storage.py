@@ -418,10 +418,10 @@ class S3Store:
                 obstore.delete(self.store, probe)
         except StorageUnreachable as exc:
             raise StorageUnreachable(
-                errno.EIO, f"checkpoint.dir: cannot reach {self.location}: {exc.strerror}"
+                errno.EIO, f"training.checkpoint.dir: cannot reach {self.location}: {exc.strerror}"
             ) from None
         except OSError as exc:
-            raise SpecError(f"checkpoint.dir: cannot use {self.location}: {exc.strerror}") from None
+            raise SpecError(f"training.checkpoint.dir: cannot use {self.location}: {exc.strerror}") from None
 
 
 def open_store(location: str | None, run_dir: Path) -> Store:

@@ -200,12 +200,12 @@ class Watchdog:
     def limit(self) -> tuple[float, str]:
         """(seconds without progress that mean a hang, why that many)."""
         if self.one_off or not self.steps:
-            return self.spec.long_work_seconds, f"timeouts.longWorkSeconds, during the {self.phase}"
+            return self.spec.long_work_seconds, f"training.timeouts.longWorkSeconds, during the {self.phase}"
         recent = statistics.median(tuple(self.step_seconds))  # a copy: the training thread appends to it
         limit = max(self.spec.hang_floor_seconds, self.spec.hang_factor * recent)
         return limit, (
             f"{self.spec.hang_factor:g} x the recent step time of {recent:.2f} s,"
-            f" at least timeouts.hangFloorSeconds = {self.spec.hang_floor_seconds}"
+            f" at least training.timeouts.hangFloorSeconds = {self.spec.hang_floor_seconds}"
         )
 
     def heartbeat(self) -> None:

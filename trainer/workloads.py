@@ -82,7 +82,7 @@ def given_tokenizer(spec: TrainingSpec, dist: Dist) -> Any:
     source = spec.tokenizer.path or spec.model.pretrained
     if not source:
         return None
-    key = "tokenizer.path" if spec.tokenizer.path else "model.pretrained"
+    key = "training.tokenizer.path" if spec.tokenizer.path else "training.model.pretrained"
     return main_rank_first(dist, lambda: load_tokenizer(source, key))
 
 
@@ -104,15 +104,18 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
         for source in (s.to_json() for s in now):
             previous = old.get(source["path"])
             if previous is None:
-                raise SpecError(f"data.{split}: {source['path']} is new since this run's checkpoints were written")
+                raise SpecError(
+                    f"training.data.{split}: {source['path']} is new since this run's checkpoints were written"
+                )
             if previous != source:
                 raise SpecError(
-                    f"data.{split}: {source['path']} changed since this run's checkpoints were written"
-                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new checkpoint.dir"
+                    f"training.data.{split}: {source['path']} changed since this run's checkpoints were written"
+                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new"
+                    " training.checkpoint.dir"
                 )
         gone = sorted(set(old) - {s.path for s in now})
         if gone:
-            raise SpecError(f"data.{split}: {gone[0]} is gone since this run's checkpoints were written")
+            raise SpecError(f"training.data.{split}: {gone[0]} is gone since this run's checkpoints were written")
 
 
 def check_resumed_data(spec: TrainingSpec, run_dir: Path) -> None:
@@ -123,7 +126,7 @@ def check_resumed_data(spec: TrainingSpec, run_dir: Path) -> None:
 
 
 def spec_sources(spec: TrainingSpec) -> dict[str, list[Source]]:
-    return {split: stat_sources(paths, f"data.{split}") for split, paths in split_files(spec, None).items()}
+    return {split: stat_sources(paths, f"training.data.{split}") for split, paths in split_files(spec, None).items()}
 
 
 def prepared(
@@ -220,7 +223,7 @@ def wait_for(plan: Plan, dist: Dist) -> dict[str, Any]:
             done_at = done_at or time.monotonic()
             if time.monotonic() - done_at > WAIT_LOG_S:  # long after rank 0 finished: not the same volume
                 failure = (
-                    f"error data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
+                    f"error training.data.cacheDir: {plan.entry.parent} must be a volume every node shares:"
                     f" rank 0 prepared {plan.entry.name} there and this node does not see it"
                 )
         if failure is not None:

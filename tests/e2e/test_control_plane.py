@@ -454,7 +454,7 @@ def test_a_failing_trainer_fails_the_job(
     apply_rendered(cluster, spec, namespace)
     if restart_policy == "OnFailure":  # before the operator deletes the pods (cleanPodPolicy All)
         master = Replica("master", 0).pod_name(spec.name)
-        assert "error: data.train" in wait_for_log(cluster, namespace, master, "error: ", previous=True)
+        assert "error: training.data.train" in wait_for_log(cluster, namespace, master, "error: ", previous=True)
     job = wait_for_job(cluster, namespace, spec.name)
     failed = time.monotonic()
     assert finished_as(job) == "Failed", pod_logs(cluster, namespace)
@@ -465,7 +465,7 @@ def test_a_failing_trainer_fails_the_job(
         wait_for_deletion(cluster, namespace, spec.name)
         assert time.monotonic() - failed < spec.termination_grace_period_seconds / 2
     else:
-        assert "data.train" in pod_logs(cluster, namespace)
+        assert "training.data.train" in pod_logs(cluster, namespace)
         # The job fails with its first failed replica; the other pod may still be on its way out.
         for name in pods:
             pods[name] = wait_for_pod(cluster, namespace, name, lambda pod: pod.status.phase in ("Succeeded", "Failed"))

@@ -285,7 +285,7 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     failed = ctl("wait", name, "--timeout", str(JOB_TIMEOUT_S))
     assert failed.returncode == EXIT_JOB_FAILED, failed.stderr + pod_logs(cluster, namespace)
 
-    line = f"error: data.train: {in_pod(claim, claim / 'corpus' / 'latin1.py')} is not UTF-8 text (byte 3)"
+    line = f"error: training.data.train: {in_pod(claim, claim / 'corpus' / 'latin1.py')} is not UTF-8 text (byte 3)"
     assert ctl("logs", name).stdout.splitlines()[-1] == line
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     master = next(p for p in status["pods"] if p["node"] == "master-0")

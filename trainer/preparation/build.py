@@ -95,12 +95,12 @@ class Labels:
         for split, split_labels in self.seen.items():
             unseen = sorted(split_labels - known)
             if unseen:
-                where = "data.labels" if self.data.labels else "training data"
+                where = "training.data.labels" if self.data.labels else "training data"
                 more = f"{len(unseen)} such label(s)"
-                row = find_label(self.files[split], self.data.label_field, unseen[0], f"data.{split}")
-                raise SpecError(f"data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
+                row = find_label(self.files[split], self.data.label_field, unseen[0], f"training.data.{split}")
+                raise SpecError(f"training.data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
         if len(labels) < 2:
-            raise SpecError(f"data.train: one label ({labels[0]!r}); classification needs at least two")
+            raise SpecError(f"training.data.train: one label ({labels[0]!r}); classification needs at least two")
         final = {label: i for i, label in enumerate(labels)}
         remap = np.zeros(max(len(self.ids), 1), dtype=np.int32)
         for label, first_seen in self.ids.items():
@@ -222,9 +222,9 @@ def check_unchanged(plan: Plan) -> None:
     """A source written to while it was read would leave tokens matching neither version."""
     for split, paths in plan.files.items():
         for path, before in zip(paths, plan.sources[split], strict=True):
-            now = stat_sources([path], f"data.{split}")[0]
+            now = stat_sources([path], f"training.data.{split}")[0]
             if (now.size, now.mtime_ns) != (before.size, before.mtime_ns):
-                raise SpecError(f"data.{split}: {path} changed while it was being prepared; prepare again")
+                raise SpecError(f"training.data.{split}: {path} changed while it was being prepared; prepare again")
 
 
 @dataclass
@@ -248,7 +248,7 @@ class Builder:
         return self.plan.spec.task == "classification"
 
     def docs(self, split: str) -> Iterator[Document]:
-        return documents(self.plan.files[split], self.data, self.labelled, f"data.{split}", self.skipped)
+        return documents(self.plan.files[split], self.data, self.labelled, f"training.data.{split}", self.skipped)
 
     def progress(self, label: str, splits: list[str]) -> Progress:
         """A progress display over the input bytes of `splits`."""
@@ -340,7 +340,7 @@ class Builder:
         progress.finish()
         if not writer.documents or not writer.has_text:
             what = "examples" if self.labelled and not writer.documents else "text"
-            raise SpecError(f"data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
+            raise SpecError(f"training.data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
         return counts
 
     @property

@@ -70,7 +70,7 @@ def split_files(spec: TrainingSpec, builtin_files: dict[str, Path] | None) -> di
         return {split: [path] for split, path in builtin_files.items()}
     data = spec.data
     patterns = {"train": data.train, "val": data.val, "test": data.test}
-    return {split: expand_paths(globs, f"data.{split}") for split, globs in patterns.items() if globs}
+    return {split: expand_paths(globs, f"training.data.{split}") for split, globs in patterns.items() if globs}
 
 
 def token_settings(spec: TrainingSpec) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
 
 def make_plan(spec: TrainingSpec, run_dir: Path, tokenizer: Any, builtin_files: dict[str, Path] | None = None) -> Plan:
     files = split_files(spec, builtin_files)
-    sources = {split: stat_sources(paths, f"data.{split}") for split, paths in files.items()}
+    sources = {split: stat_sources(paths, f"training.data.{split}") for split, paths in files.items()}
     plan = Plan(spec, files, sources, token_settings(spec), tokenizer_hash(tokenizer), "", Path())
     identity = plan.key
     if spec.data.fingerprint == "content":

@@ -369,7 +369,9 @@ class Skipped:
 
     def summary(self) -> str:
         shown = ", ".join(self.files[:SKIPPED_SHOWN]) + (", ..." if len(self.files) > SKIPPED_SHOWN else "")
-        return f"skipped {len(self.files)} bad file(s) (data.onBadFile: skip): {shown}; first: {self.reasons[0]}"
+        return (
+            f"skipped {len(self.files)} bad file(s) (training.data.onBadFile: skip): {shown}; first: {self.reasons[0]}"
+        )
 
 
 def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipped: Skipped) -> Iterator[Document]:

@@ -56,7 +56,7 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> ClassificationWorkloa
         held_out = max(1, int(documents * spec.data.val_fraction))
         train_set = LabelledExamples(plan.entry, "train", manifest, np.sort(order[held_out:]))
         val_set = LabelledExamples(plan.entry, "train", manifest, np.sort(order[:held_out]))
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
+    check_enough_samples(len(train_set), dist, spec.batch_size, "training.data.train")
     labels = manifest["labels"]
     return ClassificationWorkload(
         build_classifier(spec.model, tokenizer, labels),

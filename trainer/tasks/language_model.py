@@ -38,7 +38,7 @@ def blocks(
         raise_block_too_long(block, len(val_ids), unit, "validation")
     if not len(train_set):
         raise_block_too_long(block, len(train_ids), unit, "training")
-    check_enough_samples(len(train_set), dist, spec.batch_size, "data.train")
+    check_enough_samples(len(train_set), dist, spec.batch_size, "training.data.train")
     return train_set, val_set
 
 
