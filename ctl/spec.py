@@ -6,6 +6,7 @@ PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=valu
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ from trainer.spec import (
 )
 
 LIST_INDEX = re.compile(r"\[\d*\]$")  # helm's --set a.list[0]=value
+# helm's --set key={a,b}: a list (YAML would read a mapping of nulls); a colon inside makes it YAML's mapping.
+HELM_LIST = re.compile(r"\{([^:{}\[\]]*[^:{}\[\]\s][^:{}\[\]]*)\}")
+HELM_PAIRS = re.compile(r",\s*([A-Za-z][\w.]*)=")  # helm's --set a=1,b=2: two keys in one flag
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Variables that carry credentials (W&B's WANDB_API_KEY, MLflow's MLFLOW_TRACKING_TOKEN/_PASSWORD, HF_TOKEN,
@@ -501,6 +505,17 @@ class JobSpec(SpecModel):
         return self.kind.longest_replica(self).pod_name(self.name)
 
 
+TOP_LEVEL_KEYS = frozenset(field.alias or name for name, field in JobSpec.model_fields.items())
+
+
+def helm_pairs(assignment: str) -> list[str]:
+    """helm's `a=1,b=2` as its assignments, split where a comma starts another key of the spec (a value's own
+    commas stay); one item when there is no such comma."""
+    cuts = [m.start() for m in HELM_PAIRS.finditer(assignment) if m.group(1).split(".")[0] in TOP_LEVEL_KEYS]
+    bounds = [0, *cuts, len(assignment)]
+    return [assignment[start:end].removeprefix(",").strip() for start, end in itertools.pairwise(bounds)]
+
+
 def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str], str]:
     key, sep, raw = assignment.partition("=")
     path = key.strip().split(".")
@@ -515,11 +530,20 @@ def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str],
 def parse_override(assignment: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
     path, raw = _split_assignment(assignment, "--set", "dotted.key=value")
+    if len(pairs := helm_pairs(assignment)) > 1:
+        flags = " ".join(f"--set {pair}" for pair in pairs)
+        raise SpecError(f"--set {assignment!r}: one key per --set (a value is YAML, commas included): {flags}")
+    if items := HELM_LIST.fullmatch(raw.strip()):
+        return path, [yaml_value(item.strip()) for item in items.group(1).split(",")]
+    return path, yaml_value(raw)
+
+
+def yaml_value(raw: str) -> Any:
+    """`raw` read as YAML (a number, a boolean, a list), or the text itself where it is not YAML; nothing is ''."""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
-    return path, value
+        return raw
 
 
 def read_file_override(assignment: str) -> tuple[list[str], str]:

@@ -31,6 +31,23 @@ def test_overrides_are_typed_and_nested() -> None:
     assert spec.training.optimizer.betas == (0.9, 0.99)
 
 
+def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
+    """`key={a,b}` is a list as in helm (YAML reads a mapping of nulls); a colon makes it YAML's mapping; a value's
+    commas are its own unless another key of the spec follows (below: `set-helm-pairs`)."""
+    values = apply_overrides(
+        {"name": "a", "training": {"task": "classification", "data": {"train": "x"}}},
+        [
+            "training.data.train={a.txt, b.txt}",
+            "training.data.labels={neg,1,*}",
+            "training.model={nLayer: 2}",
+            "training.sample.prompt=Hello, world=1",
+        ],
+    )
+    spec = JobSpec.model_validate(values)
+    assert (spec.training.data.train, spec.training.data.labels) == (["a.txt", "b.txt"], ["neg", "1", "*"])
+    assert (spec.training.model.n_layer, spec.training.sample.prompt) == (2, "Hello, world=1")
+
+
 def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
     spec = JobSpec.model_validate(tiny_spec(corpus_file))
     values = spec.to_values()
@@ -85,6 +102,13 @@ BAD_SPECS = [
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
+    (
+        "set-helm-pairs",
+        {},
+        ["--set", "nodes=2,training.maxSteps=3"],
+        "--set 'nodes=2,training.maxSteps=3': one key per --set (a value is YAML, commas included):"
+        " --set nodes=2 --set training.maxSteps=3",
+    ),
     (
         "set-file-missing",
         {},
