@@ -252,7 +252,8 @@ def test_compressed_files_are_read_as_the_files_they_hold(tmp_path, mixed_inputs
 def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path) -> None:
     """Hugging Face datasets' own format: Arrow IPC files (the stream format of `save_to_disk` and its cache; the file
     format of Feather 2 too), memory-mapped, a slice of rows at a time. A folder `save_to_disk` wrote is its data files
-    in order, not its metadata; a saved DatasetDict names its splits' folders."""
+    in order, not its metadata; a saved DatasetDict names its splits' folders, a folder of the datasets cache its
+    splits' files."""
     import datasets
 
     rows = {"text": [f"document {i}" for i in range(3000)], "label": [f"class {i % 3}" for i in range(3000)]}
@@ -282,6 +283,17 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
         expand_paths([str(tmp_path / "splits")], "training.data.train")
     test_split = expand_paths([str(tmp_path / "splits" / "test")], "training.data.train")
     assert list(read_texts(test_split, "text", "training.data.train")) == rows["text"][:5]
+    # The datasets cache of `load_dataset`: every split's Arrow files and dataset_info.json side by side.
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows["text"]))
+    files = {"train": str(tmp_path / "rows.jsonl"), "test": str(tmp_path / "rows.jsonl")}
+    loaded = datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "cache"))
+    cache = Path(loaded["train"].cache_files[0]["filename"]).parent
+    splits = f"{cache}/*-train*.arrow, {cache}/*-test*.arrow"
+    refused = f"training.data.train: {cache} is a Hugging Face datasets cache: name one split's files ({splits})"
+    with pytest.raises(SpecError, match=f"^{re.escape(refused)}$"):
+        expand_paths([str(cache)], "training.data.train")
+    train_split = expand_paths([f"{cache}/*-train*.arrow"], "training.data.train")
+    assert list(read_texts(train_split, "text", "training.data.train")) == rows["text"]
     # Any other folder with a state.json is a folder of files, that one included.
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "state.json").write_text('{"step": 3}')

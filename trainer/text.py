@@ -73,11 +73,26 @@ def saved_dataset_files(
         state = present_json(folder / "state.json", present)
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
+        refuse_datasets_cache(folder, key, name, present)
         return None  # a folder of files (its state.json, if any, is not a dataset's)
     files = [folder / name for name in names]
     if missing := [path for path in files if not present(path)]:
         raise SpecError(f"{key}: {name}: the saved dataset's {missing[0].name} (in state.json) is missing")
     return files
+
+
+def refuse_datasets_cache(folder: Path, key: str, name: str, present: Callable[[Path], bool]) -> None:
+    """A folder of the datasets cache (what `load_dataset` wrote: dataset_info.json, and every split's Arrow files
+    side by side, `<dataset>-<split>.arrow` or `<dataset>-<split>-00000-of-00002.arrow`) is bad input naming each
+    split's files: one split is the data, and its metadata is no rows."""
+    try:
+        info = present_json(folder / "dataset_info.json", present)
+        splits = list(info["splits"]) if "builder_name" in info else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if splits:
+        named = ", ".join(f"{name}/*-{split}*.arrow" for split in splits)
+        raise SpecError(f"{key}: {name} is a Hugging Face datasets cache: name one split's files ({named})")
 
 
 def present_json(path: Path, present: Callable[[Path], bool]) -> Any:
