@@ -155,8 +155,9 @@ SPEC_HEADER = """\
 
 A job spec is the Helm chart's values (`helm/ddpjob/values.yaml` holds the same keys with their defaults):
 camelCase keys, and unknown keys are errors. Any key can be overridden with `--set dotted.key=value`
-(values read as YAML: numbers, booleans, lists, and helm's `{a,b}` list too; one key per `--set`, since a value's
-commas are its own), or set to a file's text with `--set-file dotted.key=path` (after
+(values read as YAML: numbers, booleans, lists, and helm's `{a,b}` list too; a key that takes text gets the text as
+typed, `--set image.tag=1.10`, with no need for helm's `--set-string`; one key per `--set`, since a value's commas
+are its own), or set to a file's text with `--set-file dotted.key=path` (after
 `--set`, as helm's: `--set-file storage.caBundle=ca.crt`). The spec file `-` is standard input (`generate-spec |
 ctl submit -`, as `kubectl apply -f -`). A bad spec gets one line naming the key and the problem, and exit code 2;
 `helm install` refuses the same (values.schema.json):

@@ -527,9 +527,14 @@ def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str],
     return path, raw
 
 
+def split_set(assignment: str) -> tuple[list[str], str]:
+    """A --set `a.b.c=value` as (["a", "b", "c"], its text)."""
+    return _split_assignment(assignment, "--set", "dotted.key=value")
+
+
 def parse_override(assignment: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
-    path, raw = _split_assignment(assignment, "--set", "dotted.key=value")
+    path, raw = split_set(assignment)
     if len(pairs := helm_pairs(assignment)) > 1:
         flags = " ".join(f"--set {pair}" for pair in pairs)
         raise SpecError(f"--set {assignment!r}: one key per --set (a value is YAML, commas included): {flags}")
@@ -585,9 +590,27 @@ def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = 
     values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
     values = apply_overrides(values, overrides, files)
     try:
-        return JobSpec.model_validate(values)
+        try:
+            return JobSpec.model_validate(values)
+        except ValidationError as exc:
+            if not keep_text(values, overrides, exc):
+                raise
+            return JobSpec.model_validate(values)
     except ValidationError as exc:
         raise SpecError(f"{name}: {describe_validation_error(exc)}") from None
+
+
+def keep_text(values: dict[str, Any], assignments: Sequence[str], error: ValidationError) -> bool:
+    """Where the spec wants text and a `--set` value read as YAML is a number or a boolean (`image.tag=1.10`: 1.1),
+    put the value as typed into `values`, as helm's --set-string would; whether there was any."""
+    typed = {tuple(path): raw.strip() for path, raw in (split_set(a) for a in assignments)}
+    wanted = [loc for e in error.errors() if e["type"] == "string_type" and (loc := tuple(map(str, e["loc"]))) in typed]
+    for loc in wanted:
+        node = values
+        for part in loc[:-1]:
+            node = node[part]
+        node[loc[-1]] = typed[loc]
+    return bool(wanted)
 
 
 def read_stdin() -> str:

@@ -48,6 +48,14 @@ def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
     assert (spec.training.model.n_layer, spec.training.sample.prompt) == (2, "Hello, world=1")
 
 
+def test_a_set_value_is_its_text_where_the_spec_wants_text(tmp_path: Path, corpus_file: Path) -> None:
+    """`--set image.tag=1.10` is the tag 1.10, not YAML's number 1.1 (helm needs --set-string for it); `yes` is a
+    prompt, not a boolean. The same unquoted in the file is refused (below: `text-read-as-number`)."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
+    spec = load_spec(tmp_path / "spec.yaml", ["image.tag=1.10", "training.sample.prompt=yes", "nodes=2"])
+    assert (spec.image.tag, spec.training.sample.prompt, spec.nodes) == ("1.10", "yes", 2)
+
+
 def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
     spec = JobSpec.model_validate(tiny_spec(corpus_file))
     values = spec.to_values()
@@ -71,6 +79,12 @@ BAD_SPECS = [
         "training.data: set train (files or globs) or builtin",
     ),
     ("missing-name", {"name": None}, [], "name: required key is missing"),
+    (
+        "text-read-as-number",
+        {"image": {"tag": 1.10}},
+        [],
+        "image.tag: expected text, but YAML read 1.1 as a number: quote it",
+    ),
     # A rule across keys names the key it refuses, in full as `--set` takes it.
     (
         "labels-outside-classification",

@@ -327,6 +327,10 @@ def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
         problem = "unknown key"
     elif first["type"] == "missing":
         problem = "required key is missing"
+    elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
+        problem = (
+            f"expected text, but YAML read {read!r} as a {'boolean' if isinstance(read, bool) else 'number'}: quote it"
+        )
     else:
         problem = first["msg"].removeprefix("Value error, ")
     more = error.error_count() - 1
