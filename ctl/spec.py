@@ -583,10 +583,15 @@ def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: S
 STDIN = "<stdin>"  # the spec's name in messages when it is read from standard input (`-`)
 
 
+def spec_name(path: Path) -> str:
+    """The spec's name in messages: its path, or <stdin> for `-`."""
+    return STDIN if str(path) == "-" else str(path)
+
+
 def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = ()) -> JobSpec:
     """Read (`-`: standard input, as `kubectl apply -f -`), override (--set, then --set-file) and validate a job spec;
     every problem is one SpecError line."""
-    name = STDIN if str(path) == "-" else str(path)
+    name = spec_name(path)
     values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
     values = apply_overrides(values, overrides, files)
     try:
@@ -598,6 +603,14 @@ def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = 
             return JobSpec.model_validate(values)
     except ValidationError as exc:
         raise SpecError(f"{name}: {describe_validation_error(exc)}") from None
+
+
+def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:
+    """`job` with top-level `keys` changed, validated again (a SpecError names the spec)."""
+    try:
+        return JobSpec.model_validate(job.to_values() | keys)
+    except ValidationError as exc:
+        raise SpecError(f"{spec_name(spec)}: {describe_validation_error(exc)}") from None
 
 
 def keep_text(values: dict[str, Any], assignments: Sequence[str], error: ValidationError) -> bool:

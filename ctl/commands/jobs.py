@@ -59,7 +59,7 @@ def submit(
     job = load_job(spec, set_values, set_files)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
-        job = served_kind(target, job, spec, set_values, set_files)
+        job = served_kind(target, job, spec)
     from ctl.render import render, to_yaml
 
     manifests = render(job)
@@ -98,9 +98,9 @@ def outcome(target: Target, name: str, follow: bool, timeout: float) -> int:
     return code
 
 
-def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str], set_files: list[str]) -> JobSpec:
+def served_kind(target: Target, job: JobSpec, spec: Path) -> JobSpec:
     """The spec leaves apiKind unset: the default (PyTorchJob), unless the cluster serves only TrainJob; then the
-    spec as a TrainJob (validated as one), said on stderr."""
+    spec as a TrainJob (validated as one), said on stderr. Not read again: `-` (stdin) was read once."""
     from ctl.cluster import serves
     from ctl.kinds import DEFAULT_KIND, KINDS
 
@@ -113,7 +113,9 @@ def served_kind(target: Target, job: JobSpec, spec: Path, set_values: list[str],
         f"apiKind unset: the cluster serves {served.kind} ({served.operator}), not {DEFAULT_KIND.kind}:"
         f" submitting a {served.kind}"
     )
-    return load_job(spec, [*set_values, f"apiKind={served.kind}"], set_files)
+    from ctl.spec import with_keys
+
+    return with_keys(job, {"apiKind": served.kind}, spec)
 
 
 @command(cluster=True)

@@ -1407,9 +1407,10 @@ def test_ctl_submit_refuses_a_cluster_without_the_training_operator(tmp_path: Pa
         controlplane.install_crds(plane, controlplane.job_set_and_trainer_crds(ensure_binaries()))
         unset = tmp_path / "unset.yaml"
         unset.write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(spec.read_text()).items() if k != "apiKind"}))
-        chosen = run_ctl("submit", str(unset), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
-        assert (chosen.returncode, chosen.stdout) == (0, "trainjob.trainer.kubeflow.org/bare (server dry run)\n")
-        assert "apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob" in chosen.stderr
+        for source, stdin in ((str(unset), None), ("-", unset.read_text())):  # a spec piped in is read once
+            chosen = run_ctl("submit", source, "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env, stdin=stdin)
+            assert (chosen.returncode, chosen.stdout) == (0, "trainjob.trainer.kubeflow.org/bare (server dry run)\n")
+            assert "apiKind unset: the cluster serves TrainJob (Kubeflow Trainer v2), not PyTorchJob" in chosen.stderr
         named = run_ctl("submit", str(spec), "--dry-run", "server", "-n", "bare", cwd=tmp_path, env=env)
         assert named.returncode == 1 and "the cluster has no PyTorchJob resource" in named.stderr
     finally:
