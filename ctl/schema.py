@@ -154,7 +154,10 @@ SPEC_HEADER = """\
 <!-- Generated from the spec model (ctl/spec.py, trainer/spec.py) by `python -m ctl.schema`; do not edit. -->
 
 A job spec is the Helm chart's values (`helm/ddpjob/values.yaml` holds the same keys with their defaults):
-camelCase keys, and unknown keys are errors. Any key can be overridden with `--set dotted.key=value`
+camelCase keys, and unknown keys are errors. Files of keys layer over the spec as helm's `-f` files do, with
+`--values FILE` (repeatable, in order: mappings merged key by key, lists and values replaced, `null` back to the
+default), so a cluster's settings (image registry, storage class, node selector) live apart from each job's. Any key
+can then be overridden with `--set dotted.key=value`
 (values read as YAML: numbers, booleans, lists, and helm's `{a,b}` list too; a key that takes text gets the text as
 typed, `--set image.tag=1.10`, with no need for helm's `--set-string`; one key per `--set`, since a value's commas
 are its own), or set to a file's text with `--set-file dotted.key=path` (after

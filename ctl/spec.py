@@ -583,16 +583,35 @@ def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: S
 STDIN = "<stdin>"  # the spec's name in messages when it is read from standard input (`-`)
 
 
+def merge_values(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """`layer` over `base`, as helm merges values files: mappings key by key, anything else replaced, null removing
+    the key (its default then holds)."""
+    merged = dict(base)
+    for key, value in layer.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_values(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def spec_name(path: Path) -> str:
     """The spec's name in messages: its path, or <stdin> for `-`."""
     return STDIN if str(path) == "-" else str(path)
 
 
-def load_spec(path: Path, overrides: Sequence[str] = (), files: Sequence[str] = ()) -> JobSpec:
-    """Read (`-`: standard input, as `kubectl apply -f -`), override (--set, then --set-file) and validate a job spec;
-    every problem is one SpecError line."""
+def load_spec(
+    path: Path, overrides: Sequence[str] = (), files: Sequence[str] = (), layers: Sequence[Path] = ()
+) -> JobSpec:
+    """Read (`-`: standard input, as `kubectl apply -f -`), layer (--values files, in order), override (--set, then
+    --set-file) and validate a job spec, in helm's order; every problem is one SpecError line."""
     name = spec_name(path)
     values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
+    for layer in layers:
+        values = merge_values(values, read_yaml_mapping(layer))
+    name = " + ".join([name, *map(str, layers)])  # where a key may come from
     values = apply_overrides(values, overrides, files)
     try:
         try:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO, run_ctl, tiny_spec
 
-from ctl.spec import JobSpec, apply_overrides, load_spec
+from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values
 from trainer.spec import SpecError
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -54,6 +54,32 @@ def test_a_set_value_is_its_text_where_the_spec_wants_text(tmp_path: Path, corpu
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
     spec = load_spec(tmp_path / "spec.yaml", ["image.tag=1.10", "training.sample.prompt=yes", "nodes=2"])
     assert (spec.image.tag, spec.training.sample.prompt, spec.nodes) == ("1.10", "yes", 2)
+
+
+def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, corpus_file: Path) -> None:
+    """helm's -f: `--values` files merged over the spec in order (mappings key by key, lists and scalars replaced,
+    null back to the default), then --set; a problem names every file a key may come from."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, sample={"prompt": "a"})))
+    cluster = {"image": {"repository": "registry.example/ddpjob"}, "nodes": 3, "training": {"sample": None}}
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+    (tmp_path / "team.yaml").write_text(yaml.safe_dump({"nodes": 2, "training": {"maxSteps": 9, "reportTo": []}}))
+    layers = [tmp_path / "cluster.yaml", tmp_path / "team.yaml"]
+    spec = load_spec(tmp_path / "spec.yaml", ["training.maxSteps=7"], layers=layers)
+    assert (spec.image.repository, spec.nodes, spec.training.max_steps) == ("registry.example/ddpjob", 2, 7)
+    assert (spec.training.batch_size, spec.training.report_to, spec.training.sample.prompt) == (4, [], "\n")
+    assert spec.training.model.n_embd == 32  # the spec's own, under a layered mapping
+    (tmp_path / "bad.yaml").write_text("nodes: 0\n")
+    flags = ["--values", "cluster.yaml", "--values", "bad.yaml"]
+    result = run_ctl("render", "spec.yaml", *flags, cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert (
+        result.stderr
+        == "error: spec.yaml + cluster.yaml + bad.yaml: nodes: Input should be greater than or equal to 1\n"
+    )
+    rendered = run_ctl("render", "spec.yaml", "--values", "cluster.yaml", cwd=tmp_path)
+    assert rendered.returncode == 0 and 'image: "registry.example/ddpjob:' in rendered.stdout, rendered.stderr
+    missing = run_ctl("render", "spec.yaml", "--values", "absent.yaml", cwd=tmp_path)
+    assert (missing.returncode, missing.stderr) == (2, "error: absent.yaml: no such file\n")
 
 
 def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
@@ -139,22 +165,10 @@ BAD_SPECS = [
 ]
 
 
-def merge(base: dict, patch: dict) -> dict:
-    out = dict(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 @pytest.mark.parametrize(("patch", "flags", "message"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])
 def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patch: dict, flags: list, message: str):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(merge(tiny_spec(corpus_file), patch)))
+    spec.write_text(yaml.safe_dump(merge_values(tiny_spec(corpus_file), patch)))
     result = run_ctl("run", str(spec), *flags, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

@@ -39,6 +39,14 @@ SetFileOpt = Annotated[
         metavar="KEY=PATH",
     ),
 ]
+ValuesOpt = Annotated[
+    list[Path],
+    typer.Option(
+        "--values",
+        help="A YAML file of spec keys merged over the spec, before --set (repeatable, in order; helm's -f).",
+        metavar="PATH",
+    ),
+]
 
 # A Go duration, as kubectl's --timeout takes: 90s, 30m, 1h30m, 1.5h, 500ms.
 DURATION = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
@@ -154,12 +162,12 @@ def command(cluster: bool = False) -> Callable[[Callable[..., None]], Callable[.
     return wrap
 
 
-def load_job(spec: Path, set_values: list[str], set_files: list[str]) -> JobSpec:
+def load_job(spec: Path, values: list[Path], set_values: list[str], set_files: list[str]) -> JobSpec:
     """The validated spec (a SpecError: exit 2 with its one-line problem)."""
     # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
     from ctl.spec import load_spec
 
-    return load_spec(spec, set_values, set_files)
+    return load_spec(spec, set_values, set_files, values)
 
 
 def note(message: str) -> None:

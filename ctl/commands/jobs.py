@@ -15,6 +15,7 @@ from ctl.commands.common import (
     SetFileOpt,
     SetOpt,
     SpecArg,
+    ValuesOpt,
     command,
     fail,
     load_job,
@@ -39,7 +40,8 @@ OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or j
 @command(cluster=True)
 def submit(
     spec: SpecArg,
-    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    values: ValuesOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     dry_run: Annotated[
         str, typer.Option("--dry-run", help="none; client (print the objects); server (the API server validates).")
@@ -56,7 +58,7 @@ def submit(
     """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
     if dry_run not in ("none", "client", "server"):
         raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
-    job = load_job(spec, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
         job = served_kind(target, job, spec)

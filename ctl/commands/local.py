@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from ctl.commands.common import SetFileOpt, SetOpt, SpecArg, command, fail, load_job, note
+from ctl.commands.common import SetFileOpt, SetOpt, SpecArg, ValuesOpt, command, fail, load_job, note
 
 if TYPE_CHECKING:
     from ctl.local_pods import LocalJob
@@ -23,7 +23,8 @@ RunDirOpt = Annotated[
 @command()
 def run(
     spec: SpecArg,
-    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    values: ValuesOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     run_dir: RunDirOpt = None,
     verbose: Annotated[
@@ -37,7 +38,7 @@ def run(
     hold the rest (the run directory's logs/). SIGTERM stops the run as Ctrl-C does: every rank saves at one
     agreed step; exit 143 (130 for Ctrl-C), and the same command resumes.
     """
-    job = load_job(spec, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files)
     require_trainer("run")
     from ctl.local import run_local  # kept out of `ctl --help`'s import time
 
@@ -82,7 +83,8 @@ def prepare_data(job: JobSpec, pods: LocalJob):  # -> trainer.prepare.Plan
 @command()
 def prepare(
     spec: SpecArg,
-    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    values: ValuesOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     run_dir: RunDirOpt = None,
 ) -> None:
@@ -91,7 +93,7 @@ def prepare(
     Prints the prepared dataset's directory. The cache is `training.data.cacheDir`, by default
     `_datasets` next to the run directory; `ctl run` and the trainer find the data there by its fingerprint.
     """
-    job = load_job(spec, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files)
     require_trainer("prepare")
     with local_pods(job, run_dir) as pods:  # the run directory is the one the rendered training config names
         plan = prepare_data(job, pods)
@@ -101,7 +103,8 @@ def prepare(
 @command()
 def render(
     spec: SpecArg,
-    set_values: SetOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    values: ValuesOpt = [],  # noqa: B006 (Typer reads the default; it is never mutated)
+    set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     output: Annotated[
         str, typer.Option("--output", "-o", help="yaml (multi-document, as `helm template`) or json (a List).")
@@ -114,7 +117,7 @@ def render(
     if output not in ("yaml", "json"):
         raise fail(f"--output {output!r}: expected yaml or json")
     fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
-    job = load_job(spec, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files)
     from ctl.render import render as render_spec
     from ctl.render import to_json, to_yaml
     from ctl.storage import render_note
