@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -180,13 +181,18 @@ def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patc
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("name: [unclosed\n", "invalid YAML at line"), ("- just\n- a list\n", "expected a mapping")],
-    ids=["invalid-yaml", "not-a-mapping"],
+    [
+        ("name: [unclosed\n", "invalid YAML at line"),
+        ("- just\n- a list\n", "expected a mapping"),
+        # PyYAML would keep the second silently, dropping the first's keys; helm and kubectl refuse the file.
+        ("name: a\ntraining: {}\nnodes: 1\ntraining: {}\n", "at line 4: duplicate key 'training' (first at line 2)"),
+    ],
+    ids=["invalid-yaml", "not-a-mapping", "duplicate-key"],
 )
 def test_unreadable_spec_file(tmp_path: Path, content: str, message: str) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(content)
-    with pytest.raises(SpecError, match=message):
+    with pytest.raises(SpecError, match=re.escape(message)):
         load_spec(spec)
     result = run_ctl("run", str(spec), cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr

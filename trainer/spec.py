@@ -6,6 +6,7 @@ Keys are camelCase (as Helm and Kubernetes users write them); unknown keys are e
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -349,10 +350,29 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return parse_yaml_mapping(text, str(path))
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML would keep the last silently (a second
+    `training:` drops the first's keys), where helm's and kubectl's parsers refuse the file."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            with contextlib.suppress(TypeError):  # an unhashable key: the loader's own error follows
+                if key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {lines[key] + 1})", key_node.start_mark
+                    )
+                lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
     """Parse YAML text that must hold a mapping; every failure is a SpecError naming where the text came from."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
