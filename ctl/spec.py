@@ -11,10 +11,10 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
@@ -32,6 +32,7 @@ from trainer.spec import (
     SpecModel,
     TrainingSpec,
     describe_validation_error,
+    did_you_mean,
     parse_yaml_mapping,
     read_yaml_mapping,
 )
@@ -348,6 +349,27 @@ class MetricsSpec(SpecModel):
     alerts: AlertsSpec = Field(default_factory=AlertsSpec)
 
 
+def kubernetes_entries(*keys: str) -> Any:
+    """A list given in Kubernetes form (env, envFrom, tolerations) whose entries hold only that object's keys, here
+    and in values.schema.json: a mistyped one would otherwise reach the cluster, which drops it without a word (a
+    pod template's unknown fields are pruned)."""
+
+    def check(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, entry in enumerate(entries):
+            if unknown := [key for key in entry if key not in keys]:
+                named = did_you_mean(str(unknown[0]), keys)
+                raise ValueError(f"entry {i}: unknown key {unknown[0]!r}{named}; it takes {', '.join(keys)}")
+        return entries
+
+    item = {"type": "object", "properties": {key: {} for key in keys}, "additionalProperties": False}
+    return Annotated[list[dict[str, Any]], AfterValidator(check), WithJsonSchema({"type": "array", "items": item})]
+
+
+EnvEntries = kubernetes_entries("name", "value", "valueFrom")
+EnvFromEntries = kubernetes_entries("configMapRef", "secretRef", "prefix")
+Tolerations = kubernetes_entries("key", "operator", "value", "effect", "tolerationSeconds")
+
+
 class PrepareSpec(SpecModel):
     """A CPU-only Kubernetes Job that prepares the training data on the shared volume while the GPU pods wait."""
 
@@ -362,7 +384,7 @@ class PrepareSpec(SpecModel):
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="nodeSelector of the prepare pod (the training pods' is not used: no GPU)."
     )
-    tolerations: list[dict[str, Any]] = Field(
+    tolerations: Tolerations = Field(
         default_factory=list, description="Tolerations of the prepare pod (Kubernetes form)."
     )
 
@@ -408,7 +430,7 @@ class JobSpec(SpecModel):
         " (torchrun gives its workers all but the last 5 s).",
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
+    tolerations: Tolerations = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
     affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
     priority_class_name: str = Field("", description="PriorityClass of the pods.")
     image_pull_secrets: list[dict[str, str]] = Field(
@@ -416,12 +438,12 @@ class JobSpec(SpecModel):
     )
     service_account: ServiceAccountSpec = Field(default_factory=ServiceAccountSpec)
     security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
-    env: list[dict[str, Any]] = Field(
+    env: EnvEntries = Field(
         default_factory=list,
         description="Extra env of the `pytorch` container (Kubernetes form), e.g. HF_TOKEN from a secretKeyRef."
         " A credential (a name ending in TOKEN, API_KEY, PASSWORD, SECRET or ACCESS_KEY) only by reference.",
     )
-    env_from: list[dict[str, Any]] = Field(
+    env_from: EnvFromEntries = Field(
         default_factory=list, description="Whole ConfigMaps/Secrets as env (Kubernetes form)."
     )
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
@@ -621,7 +643,7 @@ def load_spec(
                 raise
             return JobSpec.model_validate(values)
     except ValidationError as exc:
-        raise SpecError(f"{name}: {describe_validation_error(exc)}") from None
+        raise SpecError(f"{name}: {describe_validation_error(exc, JobSpec)}") from None
 
 
 def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:
@@ -629,7 +651,7 @@ def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:
     try:
         return JobSpec.model_validate(job.to_values() | keys)
     except ValidationError as exc:
-        raise SpecError(f"{spec_name(spec)}: {describe_validation_error(exc)}") from None
+        raise SpecError(f"{spec_name(spec)}: {describe_validation_error(exc, JobSpec)}") from None
 
 
 def keep_text(values: dict[str, Any], assignments: Sequence[str], error: ValidationError) -> bool:

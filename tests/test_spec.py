@@ -93,7 +93,12 @@ def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
 LONG_NAME = "a" * 56  # "-worker-0" makes it 65 characters
 BAD_SPECS = [
     ("unknown-key", {"nodez": 2}, [], "nodez: unknown key"),
-    ("unknown-nested-key", {"training": {"optimizer": {"lrr": 1}}}, [], "training.optimizer.lrr: unknown key"),
+    (
+        "unknown-nested-key",
+        {"training": {"optimizer": {"lrr": 1}}},
+        [],
+        "training.optimizer.lrr: unknown key (did you mean lr?)",
+    ),
     ("wrong-type", {"nodes": "two"}, [], "nodes: Input should be a valid integer"),
     ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),

@@ -7,8 +7,10 @@ Keys are camelCase (as Helm and Kubernetes users write them); unknown keys are e
 from __future__ import annotations
 
 import contextlib
+import difflib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -318,14 +320,15 @@ class TrainingSpec(SpecModel):
         return self
 
 
-def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """One line for the first problem: `dotted.key: what is wrong` (+ how many more)."""
+def describe_validation_error(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line for the first problem of validating `model`: `dotted.key: what is wrong` (+ how many more)."""
     first = error.errors()[0]
     cause = first.get("ctx", {}).get("error")
     own = cause.key.split(".") if isinstance(cause, KeyProblem) else []
     key = ".".join(str(part) for part in (prefix, *first["loc"], *own) if part != "")
     if first["type"] == "extra_forbidden":
-        problem = "unknown key"
+        *within, unknown = first["loc"]
+        problem = "unknown key" + did_you_mean(str(unknown), known_keys(model, within))
     elif first["type"] == "missing":
         problem = "required key is missing"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
@@ -337,6 +340,31 @@ def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
     more = error.error_count() - 1
     line = f"{key}: {problem}" if key else problem
     return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """` (did you mean X?)` for the closest of `choices` to a mistyped `word`; nothing when none is close."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def known_keys(model: type[BaseModel], loc: Sequence[str | int]) -> list[str]:
+    """The keys of the mapping at `loc` within `model`, as a spec writes them; none where that is no model."""
+    for part in loc:
+        if isinstance(part, int):  # an item of a list of models
+            continue
+        field = next((f for name, f in model.model_fields.items() if (f.alias or name) == part), None)
+        types = nested_types(field.annotation) if field is not None else []
+        inner = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def nested_types(annotation: Any) -> list[Any]:
+    """`annotation` and every type inside it (`Model | None`, `list[Model]`, `Annotated[...]`)."""
+    return [annotation, *(t for arg in get_args(annotation) for t in nested_types(arg))]
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
@@ -387,4 +415,4 @@ def load_training_spec(path: Path) -> TrainingSpec:
     try:
         return TrainingSpec.model_validate(read_yaml_mapping(path))
     except ValidationError as exc:
-        raise SpecError(f"{path}: {describe_validation_error(exc, 'training')}") from None
+        raise SpecError(f"{path}: {describe_validation_error(exc, TrainingSpec, 'training')}") from None
