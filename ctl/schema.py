@@ -160,7 +160,7 @@ default), so a cluster's settings (image registry, storage class, node selector)
 can then be overridden with `--set dotted.key=value`
 (values read as YAML: numbers, booleans, lists, and helm's `{a,b}` list too; a key that takes text gets the text as
 typed, `--set image.tag=1.10`, with no need for helm's `--set-string`; one key per `--set`, since a value's commas
-are its own), or set to a file's text with `--set-file dotted.key=path` (after
+are its own; `\.` is a dot within a key, as helm's `nodeSelector.kubernetes\.io/arch=amd64`), or set to a file's text with `--set-file dotted.key=path` (after
 `--set`, as helm's: `--set-file storage.caBundle=ca.crt`). The spec file `-` is standard input (`generate-spec |
 ctl submit -`, as `kubectl apply -f -`). A bad spec gets one line naming the key and the problem, and exit code 2;
 `helm install` refuses the same (values.schema.json):

@@ -38,6 +38,7 @@ from trainer.spec import (
 )
 
 LIST_INDEX = re.compile(r"\[\d*\]$")  # helm's --set a.list[0]=value
+KEY_DOT = re.compile(r"(?<!\\)\.")  # a dot between keys, not an escaped one (`\.`)
 # helm's --set key={a,b}: a list (YAML would read a mapping of nulls); a colon inside makes it YAML's mapping.
 HELM_LIST = re.compile(r"\{([^:{}\[\]]*[^:{}\[\]\s][^:{}\[\]]*)\}")
 HELM_PAIRS = re.compile(r",\s*([A-Za-z][\w.]*)=")  # helm's --set a=1,b=2: two keys in one flag
@@ -540,7 +541,8 @@ def helm_pairs(assignment: str) -> list[str]:
 
 def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str], str]:
     key, sep, raw = assignment.partition("=")
-    path = key.strip().split(".")
+    # `\.` is a dot within a key, as in helm: nodeSelector.kubernetes\.io/arch=amd64
+    path = [part.replace("\\.", ".") for part in KEY_DOT.split(key.strip())]
     if not sep or not all(path):
         raise SpecError(f"{flag} {assignment!r}: expected {form}")
     if indexed := next((part for part in path if LIST_INDEX.search(part)), None):  # helm's `list[0]=value`

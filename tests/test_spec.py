@@ -34,7 +34,7 @@ def test_overrides_are_typed_and_nested() -> None:
 
 def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
     """`key={a,b}` is a list as in helm (YAML reads a mapping of nulls); a colon makes it YAML's mapping; a value's
-    commas are its own unless another key of the spec follows (below: `set-helm-pairs`)."""
+    commas are its own unless another key of the spec follows (below: `set-helm-pairs`); `\\.` is a dot in a key."""
     values = apply_overrides(
         {"name": "a", "training": {"task": "classification", "data": {"train": "x"}}},
         [
@@ -42,8 +42,10 @@ def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
             "training.data.labels={neg,1,*}",
             "training.model={nLayer: 2}",
             "training.sample.prompt=Hello, world=1",
+            "nodeSelector.kubernetes\\.io/arch=amd64",  # helm's escaped dot: one key
         ],
     )
+    assert values["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
     spec = JobSpec.model_validate(values)
     assert (spec.training.data.train, spec.training.data.labels) == (["a.txt", "b.txt"], ["neg", "1", "*"])
     assert (spec.training.model.n_layer, spec.training.sample.prompt) == (2, "Hello, world=1")
