@@ -154,16 +154,19 @@ SPEC_HEADER = """\
 <!-- Generated from the spec model (ctl/spec.py, trainer/spec.py) by `python -m ctl.schema`; do not edit. -->
 
 A job spec is the Helm chart's values (`helm/ddpjob/values.yaml` holds the same keys with their defaults):
-camelCase keys, and unknown keys are errors. Files of keys layer over the spec as helm's `-f` files do, with
-`--values FILE` (repeatable, in order: mappings merged key by key, lists and values replaced, `null` back to the
-default), so a cluster's settings (image registry, storage class, node selector) live apart from each job's. Any key
-can then be overridden with `--set dotted.key=value`
-(values read as YAML: numbers, booleans, lists, and helm's `{a,b}` list too; a key that takes text gets the text as
-typed, `--set image.tag=1.10`, with no need for helm's `--set-string`; one key per `--set`, since a value's commas
-are its own; `\.` is a dot within a key, as helm's `nodeSelector.kubernetes\.io/arch=amd64`), or set to a file's text with `--set-file dotted.key=path` (after
-`--set`, as helm's: `--set-file storage.caBundle=ca.crt`). The spec file `-` is standard input (`generate-spec |
-ctl submit -`, as `kubectl apply -f -`). A bad spec gets one line naming the key and the problem, and exit code 2;
-`helm install` refuses the same (values.schema.json):
+camelCase keys, and unknown keys are errors. `ctl run|prepare|render|submit SPEC` reads it (`-`: standard input,
+as `kubectl apply -f -`), then, in helm's order:
+
+- `--values FILE` (repeatable, in order), files of keys layered over the spec as helm's `-f` files: mappings merged
+  key by key, lists and values replaced, `null` back to the default. A cluster's settings (image registry, storage
+  class, node selector) can so live apart from each job's spec.
+- `--set dotted.key=value`, one key per flag, the value read as YAML (numbers, booleans, lists, and helm's `{a,b}`
+  list). A key that takes text gets the text as typed (`--set image.tag=1.10`, no need for helm's `--set-string`);
+  a value's commas are its own; `\\.` is a dot within a key (`nodeSelector.kubernetes\\.io/arch=amd64`).
+- `--set-file dotted.key=path`, a key set to a file's text (`--set-file storage.caBundle=ca.crt`).
+
+A bad spec gets one line naming the key and the problem, and exit code 2; `helm install` refuses the same
+(values.schema.json):
 
 ```
 $ ctl run examples/quickstart.yaml --set training.batchSize=0
