@@ -161,8 +161,9 @@ as `kubectl apply -f -`), then, in helm's order:
   key by key, lists and values replaced, `null` back to the default. A cluster's settings (image registry, storage
   class, node selector) can so live apart from each job's spec.
 - `--set dotted.key=value`, one key per flag, the value read as YAML (numbers, booleans, lists, and helm's `{a,b}`
-  list). A key that takes text gets the text as typed (`--set image.tag=1.10`, no need for helm's `--set-string`);
-  a value's commas are its own; `\\.` is a dot within a key (`nodeSelector.kubernetes\\.io/arch=amd64`).
+  list; `null` back to the default). A key that takes text gets the text as typed (`--set image.tag=1.10`, no need
+  for helm's `--set-string`); a value's commas are its own; `\\.` is a dot within a key
+  (`nodeSelector.kubernetes\\.io/arch=amd64`).
 - `--set-file dotted.key=path`, a key set to a file's text (`--set-file storage.caBundle=ca.crt`).
 
 A bad spec gets one line naming the key and the problem, and exit code 2; `helm install` refuses the same

@@ -600,7 +600,10 @@ def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: S
                 where = ".".join(path[: depth + 1])
                 raise SpecError(f"{flag} {assignment!r}: {where} is not a mapping")
             node = child
-        node[path[-1]] = value
+        if value is None:  # `key=null`, as in helm: the key's default
+            node.pop(path[-1], None)
+        else:
+            node[path[-1]] = value
     return merged
 
 

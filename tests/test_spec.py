@@ -10,7 +10,7 @@ import yaml
 from conftest import REPO, run_ctl, tiny_spec
 
 from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values
-from trainer.spec import SpecError
+from trainer.spec import OptimizerSpec, SpecError
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
@@ -43,12 +43,15 @@ def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
             "training.model={nLayer: 2}",
             "training.sample.prompt=Hello, world=1",
             "nodeSelector.kubernetes\\.io/arch=amd64",  # helm's escaped dot: one key
+            "training.optimizer.lr=0.5",
+            "training.optimizer=null",  # as in helm: back to the default
         ],
     )
     assert values["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
     spec = JobSpec.model_validate(values)
     assert (spec.training.data.train, spec.training.data.labels) == (["a.txt", "b.txt"], ["neg", "1", "*"])
     assert (spec.training.model.n_layer, spec.training.sample.prompt) == (2, "Hello, world=1")
+    assert spec.training.optimizer == OptimizerSpec()
 
 
 def test_a_set_value_is_its_text_where_the_spec_wants_text(tmp_path: Path, corpus_file: Path) -> None:
