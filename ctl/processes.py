@@ -18,6 +18,9 @@ from trainer.frozen import parent_pid
 LOCAL_ADDRESS = "127.0.0.1"
 PORTS_FROM = 20000  # free_port's lowest: above the ports services are usually configured on
 STOP_GRACE_SECONDS = 15
+# The ports free_port has given: free until their servers bind them (a run's rendezvous, then its metrics), so never
+# given twice by one process.
+GIVEN_PORTS: set[int] = set()
 
 
 def free_port() -> int:
@@ -26,8 +29,10 @@ def free_port() -> int:
     low = ephemeral_ports_start()
     for port in random.sample(range(PORTS_FROM, low), min(64, max(low - PORTS_FROM, 0))):
         with socket.socket() as sock, contextlib.suppress(OSError):
-            sock.bind((LOCAL_ADDRESS, port))
-            return port
+            if port not in GIVEN_PORTS:
+                sock.bind((LOCAL_ADDRESS, port))
+                GIVEN_PORTS.add(port)
+                return port
     with socket.socket() as sock:  # no such range here: the kernel's pick
         sock.bind((LOCAL_ADDRESS, 0))
         return sock.getsockname()[1]
