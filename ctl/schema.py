@@ -174,6 +174,12 @@ $ ctl run examples/quickstart.yaml --set training.batchSize=0
 error: examples/quickstart.yaml: training.batchSize: Input should be greater than or equal to 1
 ```
 
+Keys in Kubernetes form (`affinity`, `env`, `envFrom`, `tolerations`, the NetworkPolicy's selectors) are checked at
+every depth against the Kubernetes API's own keys and types, as the installed `kubernetes` client knows them
+(`affinity.nodeAffinity...nodeSelectorTerms.0.matchExpresions: unknown key (did you mean matchExpressions?)`), by
+`ctl render` and `ctl run` too: the API server would refuse such a key only at submit, naming the object's path.
+values.schema.json checks their first level.
+
 `training:` is the trainer's whole input (mounted into the pods as training.yaml); everything else
 describes the Kubernetes objects around it. Secrets are never spec values: name them by reference
 (`env` with `valueFrom.secretKeyRef`, `envFrom`).
@@ -226,13 +232,14 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
 
 
 def _reference_rows(node: dict[str, Any], defs: dict[str, Any], defaults: dict[str, Any], prefix: str) -> list[str]:
-    """One table row per key, depth first: a section (sub-model) row, then its keys."""
+    """One table row per key, depth first: a section (sub-model) row, then its keys. A mapping in Kubernetes form
+    (its keys listed, not a model of the spec's) is one key."""
     rows = []
     for key, prop in node.get("properties", {}).items():
         path = prefix + key
         resolved = _resolve(prop, defs)
         description = _cell(prop.get("description") or resolved.get("description", ""))
-        if "properties" in resolved:
+        if resolved is not prop and "properties" in resolved:
             rows.append(f"| **`{path}`** | section | | {description} |")
             rows += _reference_rows(resolved, defs, defaults, path + ".")
             continue

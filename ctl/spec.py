@@ -11,13 +11,15 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
+from ctl.kubernetes_form import NotText, kubernetes_list, kubernetes_object
 from ctl.names import (
     CPU_PER_PROCESS,
     DNS_LABEL_MAX,
@@ -32,7 +34,6 @@ from trainer.spec import (
     SpecModel,
     TrainingSpec,
     describe_validation_error,
-    did_you_mean,
     parse_yaml_mapping,
     read_yaml_mapping,
 )
@@ -250,15 +251,23 @@ class PodSecuritySpec(SpecModel):
     fs_group: int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
 
 
+# Keys given in Kubernetes form, checked against the API's own keys and types (ctl.kubernetes_form).
+Affinity = kubernetes_object("V1Affinity")
+EnvEntries = kubernetes_list("V1EnvVar")
+EnvFromEntries = kubernetes_list("V1EnvFromSource")
+LabelSelector = kubernetes_object("V1LabelSelector")
+Tolerations = kubernetes_list("V1Toleration")
+
+
 class NetworkPolicySpec(SpecModel):
     """A NetworkPolicy letting into the job's pods only their peers (rendezvous, NCCL/Gloo) and Prometheus."""
 
     enabled: bool = Field(False, description="Create the NetworkPolicy (needs a CNI that enforces them).")
-    prometheus_namespace_selector: dict[str, Any] = Field(
+    prometheus_namespace_selector: LabelSelector = Field(
         default_factory=lambda: {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
         description="namespaceSelector (Kubernetes form) of the Prometheus allowed to scrape the `metrics` port.",
     )
-    prometheus_pod_selector: dict[str, Any] = Field(
+    prometheus_pod_selector: LabelSelector = Field(
         default_factory=lambda: {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
         description="podSelector (Kubernetes form) of that Prometheus.",
     )
@@ -350,27 +359,6 @@ class MetricsSpec(SpecModel):
     alerts: AlertsSpec = Field(default_factory=AlertsSpec)
 
 
-def kubernetes_entries(*keys: str) -> Any:
-    """A list given in Kubernetes form (env, envFrom, tolerations) whose entries hold only that object's keys, here
-    and in values.schema.json: a mistyped one would otherwise reach the cluster, which drops it without a word (a
-    pod template's unknown fields are pruned)."""
-
-    def check(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, entry in enumerate(entries):
-            if unknown := [key for key in entry if key not in keys]:
-                named = did_you_mean(str(unknown[0]), keys)
-                raise ValueError(f"entry {i}: unknown key {unknown[0]!r}{named}; it takes {', '.join(keys)}")
-        return entries
-
-    item = {"type": "object", "properties": {key: {} for key in keys}, "additionalProperties": False}
-    return Annotated[list[dict[str, Any]], AfterValidator(check), WithJsonSchema({"type": "array", "items": item})]
-
-
-EnvEntries = kubernetes_entries("name", "value", "valueFrom")
-EnvFromEntries = kubernetes_entries("configMapRef", "secretRef", "prefix")
-Tolerations = kubernetes_entries("key", "operator", "value", "effect", "tolerationSeconds")
-
-
 class PrepareSpec(SpecModel):
     """A CPU-only Kubernetes Job that prepares the training data on the shared volume while the GPU pods wait."""
 
@@ -432,7 +420,7 @@ class JobSpec(SpecModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: Tolerations = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
-    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
+    affinity: Affinity = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
     priority_class_name: str = Field("", description="PriorityClass of the pods.")
     image_pull_secrets: list[dict[str, str]] = Field(
         default_factory=list, description="Secrets for pulling the image, e.g. [{name: regcred}]."
@@ -469,8 +457,6 @@ class JobSpec(SpecModel):
         for i, var in enumerate(env):
             if not isinstance(var.get("name"), str) or not var["name"]:
                 raise ValueError(f"entry {i} needs a `name`")
-            if "value" in var and not isinstance(var["value"], str):
-                raise ValueError(f"{var['name']}: value must be a string (quote it)")
             if "value" in var and CREDENTIAL_ENV.search(var["name"]):
                 raise ValueError(
                     f"{var['name']}: a credential is not given as a value: use valueFrom.secretKeyRef"
@@ -663,13 +649,21 @@ def keep_text(values: dict[str, Any], assignments: Sequence[str], error: Validat
     """Where the spec wants text and a `--set` value read as YAML is a number or a boolean (`image.tag=1.10`: 1.1),
     put the value as typed into `values`, as helm's --set-string would; whether there was any."""
     typed = {tuple(path): raw.strip() for path, raw in (split_set(a) for a in assignments)}
-    wanted = [loc for e in error.errors() if e["type"] == "string_type" and (loc := tuple(map(str, e["loc"]))) in typed]
+    wanted = [loc for e in error.errors() if (loc := text_key(e)) in typed]
     for loc in wanted:
         node = values
         for part in loc[:-1]:
             node = node[part]
         node[loc[-1]] = typed[loc]
     return bool(wanted)
+
+
+def text_key(error: ErrorDetails) -> tuple[str, ...] | None:
+    """The key of a validation error that is a number or boolean where text belongs; None for other errors."""
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, NotText):  # within a key in Kubernetes form
+        return tuple(map(str, (*error["loc"], *cause.path)))
+    return tuple(map(str, error["loc"])) if error["type"] == "string_type" else None
 
 
 def read_stdin() -> str:

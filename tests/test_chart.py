@@ -865,12 +865,31 @@ BAD = [
     ("runPolicy.cleanPodPolicy=Some", "runPolicy.cleanPodPolicy: Input should be 'None', 'Running' or 'All'"),
     ("runPolicy.backoffLimit=-1", "runPolicy.backoffLimit: Input should be greater than or equal to 0"),
     ("queue={kueue: a, volcano: b}", "queue: set either kueue or volcano, not both"),
-    ("env=[{name: OMP_NUM_THREADS, value: 4}]", "env: OMP_NUM_THREADS: value must be a string (quote it)"),
+    ("env=[{name: OMP_NUM_THREADS, value: 4}]", "env.0.value: expected text, but YAML read 4 as a number: quote it"),
     ("env=[{value: x}]", "env: entry 0 needs a `name`"),
-    # A mistyped key of a Kubernetes-form entry, which the cluster would drop without a word.
-    ("env=[{name: A, valu: x}]", "env: entry 0: unknown key 'valu' (did you mean value?); it takes name, value,"),
-    ("envFrom=[{secretref: {name: s}}]", "envFrom: entry 0: unknown key 'secretref' (did you mean secretRef?)"),
-    ("tolerations=[{key: gpu, efect: NoSchedule}]", "tolerations: entry 0: unknown key 'efect' (did you mean effect?)"),
+    # Keys in Kubernetes form, at any depth, as the API has them: the API server would refuse them only at submit,
+    # naming the object's path, not the spec's key.
+    ("env=[{name: A, valu: x}]", "env.0.valu: unknown key (did you mean value?)"),
+    (
+        "env=[{name: A, valueFrom: {secretKeyRef: {name: s, kye: k}}}]",
+        "env.0.valueFrom.secretKeyRef.kye: unknown key (did you mean key?)",
+    ),
+    ("envFrom=[{secretref: {name: s}}]", "envFrom.0.secretref: unknown key (did you mean secretRef?)"),
+    ("tolerations=[{key: gpu, efect: NoSchedule}]", "tolerations.0.efect: unknown key (did you mean effect?)"),
+    ("tolerations=[{key: gpu, tolerationSeconds: soon}]", "tolerations.0.tolerationSeconds: expected an integer"),
+    ("prepare.tolerations=[{key: gpu, value: true}]", "prepare.tolerations.0.value: expected text, but YAML read true"),
+    (
+        "affinity={nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms:"
+        " [{matchExpresions: [{key: zone, operator: In, values: [a]}]}]}}}",
+        "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0.matchExpresions:"
+        " unknown key (did you mean matchExpressions?)",
+    ),
+    ("affinity={podAntiAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: high}]}}", ".0.weight:"),
+    ("affinity={nodeaffinity: {}}", "affinity.nodeaffinity: unknown key (did you mean nodeAffinity?)"),
+    (
+        "networkPolicy.prometheusNamespaceSelector={matchLabel: {team: ml}}",
+        "networkPolicy.prometheusNamespaceSelector.matchLabel: unknown key (did you mean matchLabels?)",
+    ),
     ("serviceAccount.craete=true", "serviceAccount.craete: unknown key (did you mean create?)"),
     ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
@@ -899,6 +918,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"restartPolicy": "Sometimes"}, "at '/restartPolicy'"),
         ({"nodez": 2}, "additional properties 'nodez' not allowed"),
         ({"env": [{"name": "A", "valu": "x"}]}, "at '/env/0': additional properties 'valu' not allowed"),
+        ({"affinity": {"nodeaffinity": {}}}, "at '/affinity': additional properties 'nodeaffinity' not allowed"),
         ({"name": "News_Job"}, "at '/name'"),
         ({"training": {**TRAIN, "batchSize": 0}}, "at '/training/batchSize'"),
     ],

@@ -60,6 +60,10 @@ def test_a_set_value_is_its_text_where_the_spec_wants_text(tmp_path: Path, corpu
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
     spec = load_spec(tmp_path / "spec.yaml", ["image.tag=1.10", "training.sample.prompt=yes", "nodes=2"])
     assert (spec.image.tag, spec.training.sample.prompt, spec.nodes) == ("1.10", "yes", 2)
+    # The same within a key in Kubernetes form: a label's value, under a label key that has dots of its own.
+    label = r"networkPolicy.prometheusPodSelector.matchLabels.example\.com/scraper=true"
+    spec = load_spec(tmp_path / "spec.yaml", [label])
+    assert spec.network_policy.prometheus_pod_selector["matchLabels"]["example.com/scraper"] == "true"
 
 
 def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, corpus_file: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -332,14 +333,18 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
     elif first["type"] == "missing":
         problem = "required key is missing"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
-        problem = (
-            f"expected text, but YAML read {read!r} as a {'boolean' if isinstance(read, bool) else 'number'}: quote it"
-        )
+        problem = not_text(read)
     else:
         problem = first["msg"].removeprefix("Value error, ")
     more = error.error_count() - 1
     line = f"{key}: {problem}" if key else problem
     return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def not_text(read: float) -> str:
+    """The problem with a number or boolean (YAML's reading of an unquoted 1.10, true, 0755) where text belongs."""
+    what = "boolean" if isinstance(read, bool) else "number"
+    return f"expected text, but YAML read {json.dumps(read)} as a {what}: quote it"
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
