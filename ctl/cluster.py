@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class Target:
 
     api: ApiClient
     namespace: str
+    # Discovery's answer for each API group version this command has asked about: it does not change meanwhile.
+    discovered: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
 
     def call(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
         """One API request; the parsed JSON body. API errors become one-line ClusterErrors."""
@@ -224,11 +226,12 @@ def resource_path(target: Target, obj: dict[str, Any]) -> str:
     """The object's URL, its resource name found through discovery (as kubectl does)."""
     api_version, kind = obj["apiVersion"], obj["kind"]
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    try:
-        resources = target.call(base)["resources"]
-    except NotFound:
-        raise ClusterError(f"the cluster does not serve {api_version} (for {kind})") from None
-    (resource,) = [r for r in resources if r["kind"] == kind and "/" not in r["name"]]
+    if base not in target.discovered:
+        try:
+            target.discovered[base] = target.call(base)["resources"]
+        except NotFound:
+            raise ClusterError(f"the cluster does not serve {api_version} (for {kind})") from None
+    (resource,) = [r for r in target.discovered[base] if r["kind"] == kind and "/" not in r["name"]]
     scope = f"/namespaces/{target.namespace}" if resource["namespaced"] else ""
     return f"{base}{scope}/{resource['name']}/{obj['metadata']['name']}"
 

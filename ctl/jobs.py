@@ -54,7 +54,7 @@ def submit(
 ) -> dict[str, Any]:
     """Apply the rendered objects in install order (volume claim, config and a TrainJob's runtime before the job),
     once the cluster is known to run them: the operator installed, a claim its storage class can give
-    (ctl.storage)."""
+    (ctl.storage), and every object through the server's dry run."""
     (job,) = [obj for obj in objects if obj["kind"] in KINDS]
     api = kind_of(job)
     require_operator(target, api)
@@ -71,21 +71,49 @@ def submit(
             f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
-    if exists and not dry_run:
+    # Objects deleted before they are applied: a dry run would check a change to the old one (refusing what the new
+    # one may hold: a TrainJob's trainer and a Job's pod template are immutable), not the creation they meet.
+    stale = stale_prepare_jobs(target, name, replace) if any(obj["kind"] == "Job" for obj in objects) else []
+    old = {("Job", obj["metadata"]["name"]) for obj in stale} | ({(job["kind"], name)} if exists else set())
+    recreated = [obj for obj in objects if (obj["kind"], obj["metadata"]["name"]) in old]
+    # The server's dry run of every other object first, so that one it refuses (its RBAC, a webhook, a field its
+    # schema lacks) leaves nothing created: not the claim and config of a job that never comes.
+    checked = dry_run_all(target, objects, job, recreated, note if dry_run else None)
+    if dry_run:
+        return checked
+    if exists:
         delete_job(target, name, foreground=True, api=api)
-    if not dry_run and any(obj["kind"] == "Job" for obj in objects):  # prepare.enabled
-        clear_prepare_job(target, name, replace)
+    delete_prepare_jobs(target, stale)
     for obj in objects:
         if obj is not job:
-            apply(target, obj, dry_run=dry_run)
-    if dry_run and (runtime := api.runtime_name(job)) and not runtime_exists(target, runtime):
-        if note:
-            note(
-                "note: Trainer v2's webhook checks a TrainJob against its TrainingRuntime, which a dry run does not"
-                " create: the runtime and the other objects passed the server dry run, the TrainJob was not sent"
-            )
-        return job
-    return apply_job(target, job, dry_run=dry_run)
+            apply(target, obj)
+    return apply_job(target, job)
+
+
+def dry_run_all(
+    target: Target,
+    objects: list[dict[str, Any]],
+    job: dict[str, Any],
+    recreated: list[dict[str, Any]],
+    note: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """The objects through the server's dry run (admission, validation, RBAC), in install order, but for those
+    `recreated`; the job as the server would store it. A TrainJob whose runtime does not exist yet is not sent
+    either: Trainer v2's webhook looks the runtime up, and a dry run creates none. A note names what was not sent."""
+    kind = kind_of(job)
+    waiting = (runtime := kind.runtime_name(job)) is not None and not runtime_exists(target, runtime)
+    unsent = [obj for obj in objects if obj in recreated or (obj is job and waiting)]
+    for obj in objects:
+        if obj is not job and obj not in unsent:
+            apply(target, obj, dry_run=True)
+    checked = job if job in unsent else apply_job(target, job, dry_run=True)
+    if unsent and note:
+        names = ", ".join(f"{obj['kind'].lower()}/{obj['metadata']['name']}" for obj in unsent)
+        why = ["they exist and are recreated"] if recreated else []
+        if waiting:
+            why.append("Trainer v2's webhook checks a TrainJob against its runtime, which a dry run does not create")
+        note(f"note: not sent to the server's dry run: {names} ({'; '.join(why)})")
+    return checked
 
 
 def apply_job(target: Target, job: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
@@ -104,12 +132,14 @@ def apply_job(target: Target, job: dict[str, Any], dry_run: bool = False) -> dic
         time.sleep(0.5)
 
 
-def clear_prepare_job(target: Target, name: str, replace: bool) -> None:
-    """The prepare Job an earlier submit of this name left: a finished Job never runs again (nor can its pod template
-    change), so the new one would never prepare; it goes first, and so does a running one that --replace replaces."""
-    for job in prepare_jobs(target, name):
-        if not (replace or prepare_state(job).terminal):
-            continue
+def stale_prepare_jobs(target: Target, name: str, replace: bool) -> list[dict[str, Any]]:
+    """The prepare Jobs an earlier submit of this name left that go first: a finished Job never runs again (nor can
+    its pod template change), so the new one would never prepare; a running one only when --replace replaces it."""
+    return [job for job in prepare_jobs(target, name) if replace or prepare_state(job).terminal]
+
+
+def delete_prepare_jobs(target: Target, jobs: list[dict[str, Any]]) -> None:
+    for job in jobs:
         path = f"/apis/batch/v1/namespaces/{target.namespace}/jobs/{job['metadata']['name']}"
         target.call(path, "DELETE", body={"propagationPolicy": "Background"})
         deadline = time.monotonic() + DELETE_WAIT_S

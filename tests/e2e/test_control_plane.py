@@ -1208,6 +1208,31 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     assert_no_process_left(cluster, marker)
 
 
+def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """`ctl submit` sends every object through the server's dry run first: a user whose Role reads PyTorchJobs but
+    may not create them (k8s/rbac.yaml less that right) gets one line, and neither the job's claim nor its config
+    exists after."""
+    if cluster.plane is None:
+        pytest.skip("binds a narrower Role to the tier's ctl user: needs the tier's control plane")
+    client = cluster.client()
+    for obj in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()):
+        for rule in obj.get("rules", []):
+            if rule["resources"] == ["pytorchjobs"]:
+                rule["verbs"] = ["get", "list", "watch"]
+        controlplane.server_side_apply(client, obj | {"metadata": obj["metadata"] | {"namespace": namespace}})
+    marker = uuid.uuid4().hex
+    name = f"ro-{marker[:6]}"
+    spec = spec_file(tmp_path, job_spec(marker, name=name))
+    refused = run_ctl_on(cluster.plane.user_kubeconfig, "submit", str(spec), "-n", namespace, cwd=tmp_path)
+    assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr
+    *notes, line = refused.stderr.splitlines()  # a note: this Role cannot read StorageClasses
+    assert all(n.startswith("note: ") for n in notes) and line.startswith("error: PATCH "), refused.stderr
+    assert '403 Forbidden: pytorchjobs.kubeflow.org "' in line and 'cannot patch resource "pytorchjobs"' in line
+    core = kubernetes.client.CoreV1Api(client)
+    assert core.list_namespaced_persistent_volume_claim(namespace).items == []
+    assert core.list_namespaced_config_map(namespace, label_selector=f"app.kubernetes.io/instance={name}").items == []
+
+
 def test_ctl_submit_refuses_read_write_many_from_a_block_storage_class(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
