@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_ctl, tiny_spec
+from pydantic import BaseModel
 
 from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values
-from trainer.spec import OptimizerSpec, SpecError
+from trainer.spec import OptimizerSpec, SpecError, nested_types
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
@@ -216,3 +217,43 @@ def test_missing_spec_file(tmp_path: Path) -> None:
     result = run_ctl("run", str(tmp_path / "nope.yaml"), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: no such file"
+
+
+def spec_keys(model: type[BaseModel], prefix: str = "") -> dict[str, bool]:
+    """Every key of `model` as a spec writes it (dotted, camelCase), with whether it is a section of keys."""
+    keys = {}
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        inner = [t for t in nested_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        keys[key] = bool(inner)
+        for section in inner:
+            keys |= spec_keys(section, key + ".")
+    return keys
+
+
+def test_every_key_the_messages_and_docs_name_is_a_key_of_the_spec() -> None:
+    """A key named in a message or a page (`training.checkpoint.dir: cannot create ...`, `metrics.podMonitor.enabled`)
+    is typed there, not taken from the model: a key renamed or mistyped in one place fails here. In the code the
+    trainer's section (`training.` in its messages); in the docs any section's key in backticks. Below a key that
+    takes a mapping (labels, affinity) any key goes."""
+    keys = spec_keys(JobSpec)
+    sections = "|".join(re.escape(key) for key, section in keys.items() if section and "." not in key)
+    path = r"((?:[a-z][A-Za-z0-9]*)(?:\.[a-z][A-Za-z0-9]*)*)"
+    in_code = re.compile(rf"\b(training)\.{path}(?![\w/.-])")
+    in_docs = re.compile(rf"`({sections})\.{path}(?=[`:= ])")
+    pages = [*REPO.glob("docs/*.md"), REPO / "README.md"]
+    named = [
+        (p, m)
+        for p in [*REPO.glob("trainer/**/*.py"), *REPO.glob("ctl/**/*.py")]
+        for m in in_code.finditer(p.read_text())
+    ]
+    named += [(p, m) for p in pages for m in in_docs.finditer(p.read_text())]
+    assert len(named) > 100  # the patterns still find keys
+
+    def known(key: str) -> bool:
+        parts = key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+        return key in keys or any(keys.get(prefix) is False for prefix in prefixes)  # within a mapping's own keys
+
+    unknown = {f"{p.relative_to(REPO)}: {m[1]}.{m[2]}" for p, m in named if not known(f"{m[1]}.{m[2]}")}
+    assert sorted(k for k in unknown if not k.endswith((".yaml", ".json"))) == []

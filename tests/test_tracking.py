@@ -208,7 +208,7 @@ def test_a_tracker_named_but_not_installed_is_one_line_and_exit_2(
         timeout=300,
     )
     assert result.returncode == 2, result.stdout + result.stderr
-    line = "reportTo: wandb is not installed: pip install 'wandb', or leave it out of training.reportTo"
+    line = "training.reportTo: wandb is not installed: pip install 'wandb', or leave it out"
     assert result.stderr.splitlines() == [f"error: {line}"] and result.stdout == ""
     assert not (tmp_path / "runs").exists()
 

@@ -41,11 +41,11 @@ WANDB_STEP = "trainer/step"
 
 
 def check_installed(spec: TrainingSpec) -> None:
-    """Every tracker `reportTo` names can be imported, or one line saying what to install."""
+    """Every tracker `training.reportTo` names can be imported, or one line saying what to install."""
     for name in spec.report_to:
         if importlib.util.find_spec(name) is None:
             install = f"pip install '{PIP_NAME[name]}'"
-            raise SpecError(f"reportTo: {name} is not installed: {install}, or leave it out of training.reportTo")
+            raise SpecError(f"training.reportTo: {name} is not installed: {install}, or leave it out")
 
 
 class TensorBoard:
