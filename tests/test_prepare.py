@@ -285,15 +285,24 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
     assert list(read_texts(test_split, "text", "training.data.train")) == rows["text"][:5]
     # The datasets cache of `load_dataset`: every split's Arrow files and dataset_info.json side by side.
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows["text"]))
-    files = {"train": str(tmp_path / "rows.jsonl"), "test": str(tmp_path / "rows.jsonl")}
+    (tmp_path / "more.jsonl").write_text(json.dumps({"text": "another split"}) + "\n")
+    files = {"train": str(tmp_path / "rows.jsonl"), "train_extra": str(tmp_path / "more.jsonl")}
     loaded = datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "cache"))
     cache = Path(loaded["train"].cache_files[0]["filename"]).parent
-    splits = f"{cache}/*-train*.arrow, {cache}/*-test*.arrow"
+    splits = f"{cache}/json-train.arrow, {cache}/json-train_extra.arrow"  # each split's own file, no other
     refused = f"training.data.train: {cache} is a Hugging Face datasets cache: name one split's files ({splits})"
     with pytest.raises(SpecError, match=f"^{re.escape(refused)}$"):
         expand_paths([str(cache)], "training.data.train")
-    train_split = expand_paths([f"{cache}/*-train*.arrow"], "training.data.train")
+    train_split = expand_paths([f"{cache}/json-train.arrow"], "training.data.train")
     assert list(read_texts(train_split, "text", "training.data.train")) == rows["text"]
+    # Written by 2 processes, a split of 2 files is 2 shards.
+    files["train"] = [str(tmp_path / "rows.jsonl"), str(tmp_path / "more.jsonl")]
+    sharded = datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "sharded"), num_proc=2)
+    cache = Path(sharded["train"].cache_files[0]["filename"]).parent
+    with pytest.raises(SpecError, match=re.escape(f"({cache}/json-train-*-of-*.arrow, {cache}/json-train_extra")):
+        expand_paths([str(cache)], "training.data.train")
+    train_split = expand_paths([f"{cache}/json-train-*-of-*.arrow"], "training.data.train")
+    assert list(read_texts(train_split, "text", "training.data.train")) == [*rows["text"], "another split"]
     # Any other folder with a state.json is a folder of files, that one included.
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "state.json").write_text('{"step": 3}')

@@ -88,11 +88,18 @@ def refuse_datasets_cache(folder: Path, key: str, name: str, present: Callable[[
     try:
         info = present_json(folder / "dataset_info.json", present)
         splits = list(info["splits"]) if "builder_name" in info else []
+        prefix = info.get("dataset_name") or info["builder_name"]  # the files' (datasets before 2.13: the builder's)
     except (OSError, ValueError, KeyError, TypeError):
         return
     if splits:
-        named = ", ".join(f"{name}/*-{split}*.arrow" for split in splits)
+        named = ", ".join(cached_split(folder, name, f"{prefix}-{split}", present) for split in splits)
         raise SpecError(f"{key}: {name} is a Hugging Face datasets cache: name one split's files ({named})")
+
+
+def cached_split(folder: Path, name: str, stem: str, present: Callable[[Path], bool]) -> str:
+    """A split's files in the datasets cache, exactly (a glob of `*-train*` would take a split `train_x` too): its one
+    file, or its shards (`<stem>-00000-of-00002.arrow`)."""
+    return f"{name}/{stem}.arrow" if present(folder / f"{stem}.arrow") else f"{name}/{stem}-*-of-*.arrow"
 
 
 def present_json(path: Path, present: Callable[[Path], bool]) -> Any:
