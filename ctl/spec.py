@@ -9,13 +9,12 @@ from __future__ import annotations
 import itertools
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_core import ErrorDetails
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
@@ -658,7 +657,7 @@ def keep_text(values: dict[str, Any], assignments: Sequence[str], error: Validat
     return bool(wanted)
 
 
-def text_key(error: ErrorDetails) -> tuple[str, ...] | None:
+def text_key(error: Mapping[str, Any]) -> tuple[str, ...] | None:
     """The key of a validation error that is a number or boolean where text belongs; None for other errors."""
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, NotText):  # within a key in Kubernetes form
