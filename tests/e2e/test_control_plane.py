@@ -1217,7 +1217,7 @@ def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, 
     client = cluster.client()
     for obj in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()):
         for rule in obj.get("rules", []):
-            if rule["resources"] == ["pytorchjobs"]:
+            if rule["resources"] == [V1.plural]:
                 rule["verbs"] = ["get", "list", "watch"]
         controlplane.server_side_apply(client, obj | {"metadata": obj["metadata"] | {"namespace": namespace}})
     marker = uuid.uuid4().hex
@@ -1227,7 +1227,7 @@ def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, 
     assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr
     *notes, line = refused.stderr.splitlines()  # a note: this Role cannot read StorageClasses
     assert all(n.startswith("note: ") for n in notes) and line.startswith("error: PATCH "), refused.stderr
-    assert '403 Forbidden: pytorchjobs.kubeflow.org "' in line and 'cannot patch resource "pytorchjobs"' in line
+    assert f'403 Forbidden: {V1.plural}.{V1.group} "' in line and f'cannot patch resource "{V1.plural}"' in line
     core = kubernetes.client.CoreV1Api(client)
     assert core.list_namespaced_persistent_volume_claim(namespace).items == []
     assert core.list_namespaced_config_map(namespace, label_selector=f"app.kubernetes.io/instance={name}").items == []
