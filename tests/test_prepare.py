@@ -307,6 +307,9 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "state.json").write_text('{"step": 3}')
     assert expand_paths([str(tmp_path / "notes")], "training.data.train") == [tmp_path / "notes" / "state.json"]
+    (tmp_path / "notes" / "state.json").unlink()
+    (tmp_path / "notes" / "dataset_info.json").write_text("[1, 2]")  # and a dataset_info.json that is not HF's
+    assert expand_paths([str(tmp_path / "notes")], "training.data.train") == [tmp_path / "notes" / "dataset_info.json"]
 
 
 def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:

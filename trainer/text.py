@@ -88,10 +88,10 @@ def refuse_datasets_cache(folder: Path, key: str, name: str, present: Callable[[
     try:
         info = present_json(folder / "dataset_info.json", present)
         splits = list(info["splits"]) if "builder_name" in info else []
-        prefix = info.get("dataset_name") or info["builder_name"]  # the files' (datasets before 2.13: the builder's)
     except (OSError, ValueError, KeyError, TypeError):
         return
     if splits:
+        prefix = info.get("dataset_name") or info["builder_name"]  # the files' (datasets before 2.13: the builder's)
         named = ", ".join(cached_split(folder, name, f"{prefix}-{split}", present) for split in splits)
         raise SpecError(f"{key}: {name} is a Hugging Face datasets cache: name one split's files ({named})")
 
