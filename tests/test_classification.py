@@ -152,6 +152,7 @@ def test_without_a_test_split_the_final_model_is_evaluated_once(tmp_path, docstr
     from trainer.dist import Dist
     from trainer.spec import TrainingSpec
     from trainer.tasks import classification
+    from trainer.tracking import finish
 
     evaluate, scored = loop.evaluate, []
 
@@ -163,7 +164,9 @@ def test_without_a_test_split_the_final_model_is_evaluated_once(tmp_path, docstr
     monkeypatch.setattr(classification, "evaluate", counted)
     files = {split: docstrings[split] for split in ("train", "val")}
     training = classification_spec(files, maxSteps=2, checkpoint={"dir": str(tmp_path / "run")})["training"]
-    assert run(TrainingSpec.model_validate(training), Dist(0, 0, 1, torch.device("cpu"))) == 0
+    code = run(TrainingSpec.model_validate(training), Dist(0, 0, 1, torch.device("cpu")))
+    finish(code)  # as the trainer's main does: TensorBoard's writer thread ends
+    assert code == 0
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["split"] == "val" and report["support"] == 20 and sum(map(sum, report["confusion_matrix"])) == 20
     assert scored == [20]

@@ -237,11 +237,17 @@ def silent_server(accept: bool) -> Iterator[int]:
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(8 if accept else 0)
+        taker = threading.Thread(target=take, args=(server,), daemon=True)
         if accept:
-            threading.Thread(target=take, args=(server,), daemon=True).start()
+            taker.start()
         try:
             yield server.getsockname()[1]
         finally:  # a client still waiting gets its answer: the connection closed
+            # A close does not wake a thread blocked in accept (it stayed for the rest of the session); a shutdown does.
+            server.shutdown(socket.SHUT_RDWR)
+            if accept:
+                taker.join(timeout=10)
+                assert not taker.is_alive(), "the accepting thread did not end"
             for connection in held:
                 connection.close()
 

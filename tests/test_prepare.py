@@ -295,10 +295,17 @@ def test_arrow_files_and_datasets_saved_to_disk_are_read_as_their_rows(tmp_path)
         expand_paths([str(cache)], "training.data.train")
     train_split = expand_paths([f"{cache}/json-train.arrow"], "training.data.train")
     assert list(read_texts(train_split, "text", "training.data.train")) == rows["text"]
-    # Written by 2 processes, a split of 2 files is 2 shards.
+    # Written by 2 processes, a split of 2 files is 2 shards. In a fresh interpreter: its pool forks, and a fork of
+    # this one (threads of earlier tests still running) can hang on a lock a thread held.
     files["train"] = [str(tmp_path / "rows.jsonl"), str(tmp_path / "more.jsonl")]
-    sharded = datasets.load_dataset("json", data_files=files, cache_dir=str(tmp_path / "sharded"), num_proc=2)
-    cache = Path(sharded["train"].cache_files[0]["filename"]).parent
+    load = (
+        "import datasets, json, pathlib, sys\n"
+        "files, cache = json.loads(sys.argv[1]), sys.argv[2]\n"
+        "loaded = datasets.load_dataset('json', data_files=files, cache_dir=cache, num_proc=2)\n"
+        "print(pathlib.Path(loaded['train'].cache_files[0]['filename']).parent)"
+    )
+    sharded = [sys.executable, "-c", load, json.dumps(files), str(tmp_path / "sharded")]
+    cache = Path(subprocess.run(sharded, capture_output=True, text=True, check=True, timeout=300).stdout.strip())
     with pytest.raises(SpecError, match=re.escape(f"({cache}/json-train-*-of-*.arrow, {cache}/json-train_extra")):
         expand_paths([str(cache)], "training.data.train")
     train_split = expand_paths([f"{cache}/json-train-*-of-*.arrow"], "training.data.train")
