@@ -33,9 +33,12 @@ def free_port() -> int:
                 sock.bind((LOCAL_ADDRESS, port))
                 GIVEN_PORTS.add(port)
                 return port
-    with socket.socket() as sock:  # no such range here: the kernel's pick
-        sock.bind((LOCAL_ADDRESS, 0))
-        return sock.getsockname()[1]
+    while True:  # no such range here: the kernel's pick, which can be a port it gave before
+        with socket.socket() as sock:
+            sock.bind((LOCAL_ADDRESS, 0))
+            if (port := sock.getsockname()[1]) not in GIVEN_PORTS:
+                GIVEN_PORTS.add(port)
+                return port
 
 
 def ephemeral_ports_start() -> int:
