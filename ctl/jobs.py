@@ -5,12 +5,24 @@ rendered with the job on deletion."""
 from __future__ import annotations
 
 import contextlib
+import random
+import string
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ctl import storage
-from ctl.cluster import ClusterError, JobNotFound, NotFound, Target, apply, find_job, get_job, require_operator
+from ctl.cluster import (
+    ClusterError,
+    JobNotFound,
+    NotFound,
+    Target,
+    apply,
+    find_job,
+    get_job,
+    require_operator,
+    resource_path,
+)
 from ctl.kinds import DEFAULT_KIND, KINDS, TRAINJOB, JobKind, State, kind_of
 from ctl.kinds.trainjob import RUNTIME_PLURAL
 from ctl.names import COMPONENT_LABEL, INSTANCE_LABEL, PREPARE_COMPONENT
@@ -21,6 +33,8 @@ DELETE_WAIT_S = 300
 TRAINING_RUNTIMES = (f"/apis/{TRAINJOB.api_version}", RUNTIME_PLURAL)
 # How long a job is applied again while its operator's webhook has not yet seen the runtime applied before it.
 RUNTIME_SEEN_WAIT_S = 30
+# The letters at the end of a recreated object's name that its dry run draws anew (26^5 names to find a free one).
+STAND_IN_LETTERS = 5
 
 
 def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind = DEFAULT_KIND) -> None:
@@ -71,13 +85,13 @@ def submit(
             f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
-    # Objects deleted before they are applied: a dry run would check a change to the old one (refusing what the new
-    # one may hold: a TrainJob's trainer and a Job's pod template are immutable), not the creation they meet.
+    # Objects deleted before they are applied: their dry run checks a creation (`stand_in`).
     stale = stale_prepare_jobs(target, name, replace) if any(obj["kind"] == "Job" for obj in objects) else []
     old = {("Job", obj["metadata"]["name"]) for obj in stale} | ({(job["kind"], name)} if exists else set())
     recreated = [obj for obj in objects if (obj["kind"], obj["metadata"]["name"]) in old]
-    # The server's dry run of every other object first, so that one it refuses (its RBAC, a webhook, a field its
-    # schema lacks) leaves nothing created: not the claim and config of a job that never comes.
+    # The server's dry run of every object first, so that one it refuses (its RBAC, a webhook, a field its schema
+    # lacks) leaves nothing created or deleted: not the claim and config of a job that never comes, nor, under
+    # --replace, the end of the job it was to replace.
     checked = dry_run_all(target, objects, job, recreated, note if dry_run else None)
     if dry_run:
         return checked
@@ -97,23 +111,52 @@ def dry_run_all(
     recreated: list[dict[str, Any]],
     note: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    """The objects through the server's dry run (admission, validation, RBAC), in install order, but for those
-    `recreated`; the job as the server would store it. A TrainJob whose runtime does not exist yet is not sent
-    either: Trainer v2's webhook looks the runtime up, and a dry run creates none. A note names what was not sent."""
-    kind = kind_of(job)
-    waiting = (runtime := kind.runtime_name(job)) is not None and not runtime_exists(target, runtime)
-    unsent = [obj for obj in objects if obj in recreated or (obj is job and waiting)]
+    """The objects through the server's dry run (admission, validation, RBAC), in install order, those `recreated`
+    under a name nothing has (`stand_in`); the job as the server would store it. A TrainJob whose runtime does not
+    exist yet is not sent: Trainer v2's webhook looks the runtime up, and a dry run creates none (a note says so)."""
+    runtime = kind_of(job).runtime_name(job)
+    waiting = runtime is not None and not runtime_exists(target, runtime)
+    if waiting and note:
+        note(
+            f"note: not sent to the server's dry run: {job['kind'].lower()}/{job['metadata']['name']}"
+            " (Trainer v2's webhook checks a TrainJob against its runtime, which a dry run does not create)"
+        )
     for obj in objects:
-        if obj is not job and obj not in unsent:
-            apply(target, obj, dry_run=True)
-    checked = job if job in unsent else apply_job(target, job, dry_run=True)
-    if unsent and note:
-        names = ", ".join(f"{obj['kind'].lower()}/{obj['metadata']['name']}" for obj in unsent)
-        why = ["they exist and are recreated"] if recreated else []
-        if waiting:
-            why.append("Trainer v2's webhook checks a TrainJob against its runtime, which a dry run does not create")
-        note(f"note: not sent to the server's dry run: {names} ({'; '.join(why)})")
-    return checked
+        if obj is not job:
+            dry_run(target, obj, obj in recreated)
+    return job if waiting else dry_run(target, job, job in recreated, apply_job)
+
+
+def dry_run(
+    target: Target, obj: dict[str, Any], recreated: bool, send: Callable[..., dict[str, Any]] = apply
+) -> dict[str, Any]:
+    """The object through the server's dry run, as `send` applies it; one that is recreated under a stand-in name,
+    which its refusal names beside its own."""
+    if not recreated:
+        return send(target, obj, dry_run=True)
+    name, sent = obj["metadata"]["name"], stand_in(target, obj)
+    try:
+        stored = send(target, sent, dry_run=True)
+    except ClusterError as error:
+        as_new = f"{obj['kind'].lower()} {name}, checked as a new one named {sent['metadata']['name']}"
+        raise ClusterError(f"{as_new}: {error}") from None
+    return stored | {"metadata": stored["metadata"] | {"name": name}}
+
+
+def stand_in(target: Target, obj: dict[str, Any]) -> dict[str, Any]:
+    """The object under a name of the same length (so the same names derive from it) that no object of its kind
+    has: the dry run of an object that is deleted and then created again. Under its own name the dry run would
+    check a change to the old object, refusing what a creation allows (a Job's pod template and a TrainJob's
+    trainer are immutable) and missing the right to create."""
+    name = obj["metadata"]["name"]
+    kept = name[: max(len(name) - STAND_IN_LETTERS, 0)]  # a DNS label's first character is a letter: kept or drawn
+    while True:
+        drawn = "".join(random.choices(string.ascii_lowercase, k=len(name) - len(kept)))
+        candidate = obj | {"metadata": obj["metadata"] | {"name": kept + drawn}}
+        try:
+            target.call(resource_path(target, candidate))
+        except NotFound:
+            return candidate
 
 
 def apply_job(target: Target, job: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:

@@ -1209,16 +1209,17 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
 
 
 def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
-    """`ctl submit` sends every object through the server's dry run first: a user whose Role reads PyTorchJobs but
-    may not create them (k8s/rbac.yaml less that right) gets one line, and neither the job's claim nor its config
-    exists after."""
+    """`ctl submit` sends every object through the server's dry run first: a user whose Role reads and deletes
+    PyTorchJobs but may not create them (k8s/rbac.yaml less that right) gets one line, and neither the job's claim
+    nor its config exists after. Under --replace the new job is checked as a creation (under a stand-in name) before
+    the old one is deleted: the old one stays."""
     if cluster.plane is None:
         pytest.skip("binds a narrower Role to the tier's ctl user: needs the tier's control plane")
     client = cluster.client()
     for obj in yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text()):
         for rule in obj.get("rules", []):
             if rule["resources"] == [V1.plural]:
-                rule["verbs"] = ["get", "list", "watch"]
+                rule["verbs"] = ["get", "list", "watch", "delete"]
         controlplane.server_side_apply(client, obj | {"metadata": obj["metadata"] | {"namespace": namespace}})
     marker = uuid.uuid4().hex
     name = f"ro-{marker[:6]}"
@@ -1231,6 +1232,18 @@ def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, 
     core = kubernetes.client.CoreV1Api(client)
     assert core.list_namespaced_persistent_volume_claim(namespace).items == []
     assert core.list_namespaced_config_map(namespace, label_selector=f"app.kubernetes.io/instance={name}").items == []
+    suspended = ("-n", namespace, "--set", "runPolicy.suspend=true")  # no pods: only the job object matters
+    created = run_ctl_on(cluster.kubeconfig, "submit", str(spec), *suspended, cwd=tmp_path)  # by the admin
+    assert created.returncode == 0, created.stderr
+    jobs = kubernetes.client.CustomObjectsApi(client)
+    uid = jobs.get_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural, name)["metadata"]["uid"]
+    refused = run_ctl_on(cluster.plane.user_kubeconfig, "submit", str(spec), *suspended, "--replace", cwd=tmp_path)
+    assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr
+    *notes, line = refused.stderr.splitlines()
+    assert all(n.startswith("note: ") for n in notes), refused.stderr
+    assert line.startswith(f"error: {V1.kind.lower()} {name}, checked as a new one named ro-"), refused.stderr
+    assert f'cannot patch resource "{V1.plural}"' in line and name not in line.split(": PATCH ")[1]
+    assert jobs.get_namespaced_custom_object(V1.group, V1.version, namespace, V1.plural, name)["metadata"]["uid"] == uid
 
 
 def test_ctl_submit_refuses_read_write_many_from_a_block_storage_class(

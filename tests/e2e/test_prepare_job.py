@@ -298,10 +298,11 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     assert f"\n  {name}-master-0: {line}\n" in ctl("status", name).stdout
     assert not list((claim / "_datasets").glob("causal-lm-*"))  # nothing a later run would trust
 
-    # The file fixed, the same spec submitted again: a new prepare Job prepares it (the failed one would never run
-    # again), and the job succeeds.
+    # The file fixed, the spec submitted again: a new prepare Job prepares it (the failed one would never run again),
+    # and the job succeeds. Its pod template changed, which the old Job's cannot: the dry run checks a creation.
     (claim / "corpus" / "latin1.py").write_text("café = 1\n", encoding="utf-8")
-    replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
+    changed = ("--set", "prepare.memory=1100Mi")
+    replaced = ctl("submit", str(spec), *changed, "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
     assert replaced.returncode == 0, replaced.stderr + pod_logs(cluster, namespace)
     # The ranks go on once the manifest is written: the Job's pod may still be exiting when training is done.
     assert job_finished(finished_batch_job(cluster, namespace, f"{name}-prepare")) == "Complete"
