@@ -65,7 +65,7 @@ def submit(
     dry_run: bool,
     replace: bool,
     note: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> None:
     """Apply the rendered objects in install order (volume claim, config and a TrainJob's runtime before the job),
     once the cluster is known to run them: the operator installed, a claim its storage class can give
     (ctl.storage), and every object through the server's dry run."""
@@ -92,16 +92,16 @@ def submit(
     # The server's dry run of every object first, so that one it refuses (its RBAC, a webhook, a field its schema
     # lacks) leaves nothing created or deleted: not the claim and config of a job that never comes, nor, under
     # --replace, the end of the job it was to replace.
-    checked = dry_run_all(target, objects, job, recreated, note if dry_run else None)
+    dry_run_all(target, objects, job, recreated, note if dry_run else None)
     if dry_run:
-        return checked
+        return
     if exists:
         delete_job(target, name, foreground=True, api=api)
     delete_prepare_jobs(target, stale)
     for obj in objects:
         if obj is not job:
             apply(target, obj)
-    return apply_job(target, job)
+    apply_job(target, job)
 
 
 def dry_run_all(
@@ -110,10 +110,10 @@ def dry_run_all(
     job: dict[str, Any],
     recreated: list[dict[str, Any]],
     note: Callable[[str], None] | None,
-) -> dict[str, Any]:
+) -> None:
     """The objects through the server's dry run (admission, validation, RBAC), in install order, those `recreated`
-    under a name nothing has (`stand_in`); the job as the server would store it. A TrainJob whose runtime does not
-    exist yet is not sent: Trainer v2's webhook looks the runtime up, and a dry run creates none (a note says so)."""
+    under a name nothing has (`stand_in`). A TrainJob whose runtime does not exist yet is not sent: Trainer v2's
+    webhook looks the runtime up, and a dry run creates none (a note says so)."""
     runtime = kind_of(job).runtime_name(job)
     waiting = runtime is not None and not runtime_exists(target, runtime)
     if waiting and note:
@@ -124,23 +124,24 @@ def dry_run_all(
     for obj in objects:
         if obj is not job:
             dry_run(target, obj, obj in recreated)
-    return job if waiting else dry_run(target, job, job in recreated, apply_job)
+    if not waiting:
+        dry_run(target, job, job in recreated, apply_job)
 
 
-def dry_run(
-    target: Target, obj: dict[str, Any], recreated: bool, send: Callable[..., dict[str, Any]] = apply
-) -> dict[str, Any]:
+def dry_run(target: Target, obj: dict[str, Any], recreated: bool, send: Callable[..., object] = apply) -> None:
     """The object through the server's dry run, as `send` applies it; one that is recreated under a stand-in name,
     which its refusal names beside its own."""
     if not recreated:
-        return send(target, obj, dry_run=True)
-    name, sent = obj["metadata"]["name"], stand_in(target, obj)
+        send(target, obj, dry_run=True)
+        return
+    sent = stand_in(target, obj)
     try:
-        stored = send(target, sent, dry_run=True)
+        send(target, sent, dry_run=True)
     except ClusterError as error:
-        as_new = f"{obj['kind'].lower()} {name}, checked as a new one named {sent['metadata']['name']}"
+        as_new = (
+            f"{obj['kind'].lower()} {obj['metadata']['name']}, checked as a new one named {sent['metadata']['name']}"
+        )
         raise ClusterError(f"{as_new}: {error}") from None
-    return stored | {"metadata": stored["metadata"] | {"name": name}}
 
 
 def stand_in(target: Target, obj: dict[str, Any]) -> dict[str, Any]:
