@@ -145,10 +145,10 @@ def dry_run(target: Target, obj: dict[str, Any], recreated: bool, send: Callable
 
 
 def stand_in(target: Target, obj: dict[str, Any]) -> dict[str, Any]:
-    """The object under a name of the same length (so the same names derive from it) that no object of its kind
-    has: the dry run of an object that is deleted and then created again. Under its own name the dry run would
-    check a change to the old object, refusing what a creation allows (a Job's pod template and a TrainJob's
-    trainer are immutable) and missing the right to create."""
+    """The object under a name of the same length (names derived from it keep their lengths and limits) that no
+    object of its kind has: the dry run of an object that is deleted and then created again. Under its own name the
+    dry run would check a change to the old object, refusing what a creation allows (a Job's pod template and a
+    TrainJob's trainer are immutable) and missing the right to create."""
     name = obj["metadata"]["name"]
     kept = name[: max(len(name) - STAND_IN_LETTERS, 0)]  # a DNS label's first character is a letter: kept or drawn
     while True:
