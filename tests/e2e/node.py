@@ -163,11 +163,12 @@ def kill_namespace_members(holder: int) -> None:
 
 
 def cgroup_dirs() -> list[Path]:
-    """CGROUP_ROOT in every v1 hierarchy of this machine (the kubelet's cgroupfs driver uses them all)."""
+    """CGROUP_ROOT in every hierarchy of this machine: the kubelet's cgroupfs driver uses every v1 one, and makes its
+    cgroups in the v2 one of this hybrid layout (`unified`, no controllers) too, as runc does the containers'."""
     return [
         hierarchy / CGROUP_ROOT
         for hierarchy in sorted(CGROUPS.iterdir())
-        if hierarchy.is_dir() and not hierarchy.is_symlink() and hierarchy.name != "unified"
+        if hierarchy.is_dir() and not hierarchy.is_symlink()
     ]
 
 
