@@ -471,11 +471,22 @@ def launch_a_failing_rank(folder: Path) -> list[str]:
 
 def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Path) -> None:
     """A rank's own error (exit 1): torchrun's report, then the root cause in one line, last. A pod's log tail is its
-    termination message (the chart's FallbackToLogsOnError), whose last line `ctl status` shows."""
-    command = [sys.executable, "-m", "trainer.launch", *launch_a_failing_rank(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    termination message (the chart's FallbackToLogsOnError), whose last line `ctl status` shows. The error files it
+    was read from go with the launcher: in a pod, /tmp outlives the container, and every restart would add them."""
+    launch, rank = [sys.executable, "-m", "trainer.launch"], launch_a_failing_rank(tmp_path)
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    done = subprocess.run([*launch, *rank], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Root Cause (first observed failure)" in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
+    assert list(tmp_path.glob("torchelastic_*")) == []
+    (tmp_path / "done.py").write_text("print('done')\n")
+    done = subprocess.run([*launch, "--standalone", "done.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and list(tmp_path.glob("torchelastic_*")) == [], done.stderr
+    # Its ranks' output, redirected to files in a folder torchrun chose (and named in its report), is kept.
+    done = subprocess.run([*launch, "--redirects=3", *rank], cwd=tmp_path, env=env, capture_output=True, text=True)
+    [logs] = tmp_path.glob("torchelastic_*/*/attempt_0/0")
+    assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
+    assert "the data was not prepared" in (logs / "stderr.log").read_text() and str(logs.parent.parent) in done.stderr
 
 
 @pytest.mark.parametrize("when", ["importing", "rendezvous"])
@@ -484,7 +495,8 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
 ) -> None:
     """A launcher as its container's PID 1 (the image run by itself) that has not started its trainers yet, torch
     still importing or its node waiting at the rendezvous for a peer (here for ever): it exits 143 at once with one
-    line, instead of ignoring SIGTERM and holding the container until SIGKILL. It leaves no heartbeat directory."""
+    line, instead of ignoring SIGTERM and holding the container until SIGKILL. It leaves no heartbeat directory, and
+    no folder of torchrun's."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     port = free_port()
     launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=0"]
@@ -495,7 +507,7 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
     assert stderr.splitlines()[-1] == (
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr
-    assert list(tmp_path.glob("ddpjob-heartbeats-*")) == []
+    assert list(tmp_path.glob("ddpjob-heartbeats-*")) == list(tmp_path.glob("torchelastic_*")) == []
 
 
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:

@@ -21,17 +21,20 @@ The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has 
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import shutil
 import signal
+import sys
+import tempfile
 import threading
 import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-STARTED_WATCHES: list[Path] = []  # the heartbeat directory of main()'s FrozenRanks, once it exists
+SCRATCH: list[Path] = []  # the folders main() made, removed at its exit, once they exist
 
 
 def stopped_line(code: int, reason: str) -> str:
@@ -45,7 +48,7 @@ def stop_while_starting(signum: int, frame: object = None) -> NoReturn:
     leaves it on a signal."""
     code = 128 + signum
     reason = f"stopped by {signal.Signals(signum).name} before the trainers started"
-    for directory in STARTED_WATCHES:  # what its exit handlers, skipped here, would remove
+    for directory in SCRATCH:  # what its exit handlers, skipped here, would remove
         shutil.rmtree(directory, ignore_errors=True)
     os.write(2, f"{stopped_line(code, reason)}\n".encode())
     os._exit(code)
@@ -78,6 +81,7 @@ gc.disable()  # while torch imports: trainer/heap.py
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun
+from torch.distributed.run import parse_args
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
 from trainer.frozen import FrozenRanks
@@ -89,8 +93,9 @@ resume_collection()
 
 
 def main() -> None:
+    give_torchrun_a_scratch_log_dir()
     frozen = FrozenRanks().start()
-    STARTED_WATCHES.append(frozen.directory)
+    SCRATCH.append(frozen.directory)
     try:
         torchrun()
         quick_exit(0)
@@ -110,6 +115,18 @@ def main() -> None:
             quick_exit(EXIT_BAD_INPUT, f"error: {cause.message}")
         traceback.print_exc()  # torchrun's report, then the root cause as the last line (a pod's termination message)
         quick_exit(EXIT_ERROR, f"error: {cause.message}")
+
+
+def give_torchrun_a_scratch_log_dir() -> None:
+    """Without a log directory, torchrun makes one per start in /tmp (its ranks' error files) and leaves it there.
+    In a pod /tmp is the scratch volume, which outlives the container: every restart would add one. Given none,
+    torchrun gets a folder that goes with this process; with --redirects or --tee it is the ranks' logs, and kept."""
+    args = parse_args(sys.argv[1:])
+    if args.log_dir is None and args.redirects == args.tee == "0":
+        directory = Path(tempfile.mkdtemp(prefix="torchelastic_"))
+        os.environ["PET_LOG_DIR"] = str(directory)
+        SCRATCH.append(directory)
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:
