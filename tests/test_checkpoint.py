@@ -61,13 +61,14 @@ def start(
     section: dict[str, Any], procs: int = PROCS, env: dict[str, str] | None = None, config: Path | None = None
 ) -> subprocess.Popen:
     """One pod: torchrun over the trainer (`env` may carry a marker that finds all its processes); its training.yaml
-    beside the run directory unless `config` names it."""
+    beside the run directory unless `config` names it. Its temporary folders go beside the training.yaml too: what
+    a run killed as a whole leaves there (the ranks' heartbeats, as a dead node's) goes with the test's folder."""
     config = config or Path(section["checkpoint"]["dir"]).with_suffix(".yaml")
     config.write_text(yaml.safe_dump(section), encoding="utf-8")
     command = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc-per-node={procs}"]
     return subprocess.Popen(
         [*command, "-m", "trainer", "--config", str(config)],
-        env=(env or os.environ) | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env=(env or os.environ) | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(config.parent)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
