@@ -17,7 +17,10 @@ Measured in one invocation, on the small corpus and then the large one:
                   peak memory, and each rank's peak RSS;
 - restart:        the same spec in a new run directory with the cache filled (what a restarted pod
                   does: fingerprint from file metadata, map the files): seconds to the first step,
-                  and each rank's peak RSS while training.
+                  and each rank's peak RSS while training;
+- order:          µs a batch of one rank's sample indices (trainer.data.TrainBatches: the epoch's
+                  shuffled order, world size 8, batch 32) at 10^4 to 10^10 samples, against
+                  nanoGPT's random offsets (`torch.randint`), in this process.
 
     python bench/data.py                            # 130 MB and 1 GB
     python bench/data.py --small-mb 30 --large-mb 120   # a busy or small machine
@@ -32,7 +35,7 @@ The tokenizing processes use jemalloc where it is installed (trainer/prepare.py 
 `apt install libjemalloc2`), which the output names.
 
 Prints a table and one JSON line (ratios: first start / reference wall, restart large / small,
-rank RSS large / small).
+rank RSS large / small, order largest / smallest and largest / reference).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +69,8 @@ SAMPLE_S = 0.2
 # far less). PSS plateaus for seconds at its peak (tokenizing, training), so a sample a second finds it.
 PSS_SAMPLE_S = 1.0
 TOKENIZER_SAMPLE_BYTES = 5 * 2**20
+ORDER_SIZES = (10**4, 10**6, 10**8, 10**10)  # samples in the corpus
+ORDER_WORLD, ORDER_BATCH, ORDER_BATCHES = 8, 32, 3000
 
 
 def stdlib_documents() -> list[Path]:
@@ -267,6 +273,35 @@ def run_case(label: str, corpus: Path, val: Path, tokenizer_dir: Path, workdir: 
     return result
 
 
+def per_batch_us(batches: Iterator[object]) -> float:
+    next(batches)
+    started = time.perf_counter()
+    for _ in range(ORDER_BATCHES):
+        next(batches)
+    return round((time.perf_counter() - started) / ORDER_BATCHES * 1e6, 1)
+
+
+def order_costs() -> dict:
+    """µs a batch of the last rank's indices, and of nanoGPT's random offsets into the largest corpus. A corpus is a
+    range (each sample its own index): the order's cost alone. Imported here: the reference's process, this script
+    too, must not carry torch in its memory."""
+    import torch
+
+    from trainer.data import TrainBatches
+    from trainer.dist import Dist
+
+    def offsets() -> Iterator[object]:
+        while True:
+            yield torch.randint(ORDER_SIZES[-1], (ORDER_BATCH,))
+
+    rank = Dist(ORDER_WORLD - 1, ORDER_WORLD - 1, ORDER_WORLD, torch.device("cpu"))
+    costs = {
+        f"{size:.0e}": per_batch_us(iter(TrainBatches(range(size), rank, ORDER_BATCH, 1337, lambda rows: rows)))
+        for size in ORDER_SIZES
+    }
+    return {"us_per_batch": costs, "reference_us_per_batch": per_batch_us(offsets())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small-mb", type=int, default=130, help="size of the small corpus (MB)")
@@ -297,6 +332,7 @@ def main() -> None:
             )
             for label, corpus in corpora.items()
         }
+    order = order_costs()
 
     allocator = fast_malloc() or "glibc's malloc (no jemalloc installed)"
     print(f"tokenizing processes' allocator: {allocator}")
@@ -324,6 +360,10 @@ def main() -> None:
         )
     for name, a, b in rows:
         print(f"{name:28}{a!s:>14}{b!s:>14}")
+    costs = order["us_per_batch"]
+    print(f"order, µs a batch (world size {ORDER_WORLD}, batch {ORDER_BATCH}), by samples in the corpus:")
+    print("  " + "  ".join(f"{size}: {us}" for size, us in costs.items()))
+    print(f"  reference (random offsets): {order['reference_us_per_batch']}")
     ratios = {
         "first_start_vs_reference_wall": round(small["first_start"]["wall_s"] / small["reference"]["wall_s"], 2),
         "restart_first_step_large_vs_small": round(
@@ -334,7 +374,10 @@ def main() -> None:
             2,
         ),
     }
-    print(json.dumps(results | {"allocator": allocator, "ratios": ratios}))
+    largest, smallest = costs[f"{ORDER_SIZES[-1]:.0e}"], costs[f"{ORDER_SIZES[0]:.0e}"]
+    ratios["order_largest_vs_smallest"] = round(largest / smallest, 2)
+    ratios["order_largest_vs_reference"] = round(largest / order["reference_us_per_batch"], 2)
+    print(json.dumps(results | {"order": order, "allocator": allocator, "ratios": ratios}))
 
 
 if __name__ == "__main__":

@@ -97,10 +97,11 @@ def test_metrics_overhead_bench(tmp_path: Path, corpus_file: Path) -> None:
     assert_finite(run_bench("metrics_overhead.py", "--spec", str(spec)), "overhead_ratio")
 
 
-def test_data_bench_runs_the_reference_prepare_a_first_start_and_a_restart() -> None:
+def test_data_bench_runs_the_reference_prepare_a_first_start_a_restart_and_the_order() -> None:
     result = run_bench("data.py", "--small-mb", "1", "--large-mb", "2")
     assert {"reference", "first_start", "restart"} <= set(result["small"])
     assert_finite(result["ratios"], "first_start_vs_reference_wall", "restart_first_step_large_vs_small")
+    assert_finite(result["ratios"], "order_largest_vs_smallest", "order_largest_vs_reference")
     assert_finite(result)
 
 

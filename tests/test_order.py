@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import EpochOrder, TrainBatches
+from trainer.data import ORDER_BLOCK, EpochOrder, TrainBatches
 from trainer.dist import Dist
 
 SMALL = [*range(1, 130), 251, 256, 257, 1009, 4096, 65521, 65537, 999_983]
@@ -76,6 +76,22 @@ def test_ranks_take_their_share_of_one_global_order_whatever_the_world_size(worl
     assert global_batches == want.tolist()
 
 
+def test_batches_are_the_orders_global_batches_in_turn_across_blocks_and_epochs() -> None:
+    """A rank's indices are computed ORDER_BLOCK at a time; from a position a resume under another world size can
+    leave (not a multiple of the global batch), its batches still follow the epoch's order, then the next one's."""
+    length, world_size, batch_size, position = 2 * ORDER_BLOCK + 1001, 3, 7, 5
+    global_batch = world_size * batch_size
+    full = (length - position) // global_batch  # this epoch's batches left; the rest of it is dropped
+    iterators = []
+    for stream in streams(length, world_size, batch_size):
+        stream.position = position
+        iterators.append(iter(stream))
+    steps = [np.stack([next(it).numpy() for it in iterators], axis=1).reshape(-1) for _ in range(full + 3)]
+    first, second = EpochOrder(length, 5, 0), EpochOrder(length, 5, 1)
+    want = np.concatenate([first[position : position + full * global_batch], second[: 3 * global_batch]])
+    assert np.array_equal(np.concatenate(steps), want)
+
+
 def test_memory_of_a_step_does_not_grow_with_the_dataset() -> None:
     """A billion times more samples: the same memory for the order (a permutation of 10^15 samples would
     take petabytes)."""
@@ -92,4 +108,5 @@ def test_memory_of_a_step_does_not_grow_with_the_dataset() -> None:
 
     small, huge = peak_bytes(10**6), peak_bytes(10**15)
     assert huge < small + 4096, (small, huge)
-    assert small < 64 * 1024, small  # a batch's worth of indices, not the 8 MB of an order of 10^6
+    # A block of positions (numpy's temporaries over ORDER_BLOCK uint64 values), not the 8 MB of an order of 10^6.
+    assert small < 8 * ORDER_BLOCK * 8, small
