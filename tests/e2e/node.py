@@ -91,6 +91,7 @@ class Node:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     stopping: threading.Event = field(default_factory=threading.Event)
     provisioner: threading.Thread | None = None
+    images: dict[str, str] = field(default_factory=dict)  # what `start` imported: manifest digest by reference
 
     def in_node(self, command: list[str]) -> list[str]:
         """`command` run in the node's network and mount namespaces."""
@@ -108,6 +109,12 @@ class Node:
 
     def ctr(self, ctr: Path, *args: str, timeout_s: float = 900) -> str:
         return self.run([str(ctr), f"--address={self.containerd_socket}", "--namespace=k8s.io", *args], timeout_s)
+
+    def held_images(self, ctr: Path) -> list[tuple[str, str]]:
+        """containerd's images: (name, manifest digest) each; the CRI plugin names each image by its ID too."""
+        return [
+            (name, digest) for name, _, digest, *_ in map(str.split, self.ctr(ctr, "images", "ls").splitlines()[1:])
+        ]
 
     def allocated_addresses(self) -> set[str]:
         """The pod addresses CNI's host-local IPAM has handed out and not yet released (a file per address)."""
@@ -376,6 +383,23 @@ def archive_manifest_digest(archive: Path) -> str:
     return manifest["digest"]
 
 
+def remove_containers(node: Node, ctr: Path) -> None:
+    """The containers an earlier node left in containerd's store (its pods' when it stopped; every one of a run that
+    was killed), which no kubelet will remove: each keeps its snapshot and, under it, the layers of the image it ran,
+    one replaced since included (~540 MB a run)."""
+    if containers := node.ctr(ctr, "containers", "ls", "-q").split():
+        node.ctr(ctr, "containers", "rm", *containers)
+
+
+def remove_other_images(node: Node, ctr: Path) -> None:
+    """Every image but those the node imported, with the layers only they use. The CRI plugin names an image by its
+    ID (`sha256:...`) too, and that name stays when its reference moves to the next content: each change of the
+    training image kept the previous one's changed layers (~540 MB)."""
+    stale = [name for name, digest in node.held_images(ctr) if digest not in node.images.values()]
+    if stale:
+        node.ctr(ctr, "images", "rm", "--sync", *stale)
+
+
 def fully_qualified(reference: str) -> str:
     """An image reference as containerd names it (and the kubelet asks for it): `ddpjob:0.1.0` is
     `docker.io/library/ddpjob:0.1.0`, `org/x:1` is `docker.io/org/x:1`; one with a registry host stays."""
@@ -388,13 +412,10 @@ def fully_qualified(reference: str) -> str:
 def import_image(node: Node, ctr: Path, archive: Path, reference: str) -> None:
     """The archive's image in containerd's k8s.io namespace as `reference`, unless it is there already."""
     reference = fully_qualified(reference)
-    digest = archive_manifest_digest(archive)
-    listed = node.ctr(ctr, "images", "ls", f"name=={reference}")
-    if digest in listed:
+    digest = node.images[reference] = archive_manifest_digest(archive)
+    if digest in node.ctr(ctr, "images", "ls", f"name=={reference}"):
         return
     started = time.monotonic()
-    if reference in listed:  # another content of it: removed first, so that containerd's collector frees it
-        node.ctr(ctr, "images", "rm", "--sync", reference)
     # Through the node's mount namespace: the archive's path is this machine's (only /run, /var/lib and /var/log
     # differ there). Only the unpacked layers are kept (which ctr does only with --local, client-side): the
     # archive's blobs would double the image's ~6 GB.
@@ -648,8 +669,10 @@ def start(
     and every image imported. The caller stops it with `Node.stop`, also when this fails."""
     pause = pause_image(binaries.pause, node.directory / "images")
     start_containerd(node, binaries.containerd, binaries.containerd_shim, containerd_root, pause.reference)
+    remove_containers(node, binaries.ctr)
     for image in [NodeImage(pause.archive, pause.reference), *images]:
         import_image(node, binaries.ctr, image.archive, image.reference)
+    remove_other_images(node, binaries.ctr)
     cluster_objects(client)
     node.provisioner = threading.Thread(target=provision, args=(node, client), daemon=True, name="provisioner")
     node.provisioner.start()

@@ -761,6 +761,18 @@ def wait_for_deletion(cluster: Cluster, namespace: str, job: str) -> None:
     assert pods_of(cluster, namespace, job) == {}
 
 
+def test_the_nodes_containerd_holds_only_the_images_it_imported(cluster: Cluster) -> None:
+    """containerd's store outlives the node (the ~6 GB training image is imported once per content), so nothing a
+    node leaves there may pile up: each earlier version of the training image stayed under the ID the CRI plugin
+    names it by, with its ~540 MB of changed layers, 26 of them on this machine before the node removed them."""
+    if cluster.plane is None or cluster.plane.node is None:
+        pytest.skip("an external cluster's images are its own")
+    imported = cluster.plane.node.images
+    held = cluster.plane.node.held_images(ensure_binaries().ctr)
+    assert {digest for _, digest in held} == set(imported.values()), held
+    assert {name for name, _ in held if not name.startswith("sha256:")} == set(imported), held
+
+
 def test_a_deleted_pod_is_stopped_and_recreated(cluster: Cluster, namespace: str) -> None:
     """Deleting a running pod (as `kubectl delete pod`, or the operator on a restart, does) ends its processes;
     the operator creates the pod again and it runs. Deleted as it starts (its launcher has not started its trainer
