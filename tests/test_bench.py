@@ -154,7 +154,10 @@ def test_a_failed_peer_run_is_run_again_once_and_says_why(throughput: Any, tmp_p
     assert len(retried) == 2
 
 
-def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(throughput: Any, tmp_path: Path) -> None:
+def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(
+    throughput: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where plain torchrun leaves its folder of error files
     worker = tmp_path / "worker.py"
     worker.write_text("import os\nif os.environ['RANK'] == '1':\n    os.abort()\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker)]

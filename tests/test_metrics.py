@@ -335,6 +335,7 @@ def test_a_port_without_a_shared_directory_is_refused_in_one_line(
     config = tmp_path / "training.yaml"
     config.write_text(yaml.safe_dump(tiny_spec(corpus_file)["training"]))
     env = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"} | {"DDPJOB_METRICS_PORT": str(free_port())}
+    env["TMPDIR"] = str(tmp_path)  # where plain torchrun leaves its folder of error files
     result = subprocess.run(
         [*("python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer"), "--config", str(config)],
         cwd=tmp_path,
