@@ -171,7 +171,7 @@ def kill_namespace_members(holder: int) -> None:
 
 def cgroup_dirs() -> list[Path]:
     """CGROUP_ROOT in every hierarchy of this machine: the kubelet's cgroupfs driver uses every v1 one, and makes its
-    cgroups in the v2 one of this hybrid layout (`unified`, no controllers) too, as runc does the containers'."""
+    cgroups in the v2 one of this hybrid layout (`unified`, no controllers) too (`kubepods/...` is seen there)."""
     return [
         hierarchy / CGROUP_ROOT
         for hierarchy in sorted(CGROUPS.iterdir())
@@ -386,7 +386,7 @@ def archive_manifest_digest(archive: Path) -> str:
 def remove_containers(node: Node, ctr: Path) -> None:
     """The containers an earlier node left in containerd's store (its pods' when it stopped; every one of a run that
     was killed), which no kubelet will remove: each keeps its snapshot and, under it, the layers of the image it ran,
-    one replaced since included (~540 MB a run)."""
+    one replaced since included (~540 MB for each replaced content)."""
     if containers := node.ctr(ctr, "containers", "ls", "-q").split():
         try:
             node.ctr(ctr, "containers", "rm", *containers)
