@@ -248,6 +248,15 @@ def apply(target: Target, obj: dict[str, Any], dry_run: bool = False) -> dict[st
     )
 
 
+def exists(target: Target, path: str) -> bool:
+    """Whether the cluster has the object at the path (a GET that finds nothing is a no)."""
+    try:
+        target.call(path)
+    except NotFound:
+        return False
+    return True
+
+
 def get_job(target: Target, name: str, api: JobKind = DEFAULT_KIND) -> dict[str, Any]:
     try:
         return target.call(api.path(target.namespace, name))

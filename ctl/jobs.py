@@ -4,7 +4,6 @@ rendered with the job on deletion."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import string
 import time
@@ -14,12 +13,11 @@ from typing import Any
 from ctl import storage
 from ctl.cluster import (
     ClusterError,
-    JobNotFound,
     NotFound,
     Target,
     apply,
+    exists,
     find_job,
-    get_job,
     require_operator,
     resource_path,
 )
@@ -48,9 +46,7 @@ def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind
     deadline = time.monotonic() + DELETE_WAIT_S
     pods = f"/api/v1/namespaces/{target.namespace}/pods"
     while time.monotonic() < deadline:
-        try:
-            get_job(target, name, api)
-        except JobNotFound:
+        if not exists(target, api.path(target.namespace, name)):
             selector = [("labelSelector", f"{api.job_label}={name}")]
             if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
                 return
@@ -75,19 +71,15 @@ def submit(
     if (message := check_claim(target, objects)) and note:
         note(message)
     name = job["metadata"]["name"]
-    try:
-        get_job(target, name, api)
-        exists = True
-    except JobNotFound:
-        exists = False
-    if exists and not replace:
+    existing = exists(target, api.path(target.namespace, name))
+    if existing and not replace:
         raise ClusterError(
             f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
     # Objects deleted before they are applied: their dry run checks a creation (`stand_in`).
     stale = stale_prepare_jobs(target, name, replace) if any(obj["kind"] == "Job" for obj in objects) else []
-    old = {("Job", obj["metadata"]["name"]) for obj in stale} | ({(job["kind"], name)} if exists else set())
+    old = {("Job", obj["metadata"]["name"]) for obj in stale} | ({(job["kind"], name)} if existing else set())
     recreated = [obj for obj in objects if (obj["kind"], obj["metadata"]["name"]) in old]
     # The server's dry run of every object first, so that one it refuses (its RBAC, a webhook, a field its schema
     # lacks) leaves nothing created or deleted: not the claim and config of a job that never comes, nor, under
@@ -95,7 +87,7 @@ def submit(
     dry_run_all(target, objects, job, recreated, note if dry_run else None)
     if dry_run:
         return
-    if exists:
+    if existing:
         delete_job(target, name, foreground=True, api=api)
     delete_prepare_jobs(target, stale)
     for obj in objects:
@@ -154,9 +146,7 @@ def stand_in(target: Target, obj: dict[str, Any]) -> dict[str, Any]:
     while True:
         drawn = "".join(random.choices(string.ascii_lowercase, k=len(name) - len(kept)))
         candidate = obj | {"metadata": obj["metadata"] | {"name": kept + drawn}}
-        try:
-            target.call(resource_path(target, candidate))
-        except NotFound:
+        if not exists(target, resource_path(target, candidate)):
             return candidate
 
 
@@ -187,11 +177,10 @@ def delete_prepare_jobs(target: Target, jobs: list[dict[str, Any]]) -> None:
         path = f"/apis/batch/v1/namespaces/{target.namespace}/jobs/{job['metadata']['name']}"
         target.call(path, "DELETE", body={"propagationPolicy": "Background"})
         deadline = time.monotonic() + DELETE_WAIT_S
-        with contextlib.suppress(NotFound):
-            while time.monotonic() < deadline:
-                target.call(path)
-                time.sleep(0.5)
-            raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
+        while exists(target, path):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"job {job['metadata']['name']} still exists {DELETE_WAIT_S} s after its deletion")
+            time.sleep(0.5)
 
 
 def prepare_jobs(target: Target, name: str) -> list[dict[str, Any]]:
@@ -211,11 +200,7 @@ def prepare_state(job: dict[str, Any]) -> State:
 
 def runtime_exists(target: Target, name: str) -> bool:
     base, plural = TRAINING_RUNTIMES
-    try:
-        target.call(f"{base}/namespaces/{target.namespace}/{plural}/{name}")
-    except NotFound:
-        return False
-    return True
+    return exists(target, f"{base}/namespaces/{target.namespace}/{plural}/{name}")
 
 
 class StorageMismatch(ClusterError):
