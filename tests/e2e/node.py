@@ -416,16 +416,15 @@ def import_image(node: Node, ctr: Path, archive: Path, reference: str) -> None:
     """The archive's image in containerd's k8s.io namespace as `reference`, unless it is there already."""
     reference = fully_qualified(reference)
     digest = node.images[reference] = archive_manifest_digest(archive)
-    if digest in node.ctr(ctr, "images", "ls", f"name=={reference}"):
+    if (reference, digest) in node.held_images(ctr):
         return
     started = time.monotonic()
     # Through the node's mount namespace: the archive's path is this machine's (only /run, /var/lib and /var/log
     # differ there). Only the unpacked layers are kept (which ctr does only with --local, client-side): the
     # archive's blobs would double the image's ~6 GB.
     node.ctr(ctr, "images", "import", "--local", "--snapshotter=overlayfs", "--discard-unpacked-layers", str(archive))
-    if digest not in node.ctr(ctr, "images", "ls", f"name=={reference}"):
-        imported = node.ctr(ctr, "images", "ls", "-q")
-        raise NodeError(f"{archive} imported, but not as {reference} {digest}: containerd has {imported.split()}")
+    if (reference, digest) not in (held := node.held_images(ctr)):
+        raise NodeError(f"{archive} imported, but not as {reference} {digest}: containerd has {held}")
     print(f"node: imported {reference} in {time.monotonic() - started:.0f} s", flush=True)
 
 
