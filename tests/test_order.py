@@ -14,23 +14,11 @@ from trainer.dist import Dist
 SMALL = [*range(1, 130), 251, 256, 257, 1009, 4096, 65521, 65537, 999_983]
 
 
-class Indices:
-    """A dataset of `length` samples, each its own index: no memory per sample, whatever the length."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
 def streams(length: int, world_size: int, batch_size: int, seed: int = 5) -> list[TrainBatches]:
+    """Each rank's batches over `length` samples, each its own index (a range: no memory per sample)."""
     cpu = torch.device("cpu")
     return [
-        TrainBatches(Indices(length), Dist(rank, rank, world_size, cpu), batch_size, seed, collate=None)
+        TrainBatches(range(length), Dist(rank, rank, world_size, cpu), batch_size, seed, collate=None)
         for rank in range(world_size)
     ]
 
