@@ -254,6 +254,7 @@ class PodSecuritySpec(SpecModel):
 Affinity = kubernetes_object("V1Affinity")
 EnvEntries = kubernetes_list("V1EnvVar")
 EnvFromEntries = kubernetes_list("V1EnvFromSource")
+SecretReferences = kubernetes_list("V1LocalObjectReference")
 LabelSelector = kubernetes_object("V1LabelSelector")
 Tolerations = kubernetes_list("V1Toleration")
 
@@ -421,8 +422,8 @@ class JobSpec(SpecModel):
     tolerations: Tolerations = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
     affinity: Affinity = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
     priority_class_name: str = Field("", description="PriorityClass of the pods.")
-    image_pull_secrets: list[dict[str, str]] = Field(
-        default_factory=list, description="Secrets for pulling the image, e.g. [{name: regcred}]."
+    image_pull_secrets: SecretReferences = Field(
+        default_factory=list, description="Secrets for pulling the image (Kubernetes form), e.g. [{name: regcred}]."
     )
     service_account: ServiceAccountSpec = Field(default_factory=ServiceAccountSpec)
     security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
@@ -450,26 +451,25 @@ class JobSpec(SpecModel):
             )
         return name
 
+    @field_validator("env", "image_pull_secrets")
+    @classmethod
+    def _named(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The API lets these entries' `name` be empty; an entry without one names nothing."""
+        for i, entry in enumerate(entries):
+            if not entry.get("name"):
+                raise ValueError(f"entry {i} needs a `name`")
+        return entries
+
     @field_validator("env")
     @classmethod
-    def _env_names(cls, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, var in enumerate(env):
-            if not isinstance(var.get("name"), str) or not var["name"]:
-                raise ValueError(f"entry {i} needs a `name`")
+    def _credentials_by_reference(cls, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for var in env:
             if "value" in var and CREDENTIAL_ENV.search(var["name"]):
                 raise ValueError(
                     f"{var['name']}: a credential is not given as a value: use valueFrom.secretKeyRef"
                     " (or envFrom a Secret)"
                 )
         return env
-
-    @field_validator("image_pull_secrets")
-    @classmethod
-    def _secret_refs(cls, secrets: list[dict[str, str]]) -> list[dict[str, str]]:
-        for i, ref in enumerate(secrets):
-            if set(ref) != {"name"}:
-                raise ValueError(f"entry {i} must be {{name: <secret>}}")
-        return secrets
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
