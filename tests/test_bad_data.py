@@ -44,6 +44,24 @@ CASES = {
         lambda d: {"train": jsonl(d / "t.jsonl", ROWS), "test": jsonl(d / "s.jsonl", [{"text": "a", "label": "zero"}])},
         "s.jsonl:1: label 'zero' is not in the training data",
     ),
+    # An integer column in one export, a float column (one with gaps) in another: two classes each, silently.
+    "a-label-written-two-ways": (
+        lambda d: {
+            "train": [
+                jsonl(d / "ints.jsonl", [row | {"label": i % 2} for i, row in enumerate(ROWS)]),
+                jsonl(d / "floats.jsonl", [row | {"label": float(i % 2)} for i, row in enumerate(ROWS)]),
+            ]
+        },
+        "floats.jsonl:1) are the same number written two ways, which would be two classes: write each label one way",
+    ),
+    "unseen-label-in-val-written-another-way": (
+        lambda d: {
+            "train": jsonl(d / "t.jsonl", [row | {"label": i % 2} for i, row in enumerate(ROWS)]),
+            "val": jsonl(d / "v.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 1.0}]),
+        },
+        "v.jsonl:2: label '1.0' is not in the training data (1 such label(s); it has '1', the same number written"
+        " another way: write each label one way)",
+    ),
     "fewer-samples-than-ranks-x-batch": (
         lambda d: {"train": jsonl(d / "t.jsonl", ROWS[:20]), "valFraction": 0.1},
         "training.data.train: 18 samples, fewer than world size x batchSize = 2 x 16",

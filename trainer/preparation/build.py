@@ -65,9 +65,25 @@ def label_order(labels: set[str]) -> list[str]:
     """Sorted by value when every label is a number, else as text: rows labelled 0..n-1 (a Hugging Face ClassLabel
     exported) keep each label's id equal to it in the model's id2label ("10" after "9", not after "1")."""
     try:
-        return sorted(labels, key=lambda label: (float(label), label))  # "1" before "1.0": the same on every run
+        return sorted(labels, key=lambda label: (float(label), label))  # ties ("nan") by text: the same on every run
     except ValueError:
         return sorted(labels)
+
+
+def as_number(label: str) -> float | None:
+    try:
+        return float(label)
+    except ValueError:
+        return None
+
+
+def same_number(label: str, labels: list[str]) -> str | None:
+    """The first of `labels` that is `label`'s number written another way ("1" for "1.0"), if any: files exported
+    by different tools (an integer column, a float column with gaps) write the same class so."""
+    number = as_number(label)
+    return next(
+        (other for other in labels if other != label and number is not None and as_number(other) == number), None
+    )
 
 
 @dataclass
@@ -91,12 +107,16 @@ class Labels:
     def finish(self, staging: Path) -> list[str]:
         """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
         labels = self.data.labels or label_order(self.seen["train"])
+        if not self.data.labels:
+            self.refuse_a_number_written_two_ways(labels)
         known = set(labels)
         for split, split_labels in self.seen.items():
             unseen = sorted(split_labels - known)
             if unseen:
                 where = "training.data.labels" if self.data.labels else "training data"
                 more = f"{len(unseen)} such label(s)"
+                if twin := same_number(unseen[0], labels):
+                    more += f"; it has {twin!r}, the same number written another way: write each label one way"
                 row = find_label(self.files[split], self.data.label_field, unseen[0], f"training.data.{split}")
                 raise SpecError(f"training.data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
         if len(labels) < 2:
@@ -110,6 +130,21 @@ class Labels:
             ids = np.fromfile(path, dtype=np.int32)
             remap[ids].tofile(path)  # one int32 per document: small next to the tokens
         return labels
+
+    def refuse_a_number_written_two_ways(self, labels: list[str]) -> None:
+        """Two training labels that are one number ("1" and "1.0") would be two classes, silently."""
+        first: dict[float, str] = {}
+        for label in labels:
+            if (number := as_number(label)) is None:
+                continue
+            if number in first:
+                twins = (first[number], label)
+                rows = [find_label(self.files["train"], self.data.label_field, x, "training.data.train") for x in twins]
+                raise SpecError(
+                    f"training.data.train: labels {twins[0]!r} ({rows[0]}) and {twins[1]!r} ({rows[1]}) are the same"
+                    " number written two ways, which would be two classes: write each label one way"
+                )
+            first[number] = label
 
 
 OWNER = ".owner"  # in a staging directory: locked, and touched every OWNER_TOUCH_SECONDS, by the process writing it
