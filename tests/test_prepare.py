@@ -323,9 +323,12 @@ def test_a_tsv_file_has_rows_without_quoting(tmp_path) -> None:
     """GLUE's train.tsv: tab-separated, a quote is text (read as CSV quoting, a field opening with one took in the
     rows up to the next quote, silently)."""
     rows = [("sentence", "label"), ('"a film" about nothing', "0"), ("it's 5' 11\" tall", "1"), ('plain "quoted', "1")]
+    rows += [('"a" or "b"', "0"), ('""', "1"), ('"""', "0")]  # quotes at both ends, none doubled inside: text
     (tmp_path / "train.tsv").write_text("".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
     assert list(read_texts([tmp_path / "train.tsv"], "sentence", "training.data.train")) == [row[0] for row in rows[1:]]
-    assert list(read_texts([tmp_path / "train.tsv"], "label", "training.data.train")) == ["0", "1", "1"]
+    assert list(read_texts([tmp_path / "train.tsv"], "label", "training.data.train")) == ["0", "1", "1", "0", "1", "0"]
+    (tmp_path / "trailing.tsv").write_text("sentence\tlabel\na film\t0\t\t\n")  # empty fields past the header's
+    assert list(read_texts([tmp_path / "trailing.tsv"], "label", "training.data.train")) == ["0"]
     (tmp_path / "short.tsv").write_text("sentence\tlabel\nno label here\n")
     with pytest.raises(SpecError, match=r"short\.tsv:2: 'label' is empty$"):
         list(
@@ -524,6 +527,23 @@ BAD = {
         "rows.jsonl.zst",
         lambda p: p.write_text('{"text": "a"}\n'),
         "rows.jsonl.zst: not a readable .zst file",
+    ),
+    # More fields than the header: the text cut short at the separator, the rest read as other fields or dropped.
+    "csv-unquoted-comma": (
+        "rows.csv",
+        lambda p: p.write_text("text,source\nhello,a\nhello, world,b\n"),
+        "rows.csv:3: 3 fields, the header has 2: a comma in a field that is not in quotes? quote the field",
+    ),
+    "tsv-tab-in-field": (
+        "rows.tsv",
+        lambda p: p.write_text("text\nhello\tworld\n"),
+        "rows.tsv:2: 2 fields, the header has 1: a tab in a field? a TSV has no quoting: save the rows as .csv",
+    ),
+    # pandas' to_csv(sep="\t") quotes a field that holds a quote: read as a TSV, the text would keep every quote.
+    "tsv-in-csv-quotes": (
+        "rows.tsv",
+        lambda p: p.write_text('text\n"he said ""hi"" twice"\n'),
+        'rows.tsv:2: \'text\' is in CSV quotes, its own quotes doubled (it begins \'"he said ""hi"" twic\'):',
     ),
     "not-arrow": ("rows.arrow", lambda p: p.write_text("text\n"), "rows.arrow: not a readable Arrow file"),
     "not-parquet": ("rows.parquet", lambda p: p.write_text("text\n"), "rows.parquet: not a readable Parquet file"),

@@ -29,6 +29,11 @@ ARROW_FILE_MAGIC = b"ARROW1"  # how an Arrow IPC file of the file format begins;
 # The csv module's reading of each table format. A TSV has no quoting (IANA's text/tab-separated-values, GLUE's
 # files): a quote is text, where CSV quoting would join the rows up to the next quote into one field.
 TABLES: dict[str, dict[str, Any]] = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
+# A row with more fields than the header would be read as a document cut short, its label from the wrong field.
+SPLIT_FIELD = {
+    ".csv": 'a comma in a field that is not in quotes? quote the field ("a, b")',
+    ".tsv": "a tab in a field? a TSV has no quoting: save the rows as .csv",
+}
 
 
 def _zstd(raw: IO[bytes]) -> IO[bytes]:
@@ -152,7 +157,16 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             _check_columns(path, fields, reader.fieldnames, key)
         try:
             for row in reader:
-                yield f"{path}:{reader.line_num}", row, read
+                where = f"{path}:{reader.line_num}"
+                if any(row.get(None) or ()):  # the fields past the header's (empty ones: trailing delimiters)
+                    count = len(reader.fieldnames or ()) + len(row[None])
+                    raise SpecError(
+                        f"{key}: {where}: {count} fields, the header has {len(reader.fieldnames or ())}:"
+                        f" {SPLIT_FIELD[kind]}"
+                    )
+                if kind == ".tsv":
+                    _refuse_csv_quotes(row, fields, where, key)
+                yield where, row, read
         except csv.Error as exc:
             raise SpecError(f"{key}: {path}:{reader.line_num}: invalid {kind[1:].upper()}: {exc}") from None
     elif kind == ".json" and _first_character(path, key) == "[":
@@ -171,6 +185,19 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             if not isinstance(record, dict):
                 raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
             yield f"{path}:{number}", record, read
+
+
+def _refuse_csv_quotes(row: dict[str, Any], fields: list[str], where: str, key: str) -> None:
+    """A TSV field in CSV quotes, its own quotes doubled, as pandas' `to_csv(sep="\t")` writes a field that holds a
+    quote: read as text, the document would keep them all."""
+    for name in fields:
+        value = row.get(name) or ""
+        inner = value[1:-1]
+        if len(value) > 2 and value[0] == value[-1] == '"' and '""' in inner and '"' not in inner.replace('""', ""):
+            raise SpecError(
+                f"{key}: {where}: {name!r} is in CSV quotes, its own quotes doubled (it begins {value[:20]!r}): a TSV's"
+                " quotes are text, as in GLUE's files; save the rows as .csv"
+            )
 
 
 def _first_character(path: Path, key: str) -> str:
