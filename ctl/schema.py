@@ -158,7 +158,8 @@ camelCase keys, and unknown keys are errors. `ctl run|prepare|render|submit SPEC
 as `kubectl apply -f -`), then, in helm's order:
 
 - `--values FILE` (repeatable, in order), files of keys layered over the spec as helm's `-f` files: mappings merged
-  key by key, lists and values replaced, `null` back to the default. A cluster's settings (image registry, storage
+  key by key, lists and values replaced, `null` back to the default (the key is checked all the same: a mistyped
+  one is an error, not a no-op). A cluster's settings (image registry, storage
   class, node selector) can so live apart from each job's spec.
 - `--set dotted.key=value`, one key per flag, the value read as YAML (numbers, booleans, lists, and helm's `{a,b}`
   list; `null` back to the default). A key that takes text gets the text as typed (`--set image.tag=1.10`, no need

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +33,8 @@ from trainer.spec import (
     SpecModel,
     TrainingSpec,
     describe_validation_error,
+    did_you_mean,
+    known_keys,
     parse_yaml_mapping,
     read_yaml_mapping,
 )
@@ -609,6 +611,27 @@ def merge_values(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def null_paths(layer: dict[str, Any], within: tuple[str, ...] = ()) -> Iterator[list[str]]:
+    """The keys a values file sets to null, mapping within mapping (a list's items are values, not keys)."""
+    for key, value in layer.items():
+        if value is None:
+            yield [*within, str(key)]
+        elif isinstance(value, dict):
+            yield from null_paths(value, (*within, str(key)))
+
+
+def refuse_unknown_nulls(paths: Iterable[list[str]], name: str) -> None:
+    """A null takes its key back to the default, so validation never sees the key: a mistyped one would do nothing,
+    silently. Each must be a key of the spec, or any key within a mapping of free keys (podLabels, affinity)."""
+    for path in paths:
+        for depth, part in enumerate(path):
+            keys = known_keys(JobSpec, path[:depth])
+            if not keys:
+                break
+            if part not in keys:
+                raise SpecError(f"{name}: {'.'.join(path[: depth + 1])}: unknown key{did_you_mean(part, keys)}")
+
+
 def spec_name(path: Path) -> str:
     """The spec's name in messages: its path, or <stdin> for `-`."""
     return STDIN if str(path) == "-" else str(path)
@@ -621,9 +644,12 @@ def load_spec(
     --set-file) and validate a job spec, in helm's order; every problem is one SpecError line."""
     name = spec_name(path)
     values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
-    for layer in layers:
-        values = merge_values(values, read_yaml_mapping(layer))
+    layered = [read_yaml_mapping(layer) for layer in layers]
+    for layer in layered:
+        values = merge_values(values, layer)
     name = " + ".join([name, *map(str, layers)])  # where a key may come from
+    nulls = [path for layer in layered for path in null_paths(layer)]
+    refuse_unknown_nulls(nulls + [path for path, value in map(parse_override, overrides) if value is None], name)
     values = apply_overrides(values, overrides, files)
     try:
         try:

@@ -89,6 +89,16 @@ def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, co
     )
     rendered = run_ctl("render", "spec.yaml", "--values", "cluster.yaml", cwd=tmp_path)
     assert rendered.returncode == 0 and 'image: "registry.example/ddpjob:' in rendered.stdout, rendered.stderr
+    # A null in a values file is checked as a key too; any key goes within a mapping of free keys.
+    (tmp_path / "typo.yaml").write_text("training:\n  sampel: null\npodLabels:\n  team: null\n")
+    typo = run_ctl("render", "spec.yaml", "--values", "typo.yaml", cwd=tmp_path)
+    assert (typo.returncode, typo.stderr) == (
+        2,
+        "error: spec.yaml + typo.yaml: training.sampel: unknown key (did you mean sample?)\n",
+    )
+    assert (
+        load_spec(tmp_path / "spec.yaml", ["podLabels.team=null"], layers=[tmp_path / "cluster.yaml"]).pod_labels == {}
+    )
     missing = run_ctl("render", "spec.yaml", "--values", "absent.yaml", cwd=tmp_path)
     assert (missing.returncode, missing.stderr) == (2, "error: absent.yaml: no such file\n")
 
@@ -158,6 +168,13 @@ BAD_SPECS = [
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
+    # null takes a key back to its default: the key is still checked, or a mistyped one would do nothing, silently.
+    (
+        "set-null-unknown-key",
+        {},
+        ["--set", "training.optimizer.lrr=null"],
+        "spec.yaml: training.optimizer.lrr: unknown key (did you mean lr?)",
+    ),
     (
         "set-helm-pairs",
         {},
