@@ -37,6 +37,7 @@ from trainer.names import (
     METRICS_DIR_ENV,
     METRICS_PORT_ENV,
     PREPARED_BY_JOB_ENV,
+    RENDERED_BY_ENV,
     SHUTDOWN_TIMEOUT_ENV,
 )
 
@@ -281,6 +282,7 @@ def chart_names() -> dict[str, Any]:
             "metricsDir": METRICS_DIR_ENV,
             "shutdownTimeout": SHUTDOWN_TIMEOUT_ENV,
             "preparedByJob": PREPARED_BY_JOB_ENV,
+            "renderedBy": RENDERED_BY_ENV,
             "freshRendezvousStore": names.FRESH_RDZV_STORE_ENV,
             "podKey": names.POD_KEY_ENV,
             "s3Endpoint": S3_ENDPOINT_ENV,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from conftest import REPO, run_ctl, tiny_spec
 from pydantic import BaseModel
 
 from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values
-from trainer.spec import OptimizerSpec, SpecError, nested_types
+from trainer.names import RENDERED_BY_ENV
+from trainer.spec import OptimizerSpec, SpecError, load_training_spec, nested_types
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
@@ -274,3 +276,23 @@ def test_every_key_the_messages_and_docs_name_is_a_key_of_the_spec() -> None:
 
     unknown = {f"{p.relative_to(REPO)}: {m[1]}.{m[2]}" for p, m in named if not known(f"{m[1]}.{m[2]}")}
     assert sorted(k for k in unknown if not k.endswith((".yaml", ".json"))) == []
+
+
+def test_a_trainer_names_both_versions_when_another_ddpjobs_chart_rendered_its_spec(
+    tmp_path: Path, corpus_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart passes every training key, defaults included: an image older than the chart that rendered its job
+    refuses the newer keys, and says so (the chart sets RENDERED_BY_ENV: tests/test_pod_contract.py)."""
+    own = version("ddpjob")
+    config = tmp_path / "training.yaml"
+    config.write_text(yaml.safe_dump(tiny_spec(corpus_file)["training"] | {"newerKey": 1}))
+    monkeypatch.setenv(RENDERED_BY_ENV, "99.0.0")
+    with pytest.raises(SpecError) as failure:
+        load_training_spec(config)
+    assert str(failure.value) == (
+        f"{config}: training.newerKey: unknown key (the job was rendered by ddpjob 99.0.0's chart, and this trainer"
+        f" is ddpjob {own}: run the image of 99.0.0, or render the job with ctl {own})"
+    )
+    monkeypatch.setenv(RENDERED_BY_ENV, own)
+    with pytest.raises(SpecError, match=r"training\.newerKey: unknown key$"):
+        load_training_spec(config)

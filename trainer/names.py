@@ -49,6 +49,10 @@ PROGRESS_TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # Set by the chart to the prepare Job's name when one prepares the data: the training pods then wait for it instead of
 # preparing, and name it when they give up (trainer.workloads.wait_for).
 PREPARED_BY_JOB_ENV = "DDPJOB_PREPARED_BY_JOB"
+# Set by the chart to its appVersion: the ddpjob that rendered training.yaml. The chart passes every key of the
+# spec, defaults included, so an image older than the ctl or chart that rendered its job refuses the newer keys; the
+# trainer then names both versions (trainer.spec.load_training_spec).
+RENDERED_BY_ENV = "DDPJOB_RENDERED_BY"
 # How a trainer's warning line starts (rank 0's stderr): `ctl run` shows these lines on the terminal and leaves the
 # rest of a rank's stderr in its logs.
 WARNING_PREFIX = "warning: "
@@ -73,4 +77,11 @@ class Metric:
 # tests/test_pod_contract.py checks the rendered pods. The others are not the chart's: METRICS_HOST_ENV is set by
 # `ctl run` (a pod listens on every interface), SLOW_RANK_ENV and FREEZE_RANK_ENV by tests, PROGRESS_*_ENV by
 # Trainer v2's controller, HEARTBEAT_DIR_ENV by the launcher.
-POD_TEMPLATE_ENV = (JOB_NAME_ENV, METRICS_PORT_ENV, METRICS_DIR_ENV, SHUTDOWN_TIMEOUT_ENV, PREPARED_BY_JOB_ENV)
+POD_TEMPLATE_ENV = (
+    JOB_NAME_ENV,
+    METRICS_PORT_ENV,
+    METRICS_DIR_ENV,
+    SHUTDOWN_TIMEOUT_ENV,
+    PREPARED_BY_JOB_ENV,
+    RENDERED_BY_ENV,
+)

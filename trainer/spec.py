@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -28,7 +29,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from trainer.location import S3Location, is_s3
-from trainer.names import EXIT_HUNG, GPT2_POSITIONS
+from trainer.names import EXIT_HUNG, GPT2_POSITIONS, RENDERED_BY_ENV
 
 
 class SpecError(ValueError):
@@ -416,8 +417,26 @@ def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
 
 
 def load_training_spec(path: Path) -> TrainingSpec:
-    """Read the mounted training.yaml (the `training:` section of a job spec)."""
+    """Read the mounted training.yaml (the `training:` section of a job spec). A spec the chart of another ddpjob
+    rendered that this trainer refuses (most often a newer one's key) names both versions."""
     try:
         return TrainingSpec.model_validate(read_yaml_mapping(path))
     except ValidationError as exc:
-        raise SpecError(f"{path}: {describe_validation_error(exc, TrainingSpec, 'training')}") from None
+        raise SpecError(f"{path}: {describe_validation_error(exc, TrainingSpec, 'training')}{versions()}") from None
+
+
+def versions() -> str:
+    """The versions of the chart that rendered the job and of this trainer, where they differ."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    rendered_by = os.environ.get(RENDERED_BY_ENV)
+    try:
+        own = version("ddpjob")
+    except PackageNotFoundError:  # the sources alone, not installed: no version to compare
+        return ""
+    if not rendered_by or rendered_by == own:
+        return ""
+    return (
+        f" (the job was rendered by ddpjob {rendered_by}'s chart, and this trainer is ddpjob {own}: run the image"
+        f" of {rendered_by}, or render the job with ctl {own})"
+    )

@@ -365,6 +365,9 @@ spec:
           value: {{ .Values.metrics.port | int | toString | quote }}
         - name: {{ $names.env.metricsDir }}
           value: {{ include "ddpjob.metricsDir" . | quote }}
+        # The ddpjob that rendered training.yaml: an older trainer that refuses its keys names both versions.
+        - name: {{ $names.env.renderedBy }}
+          value: {{ .Chart.AppVersion | quote }}
         # The root filesystem is read-only: every cache goes to the bounded scratch volume.
         - name: HOME
           value: {{ include "ddpjob.home" . | quote }}
