@@ -52,7 +52,8 @@ CASES = {
                 jsonl(d / "floats.jsonl", [row | {"label": float(i % 2)} for i, row in enumerate(ROWS)]),
             ]
         },
-        "floats.jsonl:1) are the same number written two ways, which would be two classes: write each label one way",
+        "floats.jsonl:1) are the same number written two ways, which would be two classes: write each label one way"
+        " (or, if they are two classes, list them in training.data.labels)",
     ),
     "unseen-label-in-val-written-another-way": (
         lambda d: {

@@ -432,6 +432,19 @@ def test_classification_and_char_tokens_equal_a_single_process_tokenization(tmp_
     assert np.array_equal(tokens(char_entry), vocab.encode(text).numpy())
 
 
+def test_labels_one_number_written_two_ways_are_two_classes_only_when_the_spec_lists_both(tmp_path) -> None:
+    """`1` and `1.0` in the rows are refused as two classes (tests/test_bad_data.py), unless data.labels lists both."""
+    rows = [{"text": f"row {i}", "label": [1, 1.0][i % 2]} for i in range(8)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = training("classification", [str(data)], tmp_path, tokenizer={"vocabSize": 300}, prepareWorkers=1)
+    with pytest.raises(SpecError, match=r"labels '1' \(.*rows\.jsonl:1\) and '1\.0' \(.*rows\.jsonl:2\) are the same"):
+        prepare_spec(spec, tmp_path / "run", print)
+    listed = training("classification", [str(data)], tmp_path, tokenizer={"vocabSize": 300}, labels=["1.0", "1"])
+    entry = prepare_spec(listed, tmp_path / "run", print).entry
+    assert np.fromfile(entry / "train.labels", dtype=np.int32).tolist() == [1, 0] * 4
+
+
 def parquet(rows: dict[str, list]) -> Callable[[Path], None]:
     return lambda path: pyarrow.parquet.write_table(pyarrow.table(rows), path)
 

@@ -80,10 +80,9 @@ def as_number(label: str) -> float | None:
 def same_number(label: str, labels: list[str]) -> str | None:
     """The first of `labels` that is `label`'s number written another way ("1" for "1.0"), if any: files exported
     by different tools (an integer column, a float column with gaps) write the same class so."""
-    number = as_number(label)
-    return next(
-        (other for other in labels if other != label and number is not None and as_number(other) == number), None
-    )
+    if (number := as_number(label)) is None:
+        return None
+    return next((other for other in labels if other != label and as_number(other) == number), None)
 
 
 @dataclass
@@ -142,7 +141,8 @@ class Labels:
                 rows = [find_label(self.files["train"], self.data.label_field, x, "training.data.train") for x in twins]
                 raise SpecError(
                     f"training.data.train: labels {twins[0]!r} ({rows[0]}) and {twins[1]!r} ({rows[1]}) are the same"
-                    " number written two ways, which would be two classes: write each label one way"
+                    " number written two ways, which would be two classes: write each label one way (or, if they are"
+                    " two classes, list them in training.data.labels)"
                 )
             first[number] = label
 
