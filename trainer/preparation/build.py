@@ -65,7 +65,7 @@ def label_order(labels: set[str]) -> list[str]:
     """Sorted by value when every label is a number, else as text: rows labelled 0..n-1 (a Hugging Face ClassLabel
     exported) keep each label's id equal to it in the model's id2label ("10" after "9", not after "1")."""
     try:
-        return sorted(labels, key=lambda label: (float(label), label))  # ties ("nan") by text: the same on every run
+        return sorted(labels, key=lambda label: (float(label), label))  # "1" before "1.0": the same on every run
     except ValueError:
         return sorted(labels)
 
