@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -538,20 +538,25 @@ def _split_assignment(assignment: str, flag: str, form: str) -> tuple[list[str],
     return path, raw
 
 
-def split_set(assignment: str) -> tuple[list[str], str]:
-    """A --set `a.b.c=value` as (["a", "b", "c"], its text)."""
-    return _split_assignment(assignment, "--set", "dotted.key=value")
+class Override(NamedTuple):
+    """One --set or --set-file assignment, read."""
+
+    flag: str
+    assignment: str  # as given
+    path: list[str]  # `a.b.c` -> ["a", "b", "c"]
+    typed: str  # the value as typed (--set) or the file's text (--set-file)
+    value: Any  # what the key is set to; None takes it back to its default
 
 
-def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value); the value is read as YAML (numbers, booleans, lists)."""
-    path, raw = split_set(assignment)
+def read_set(assignment: str) -> Override:
+    """`a.b.c=value`, the value read as YAML (numbers, booleans, lists; helm's `{a,b}` too)."""
+    path, raw = _split_assignment(assignment, "--set", "dotted.key=value")
     if len(pairs := helm_pairs(assignment)) > 1:
         flags = " ".join(f"--set {pair}" for pair in pairs)
         raise SpecError(f"--set {assignment!r}: one key per --set (a value is YAML, commas included): {flags}")
-    if items := HELM_LIST.fullmatch(raw.strip()):
-        return path, [yaml_value(item.strip()) for item in items.group(1).split(",")]
-    return path, yaml_value(raw)
+    items = HELM_LIST.fullmatch(raw.strip())
+    value = [yaml_value(item.strip()) for item in items.group(1).split(",")] if items else yaml_value(raw)
+    return Override("--set", assignment, path, raw, value)
 
 
 def yaml_value(raw: str) -> Any:
@@ -562,35 +567,39 @@ def yaml_value(raw: str) -> Any:
         return raw
 
 
-def read_file_override(assignment: str) -> tuple[list[str], str]:
-    """`a.b=path` -> (["a", "b"], the file's text), as helm's --set-file: a certificate, a long prompt."""
+def read_set_file(assignment: str) -> Override:
+    """`a.b=path`, the key set to the file's text, as helm's --set-file: a certificate, a long prompt."""
     path, name = _split_assignment(assignment, "--set-file", "dotted.key=path")
     file = Path(name).expanduser()
     try:
-        return path, file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8")
+        return Override("--set-file", assignment, path, text, text)
     except UnicodeDecodeError as exc:
         raise SpecError(f"--set-file {assignment!r}: {file} is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise SpecError(f"--set-file {assignment!r}: cannot read {file}: {exc.strerror}") from None
 
 
-def apply_overrides(values: dict[str, Any], assignments: Sequence[str], files: Sequence[str] = ()) -> dict[str, Any]:
-    """Return a copy of `values` with every `--set` assignment applied in order, then every `--set-file` one."""
+def read_overrides(assignments: Sequence[str], files: Sequence[str] = ()) -> list[Override]:
+    """Every `--set` assignment, then every `--set-file` one: the order they apply in."""
+    return [*map(read_set, assignments), *map(read_set_file, files)]
+
+
+def apply_overrides(values: dict[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
+    """Return a copy of `values` with `overrides` applied in order."""
     merged: dict[str, Any] = yaml.safe_load(yaml.safe_dump(values))
-    overrides = [("--set", a, *parse_override(a)) for a in assignments]
-    overrides += [("--set-file", a, *read_file_override(a)) for a in files]
-    for flag, assignment, path, value in overrides:
-        node = merged
+    for override in overrides:
+        node, path = merged, override.path
         for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(path[: depth + 1])
-                raise SpecError(f"{flag} {assignment!r}: {where} is not a mapping")
+                raise SpecError(f"{override.flag} {override.assignment!r}: {where} is not a mapping")
             node = child
-        if value is None:  # `key=null`, as in helm: the key's default
+        if override.value is None:  # `key=null`, as in helm: the key's default
             node.pop(path[-1], None)
         else:
-            node[path[-1]] = value
+            node[path[-1]] = override.value
     return merged
 
 
@@ -637,9 +646,7 @@ def spec_name(path: Path) -> str:
     return STDIN if str(path) == "-" else str(path)
 
 
-def load_spec(
-    path: Path, overrides: Sequence[str] = (), files: Sequence[str] = (), layers: Sequence[Path] = ()
-) -> JobSpec:
+def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), layers: Sequence[Path] = ()) -> JobSpec:
     """Read (`-`: standard input, as `kubectl apply -f -`), layer (--values files, in order), override (--set, then
     --set-file) and validate a job spec, in helm's order; every problem is one SpecError line."""
     name = spec_name(path)
@@ -648,9 +655,10 @@ def load_spec(
     for layer in layered:
         values = merge_values(values, layer)
     name = " + ".join([name, *map(str, layers)])  # where a key may come from
+    overrides = read_overrides(sets, files)
     nulls = [path for layer in layered for path in null_paths(layer)]
-    refuse_unknown_nulls(nulls + [path for path, value in map(parse_override, overrides) if value is None], name)
-    values = apply_overrides(values, overrides, files)
+    refuse_unknown_nulls(nulls + [o.path for o in overrides if o.value is None], name)
+    values = apply_overrides(values, overrides)
     try:
         try:
             return JobSpec.model_validate(values)
@@ -670,10 +678,10 @@ def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:
         raise SpecError(f"{spec_name(spec)}: {describe_validation_error(exc, JobSpec)}") from None
 
 
-def keep_text(values: dict[str, Any], assignments: Sequence[str], error: ValidationError) -> bool:
+def keep_text(values: dict[str, Any], overrides: Sequence[Override], error: ValidationError) -> bool:
     """Where the spec wants text and a `--set` value read as YAML is a number or a boolean (`image.tag=1.10`: 1.1),
     put the value as typed into `values`, as helm's --set-string would; whether there was any."""
-    typed = {tuple(path): raw.strip() for path, raw in (split_set(a) for a in assignments)}
+    typed = {tuple(o.path): o.typed.strip() for o in overrides if o.flag == "--set"}
     wanted = [loc for e in error.errors() if (loc := text_key(e)) in typed]
     for loc in wanted:
         node = values

@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO, run_ctl, tiny_spec
 from pydantic import BaseModel
 
-from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values
+from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values, read_overrides
 from trainer.names import RENDERED_BY_ENV
 from trainer.spec import OptimizerSpec, SpecError, load_training_spec, nested_types
 
@@ -28,7 +28,9 @@ def test_examples_load(example: Path) -> None:
 def test_overrides_are_typed_and_nested() -> None:
     values = apply_overrides(
         {"name": "a", "training": {"data": {"train": "x"}}},
-        ["nodes=2", "training.maxSteps=50", "training.compile=true", "training.optimizer.betas=[0.9, 0.99]"],
+        read_overrides(
+            ["nodes=2", "training.maxSteps=50", "training.compile=true", "training.optimizer.betas=[0.9, 0.99]"]
+        ),
     )
     spec = JobSpec.model_validate(values)
     assert (spec.nodes, spec.training.max_steps, spec.training.compile) == (2, 50, True)
@@ -40,15 +42,17 @@ def test_overrides_take_helms_list_syntax_and_keep_a_values_commas() -> None:
     commas are its own unless another key of the spec follows (below: `set-helm-pairs`); `\\.` is a dot in a key."""
     values = apply_overrides(
         {"name": "a", "training": {"task": "classification", "data": {"train": "x"}}},
-        [
-            "training.data.train={a.txt, b.txt}",
-            "training.data.labels={neg,1,*}",
-            "training.model={nLayer: 2}",
-            "training.sample.prompt=Hello, world=1",
-            "nodeSelector.kubernetes\\.io/arch=amd64",  # helm's escaped dot: one key
-            "training.optimizer.lr=0.5",
-            "training.optimizer=null",  # as in helm: back to the default
-        ],
+        read_overrides(
+            [
+                "training.data.train={a.txt, b.txt}",
+                "training.data.labels={neg,1,*}",
+                "training.model={nLayer: 2}",
+                "training.sample.prompt=Hello, world=1",
+                "nodeSelector.kubernetes\\.io/arch=amd64",  # helm's escaped dot: one key
+                "training.optimizer.lr=0.5",
+                "training.optimizer=null",  # as in helm: back to the default
+            ]
+        ),
     )
     assert values["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
     spec = JobSpec.model_validate(values)
