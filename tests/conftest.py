@@ -20,6 +20,8 @@ import pytest
 import yaml
 from s3server import S3Server, s3_server
 
+from trainer import scratch
+
 CTL = [sys.executable, "-m", "ctl"]
 REPO = Path(__file__).resolve().parent.parent
 
@@ -153,6 +155,11 @@ def processes_with_marker(marker: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def scratch_folders(tmp: Path) -> list[Path]:
+    """The launchers' scratch folders in `tmp`, and torchrun's own (what it makes when not given one)."""
+    return [p for prefix in (scratch.HEARTBEATS, scratch.TORCHRUN, "torchelastic_") for p in tmp.glob(f"{prefix}*")]
 
 
 def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:

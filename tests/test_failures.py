@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from conftest import processes_with_marker, run_ctl, sigterm_as_pid_1, start_ctl, tiny_spec
+from conftest import processes_with_marker, run_ctl, scratch_folders, sigterm_as_pid_1, start_ctl, tiny_spec
 from s3server import listening
 
 from ctl import cluster
@@ -27,6 +28,7 @@ from ctl.cli import app
 from ctl.commands.common import seconds
 from ctl.local import keep_logs
 from ctl.processes import free_port
+from trainer import scratch
 from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
@@ -478,10 +480,10 @@ def test_the_launchers_last_line_is_the_root_cause_of_a_failed_rank(tmp_path: Pa
     done = subprocess.run([*launch, *rank], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Root Cause (first observed failure)" in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1] == "error: RuntimeError: the data was not prepared", done.stderr
-    assert list(tmp_path.glob("torchelastic_*")) == []
+    assert scratch_folders(tmp_path) == []
     (tmp_path / "done.py").write_text("print('done')\n")
     done = subprocess.run([*launch, "--standalone", "done.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and list(tmp_path.glob("torchelastic_*")) == [], done.stderr
+    assert done.returncode == 0 and scratch_folders(tmp_path) == [], done.stderr
     # Its ranks' output, redirected to files in a folder torchrun chose (and named in its report), is kept.
     done = subprocess.run([*launch, "--redirects=3", *rank], cwd=tmp_path, env=env, capture_output=True, text=True)
     [logs] = tmp_path.glob("torchelastic_*/*/attempt_0/0")
@@ -507,7 +509,37 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
     assert stderr.splitlines()[-1] == (
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr
-    assert list(tmp_path.glob("ddpjob-heartbeats-*")) == list(tmp_path.glob("torchelastic_*")) == []
+    assert scratch_folders(tmp_path) == []
+
+
+def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_live_ones_stay(tmp_path: Path) -> None:
+    """A launcher killed (SIGKILL after a pod's grace period, the OOM killer) runs no exit handler: its folders stay
+    in the scratch volume, which outlives the container. The next launcher removes them as it makes its own, and
+    leaves a live launcher's (ctl run's nodes share one /tmp) and folders without an owner (another program's)."""
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    make = "import os, signal, sys\nfrom trainer import scratch\n"
+    make += "for prefix in (scratch.HEARTBEATS, scratch.TORCHRUN):\n    print(scratch.make(prefix), flush=True)\n"
+
+    def launcher(then: str, **options: Any) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", make + then], env=env, stdout=subprocess.PIPE, text=True, **options
+        )
+
+    killed = launcher("os.kill(os.getpid(), signal.SIGKILL)")
+    abandoned = [Path(line) for line in killed.communicate(timeout=60)[0].split()]
+    assert killed.returncode == -signal.SIGKILL and len(abandoned) == 2 and all(p.is_dir() for p in abandoned)
+    live = launcher("sys.stdin.read()", stdin=subprocess.PIPE)
+    assert live.stdout is not None
+    alive = [Path(live.stdout.readline().strip()) for _ in range(2)]
+    others = [tmp_path / f"{scratch.TORCHRUN}other", tmp_path / "torchelastic_other"]
+    for folder in others:
+        folder.mkdir()
+    following = launcher("")
+    made = [Path(line) for line in following.communicate(timeout=60)[0].split()]
+    assert following.returncode == 0 and len(made) == 2
+    assert sorted(scratch_folders(tmp_path)) == sorted(alive + others)  # the killed one's, and the new ones at exit
+    live.communicate("", timeout=60)
+    assert live.returncode == 0 and sorted(scratch_folders(tmp_path)) == sorted(others)
 
 
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:

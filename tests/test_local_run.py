@@ -21,6 +21,7 @@ from conftest import (
     processes_with_marker,
     rank_log,
     run_ctl,
+    scratch_folders,
     start_ctl,
     tensorboard_scalars,
     tiny_spec,
@@ -186,8 +187,12 @@ def test_spec_values_reach_the_trainer_unchanged(tmp_path, write_spec, corpus_fi
 @pytest.mark.timeout(300)
 def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, corpus_file, marked_env) -> None:
     """Ctrl-C while rank 1 hangs (SIGSTOP): SIGTERM cannot finish the run, so after the grace period
-    ctl kills the agents and the workers torchrun started in sessions of their own."""
+    ctl kills the agents and the workers torchrun started in sessions of their own. The killed agents' heartbeat
+    folders stay in $TMPDIR (they ran no exit handler) until the next launcher there removes them."""
     env, marker = marked_env
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env |= {"TMPDIR": str(temporary)}
     with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
         os.kill(rank1, signal.SIGSTOP)  # rank 0 now waits for it in its next collective
         time.sleep(1)
@@ -195,6 +200,12 @@ def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, 
         _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == 130 and "ctl: interrupted (SIGINT): stopped" in stderr
     assert processes_with_marker(marker) == []
+    assert scratch_folders(temporary), "no agent was killed: nothing left to remove"
+    (tmp_path / "done.py").write_text("print('done')\n")
+    launch = [sys.executable, "-m", "trainer.launch", "--standalone", "done.py"]
+    done = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert scratch_folders(temporary) == []
 
 
 def test_the_trainer_runs_as_one_process_without_torchrun(tmp_path: Path, corpus_file: Path) -> None:

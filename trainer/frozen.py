@@ -12,19 +12,17 @@ Torch-free, like the launcher's other helpers.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainer import scratch
 from trainer.failures import Failure
 from trainer.names import EXIT_HUNG, HEARTBEAT_DIR_ENV
 
@@ -71,13 +69,12 @@ class FrozenRanks:
     """The launcher's watch over its ranks' heartbeats, from `start()` until the process ends."""
 
     def __init__(self) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="ddpjob-heartbeats-"))
+        self.directory = scratch.make(scratch.HEARTBEATS)
         self.found: list[Failure] = []  # the ranks it killed, as hangs
         self.grace = 0.0  # seconds to stay up once it has killed one
 
     def start(self) -> FrozenRanks:
         os.environ[HEARTBEAT_DIR_ENV] = str(self.directory)  # the workers torchrun starts inherit it
-        atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
         threading.Thread(target=self.watch, name="ddpjob-frozen-ranks", daemon=True).start()
         return self
 

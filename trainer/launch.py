@@ -21,20 +21,17 @@ The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has 
 
 from __future__ import annotations
 
-import atexit
 import gc
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-SCRATCH: list[Path] = []  # the folders main() made, removed at its exit, once they exist
+from trainer import scratch
 
 
 def stopped_line(code: int, reason: str) -> str:
@@ -48,8 +45,7 @@ def stop_while_starting(signum: int, frame: object = None) -> NoReturn:
     leaves it on a signal."""
     code = 128 + signum
     reason = f"stopped by {signal.Signals(signum).name} before the trainers started"
-    for directory in SCRATCH:  # what its exit handlers, skipped here, would remove
-        shutil.rmtree(directory, ignore_errors=True)
+    scratch.remove_made()  # what its exit handlers, skipped here, would remove
     os.write(2, f"{stopped_line(code, reason)}\n".encode())
     os._exit(code)
 
@@ -95,7 +91,6 @@ resume_collection()
 def main() -> None:
     give_torchrun_a_scratch_log_dir()
     frozen = FrozenRanks().start()
-    SCRATCH.append(frozen.directory)
     try:
         torchrun()
         quick_exit(0)
@@ -123,10 +118,7 @@ def give_torchrun_a_scratch_log_dir() -> None:
     torchrun gets a folder that goes with this process; with --redirects or --tee it is the ranks' logs, and kept."""
     args = parse_args(sys.argv[1:])
     if args.log_dir is None and args.redirects == args.tee == "0":
-        directory = Path(tempfile.mkdtemp(prefix="torchelastic_"))
-        os.environ["PET_LOG_DIR"] = str(directory)
-        SCRATCH.append(directory)
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        os.environ["PET_LOG_DIR"] = str(scratch.make(scratch.TORCHRUN))
 
 
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:

@@ -1,0 +1,63 @@
+"""The launcher's scratch folders: its ranks' heartbeats (trainer.frozen) and torchrun's error files.
+
+They live in the temporary directory, which in a pod is the scratch volume: it outlives the container. The launcher
+removes its own when it exits; one it was killed before (SIGKILL: the kubelet's or `ctl run`'s after the grace
+period, a hung rank that cannot save; the OOM killer) ran no exit handler, so the next launcher on that directory
+removes it. Each folder's launcher holds a lock on a file in it, which the kernel releases however the process ends:
+a folder whose lock is free is abandoned. Torch-free, like the launcher's other helpers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+HEARTBEATS = "ddpjob-heartbeats-"
+TORCHRUN = "ddpjob-torchrun-"
+OWNER = ".owner"  # in a scratch folder: locked by its launcher while that lives
+MADE: list[Path] = []  # this process's, removed at its exit
+
+
+def make(prefix: str) -> Path:
+    """A new folder in the temporary directory, this process's until it exits; abandoned ones of `prefix` (their
+    launcher was killed) are removed first."""
+    remove_abandoned(prefix)
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    if not MADE:
+        atexit.register(remove_made)
+    MADE.append(directory)
+    claim = directory / f"{OWNER}.tmp"
+    owner = os.open(claim, os.O_WRONLY | os.O_CREAT, 0o600)  # not inherited: the workers torchrun starts never hold it
+    with contextlib.suppress(OSError):  # a filesystem without locks: the folder is never taken for abandoned
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends: the descriptor stays open
+        os.rename(claim, directory / OWNER)  # found by others only once locked, never between creation and lock
+    return directory
+
+
+def remove_made() -> None:
+    """This process's folders; also where its exit handlers are skipped (trainer.launch's stop while starting)."""
+    for directory in MADE:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_abandoned(prefix: str) -> None:
+    """Removes the folders of `prefix` in the temporary directory whose owner file is not locked: their launcher is
+    gone. One without an owner file (another program's, or being made) is left."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            owner = os.open(directory / OWNER, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held meanwhile: another launcher's sweep skips it
+        except OSError:  # held by its launcher, alive
+            continue
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+        finally:
+            os.close(owner)
