@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.throughput import Run, measure_with_retry  # noqa: E402
+from bench.throughput import Run, measure_with_retry, torchrun  # noqa: E402
 
 # About 1 MB of the standard library's sources (in every CPython 3.10-3.13); the toy's 48 KB.
 CORPORA = {
@@ -292,12 +292,11 @@ def round_files(workdir: Path, name: str, round_number: int) -> tuple[Path, Path
 def commands(workdir: Path, name: str, procs: int, round_number: int) -> dict[str, list[str]]:
     spec, settings = round_files(workdir, name, round_number)
     worker = [str(Path(__file__).resolve()), "--worker", str(settings)]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     # A run directory per round: in the last one's, `ctl run` would resume the finished run and train nothing.
     run_dir = workdir / "runs" / f"{name}-{round_number}"
     return {
         "ddpjob": [sys.executable, "-m", "ctl", "run", str(spec), "--run-dir", str(run_dir)],
-        "reference": [*torchrun, *worker] if procs > 1 else [sys.executable, *worker],
+        "reference": [*torchrun(workdir, procs), *worker] if procs > 1 else [sys.executable, *worker],
     }
 
 

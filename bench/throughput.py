@@ -313,13 +313,18 @@ def prepare(
     return settings, spec
 
 
+def torchrun(workdir: Path, procs: int) -> list[str]:
+    """Plain torchrun on this machine, its folder of error files in `workdir`: given none, it leaves one in /tmp."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    return [*command, f"--log-dir={workdir / 'torchrun'}"]
+
+
 def commands(workdir: Path, procs: int) -> dict[str, list[str]]:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     peers = str(REPO / "bench" / "peers.py")
     return {
         "ddpjob": [sys.executable, "-m", "ctl", "run", str(workdir / "spec.yaml"), "--run-dir", "RUN_DIR"],
-        "reference": [*torchrun, peers, "reference", "--workdir", str(workdir)],
-        "hf-trainer": [*torchrun, peers, "hf-trainer", "--workdir", str(workdir)],
+        "reference": [*torchrun(workdir, procs), peers, "reference", "--workdir", str(workdir)],
+        "hf-trainer": [*torchrun(workdir, procs), peers, "hf-trainer", "--workdir", str(workdir)],
     }
 
 

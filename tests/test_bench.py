@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,20 @@ from conftest import REPO, tiny_spec
 
 
 def run_bench(script: str, *args: str) -> dict[str, Any]:
-    """`python bench/SCRIPT ARGS` from the repository root; its last line of output, read as JSON."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    """`python bench/SCRIPT ARGS` from the repository root; its last line of output, read as JSON. It leaves nothing
+    in the temporary directory (a fresh one) but torch's compile cache, which is kept across runs by design."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run(
+            [sys.executable, str(REPO / "bench" / script), *args],
+            cwd=REPO,
+            env=os.environ | {"TMPDIR": tmp},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        left = [p for p in Path(tmp).iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
+        assert left == [], f"{script} left these in the temporary directory"
     return json.loads(result.stdout.splitlines()[-1])
 
 
@@ -154,13 +165,10 @@ def test_a_failed_peer_run_is_run_again_once_and_says_why(throughput: Any, tmp_p
     assert len(retried) == 2
 
 
-def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(
-    throughput: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where plain torchrun leaves its folder of error files
+def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(throughput: Any, tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text("import os\nif os.environ['RANK'] == '1':\n    os.abort()\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker)]
+    command = [*throughput.torchrun(tmp_path, 2), str(worker)]
     with pytest.raises(throughput.RunFailed) as failed:
         throughput.measure("reference", command, cwd=tmp_path, warmup=0, last_step=1)
     assert failed.value.how == "exit code 1, rank 1 signal SIGABRT"
