@@ -537,7 +537,8 @@ def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_l
     following = launcher("")
     made = [Path(line) for line in following.communicate(timeout=60)[0].split()]
     assert following.returncode == 0 and len(made) == 2
-    assert sorted(scratch_folders(tmp_path)) == sorted(alive + others)  # the killed one's, and the new ones at exit
+    # Gone: the killed launcher's (swept by the following one) and the following one's (removed at its exit).
+    assert sorted(scratch_folders(tmp_path)) == sorted(alive + others)
     live.communicate("", timeout=60)
     assert live.returncode == 0 and sorted(scratch_folders(tmp_path)) == sorted(others)
 

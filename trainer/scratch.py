@@ -24,12 +24,12 @@ MADE: list[Path] = []  # this process's, removed at its exit
 
 
 def make(prefix: str) -> Path:
-    """A new folder in the temporary directory, this process's until it exits; abandoned ones of `prefix` (their
-    launcher was killed) are removed first."""
-    remove_abandoned(prefix)
-    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    """A new folder in the temporary directory, this process's until it exits; before the first, the abandoned
+    folders of both prefixes (their launcher was killed) are removed."""
     if not MADE:
+        remove_abandoned()
         atexit.register(remove_made)
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
     MADE.append(directory)
     claim = directory / f"{OWNER}.tmp"
     owner = os.open(claim, os.O_WRONLY | os.O_CREAT, 0o600)  # not inherited: the workers torchrun starts never hold it
@@ -45,10 +45,13 @@ def remove_made() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def remove_abandoned(prefix: str) -> None:
-    """Removes the folders of `prefix` in the temporary directory whose owner file is not locked: their launcher is
+def remove_abandoned() -> None:
+    """Removes the scratch folders in the temporary directory whose owner file is not locked: their launcher is
     gone. One without an owner file (another program's, or being made) is left."""
-    for directory in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+    for entry in os.scandir(tempfile.gettempdir()):
+        if not entry.name.startswith((HEARTBEATS, TORCHRUN)):
+            continue
+        directory = Path(entry.path)
         try:
             owner = os.open(directory / OWNER, os.O_RDONLY)
         except OSError:
