@@ -56,6 +56,7 @@ from trainer.names import (
 # root cause (rank 0's bad input while rank 1 lost its connection to it and exited first).
 FAILURE_GRACE_SECONDS = 5
 LOGS = "logs"  # in the run directory: one folder per `ctl run`, named by its start time
+LOGS_PREFIX = "ddpjob-logs-"  # the temporary folder of a run's logs until they are moved there
 # Set by the operator, torchrun or an outer launcher; a simulated pod must not inherit them.
 LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
@@ -246,7 +247,7 @@ def keep_logs(logs: Path, run_dir: Path, started: str) -> Path:
     try:
         target.parent.mkdir(exist_ok=True)  # never creates the run directory itself
         if target.exists():  # another run started in the same second
-            target = target.with_name(f"{started}-{logs.name.removeprefix('ddpjob-logs-')}")
+            target = target.with_name(f"{started}-{logs.name.removeprefix(LOGS_PREFIX)}")
         shutil.copytree(logs, target)
     except OSError:
         shutil.rmtree(target, ignore_errors=True)
@@ -278,7 +279,7 @@ def run_local(
     run_dir = job.run_dir
     port = free_port()
     started = time.strftime("%Y%m%d-%H%M%S")
-    logs = Path(tempfile.mkdtemp(prefix="ddpjob-logs-"))
+    logs = Path(tempfile.mkdtemp(prefix=LOGS_PREFIX))
     console = Console(out, err)
     agents: list[Agent] = []
     previous_handler = signal.signal(signal.SIGTERM, terminate)

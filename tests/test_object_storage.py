@@ -650,7 +650,9 @@ def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_
     """A restarting server is no answer too: the ranks (and `ctl prepare`) exit 1 with the line, which a job's
     restart policy retries; exit 2 would end the job for good."""
     closed = f"http://{LOCAL_ADDRESS}:{free_port()}"
-    env = keys_exported_only(s3, tmp_path / "c")
+    temporary = tmp_path / "tmp"  # where the logs stay: the run directory, in the bucket, has no local side yet
+    temporary.mkdir()
+    env = keys_exported_only(s3, tmp_path / "c") | {"TMPDIR": str(temporary)}
     on_s3 = object_storage_spec(corpus_file, s3, bucket) | {
         "storage": {"uri": f"s3://{bucket}/team", "endpoint": closed}
     }
@@ -658,7 +660,9 @@ def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_
     assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
     assert f"failed: training.checkpoint.dir: cannot reach s3://{bucket}/team/tiny: GET {closed}/{bucket}" in line, line
-    assert "(output in " in line, line  # one line, no traceback
+    kept = re.search(r"\(output in (\S+)/stderr\.log; logs of every rank in (\S+)\)$", line)  # no traceback
+    assert kept and Path(kept[2]).parent == temporary and Path(kept[1]).is_relative_to(kept[2]), line
+    assert (Path(kept[1]) / "stderr.log").is_file() and (Path(kept[2]) / "node-0.log").is_file(), line
     data = tiny_spec(corpus_file) | {"storage": {"endpoint": closed}}
     data["training"]["data"] = {"train": [f"s3://{bucket}/corpus.txt"], "valFraction": 0.1}
     prepared = run_ctl("prepare", str(write_spec(data)), cwd=tmp_path, env=env)

@@ -63,13 +63,19 @@ def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
             {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ],
     }
-    run = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=os.environ | {CHART_ENV: str(chart)})
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = os.environ | {CHART_ENV: str(chart), "TMPDIR": str(temporary)}
+    run = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     run_dir = tmp_path / "runs" / "tiny"  # the chart's <storage.mountPath>/<name>, the claim being ./runs
     assert sorted(run.stdout.splitlines()) == [
         f"from-the-template renamed 0 tiny-master-0 {run_dir}",
         f"from-the-template renamed 1 tiny-worker-0 {run_dir}",
     ]
+    # This container made no run directory to keep the logs in: they stay in the temporary directory, named.
+    kept = re.fullmatch(r"ctl: logs of every rank in (\S+)", run.stderr.splitlines()[-1])
+    assert kept and Path(kept[1]).parent == temporary and (Path(kept[1]) / "node-1.log").is_file(), run.stderr
 
 
 def test_a_pod_that_ctl_run_cannot_give_a_volume_is_one_line_and_nothing_written(
