@@ -543,6 +543,19 @@ def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_l
     assert live.returncode == 0 and sorted(scratch_folders(tmp_path)) == sorted(others)
 
 
+def test_a_temporary_directory_the_sweep_cannot_list_still_gets_the_launchers_folders(tmp_path: Path) -> None:
+    """A temporary directory its user may write but not list (mode 0333 for the pod's uid 1000): the sweep is tidying,
+    never a reason for the launcher to fail. Root lists any directory, so the kernel's refusal, the one uid 1000
+    would get, is raised here by the listing itself, for the sweep only."""
+    code = "import os\nfrom trainer import scratch\nlisting = os.scandir\n"
+    code += "def refused(path):\n    raise PermissionError(13, 'Permission denied', path)\n"
+    code += "os.scandir = refused\nprint(scratch.make(scratch.HEARTBEATS), flush=True)\nos.scandir = listing\n"
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    made = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and Path(made.stdout.strip()).parent == tmp_path, made.stderr
+    assert scratch_folders(tmp_path) == []  # removed at its exit
+
+
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:
     """torch's TCPStore server thread, in the launcher, warns on stderr about every peer whose hostname it cannot
     look up, also while the launcher ends: on a node such a warning came after the root cause and became the pod's

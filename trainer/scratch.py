@@ -27,7 +27,8 @@ def make(prefix: str) -> Path:
     """A new folder in the temporary directory, this process's until it exits; before the first, the abandoned
     folders of both prefixes (their launcher was killed) are removed."""
     if not MADE:
-        remove_abandoned()
+        with contextlib.suppress(OSError):  # tidying: never a reason for the launcher to fail
+            remove_abandoned()
         atexit.register(remove_made)
     directory = Path(tempfile.mkdtemp(prefix=prefix))
     MADE.append(directory)
