@@ -159,7 +159,7 @@ def processes_with_marker(marker: str) -> list[int]:
 
 def scratch_folders(tmp: Path) -> list[Path]:
     """The launchers' scratch folders in `tmp`, and torchrun's own (what it makes when not given one)."""
-    return [p for prefix in (scratch.HEARTBEATS, scratch.TORCHRUN, "torchelastic_") for p in tmp.glob(f"{prefix}*")]
+    return [p for prefix in (*scratch.PREFIXES, "torchelastic_") for p in tmp.glob(f"{prefix}*")]
 
 
 def trainer_pids(marker: str, rank: int, local_rank: int = 0) -> list[int]:

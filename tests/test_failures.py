@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from conftest import processes_with_marker, run_ctl, scratch_folders, sigterm_as_pid_1, start_ctl, tiny_spec
 from s3server import listening
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from ctl import cluster
 from ctl.cli import app
@@ -518,7 +520,7 @@ def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_l
     leaves a live launcher's (ctl run's nodes share one /tmp) and folders without an owner (another program's)."""
     env = os.environ | {"TMPDIR": str(tmp_path)}
     make = "import os, signal, sys\nfrom trainer import scratch\n"
-    make += "for prefix in (scratch.HEARTBEATS, scratch.TORCHRUN):\n    print(scratch.make(prefix), flush=True)\n"
+    make += "for prefix in scratch.PREFIXES:\n    print(scratch.make(prefix), flush=True)\n"
 
     def launcher(then: str, **options: Any) -> subprocess.Popen:
         return subprocess.Popen(
@@ -527,16 +529,17 @@ def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_l
 
     killed = launcher("os.kill(os.getpid(), signal.SIGKILL)")
     abandoned = [Path(line) for line in killed.communicate(timeout=60)[0].split()]
-    assert killed.returncode == -signal.SIGKILL and len(abandoned) == 2 and all(p.is_dir() for p in abandoned)
+    assert killed.returncode == -signal.SIGKILL and len(abandoned) == len(scratch.PREFIXES)
+    assert all(p.is_dir() for p in abandoned)
     live = launcher("sys.stdin.read()", stdin=subprocess.PIPE)
     assert live.stdout is not None
-    alive = [Path(live.stdout.readline().strip()) for _ in range(2)]
+    alive = [Path(live.stdout.readline().strip()) for _ in scratch.PREFIXES]
     others = [tmp_path / f"{scratch.TORCHRUN}other", tmp_path / "torchelastic_other"]
     for folder in others:
         folder.mkdir()
     following = launcher("")
     made = [Path(line) for line in following.communicate(timeout=60)[0].split()]
-    assert following.returncode == 0 and len(made) == 2
+    assert following.returncode == 0 and len(made) == len(scratch.PREFIXES)
     # Gone: the killed launcher's (swept by the following one) and the following one's (removed at its exit).
     assert sorted(scratch_folders(tmp_path)) == sorted(alive + others)
     live.communicate("", timeout=60)
@@ -554,6 +557,33 @@ def test_a_temporary_directory_the_sweep_cannot_list_still_gets_the_launchers_fo
     made = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0 and Path(made.stdout.strip()).parent == tmp_path, made.stderr
     assert scratch_folders(tmp_path) == []  # removed at its exit
+
+
+def test_what_the_ranks_leave_in_the_temporary_directory_goes_with_their_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that ends without its exit handlers (its watchdog's os._exit, a kill) leaves its temporary files behind
+    (W&B's folders, multiprocessing's): they are in a folder of its launcher's, removed with it. torch.compile's
+    cache stays where torch puts it by default, in the temporary directory, or where it is chosen."""
+    temporary, work = tmp_path / "tmp", tmp_path / "work"
+    temporary.mkdir()
+    work.mkdir()
+    (work / "rank.py").write_text(
+        "import os, tempfile\nfrom torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "tempfile.mkdtemp()\nprint(tempfile.gettempdir(), cache_dir(), flush=True)\nos._exit(0)\n"
+    )
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    default = Path(default_cache_dir())  # torch's, for that temporary directory
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TMPDIR": str(temporary)}
+    launch = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=2", "rank.py"]
+    for chosen in (None, work / "cache"):
+        options = {} if chosen is None else {"TORCHINDUCTOR_CACHE_DIR": str(chosen)}
+        done = subprocess.run(launch, cwd=work, env=env | options, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        [(ranks, cache)] = {tuple(map(Path, line.split())) for line in done.stdout.splitlines()}  # the same for both
+        assert ranks.parent == temporary and ranks.name.startswith(scratch.RANKS), ranks
+        assert cache == (chosen or default)
+        assert list(temporary.iterdir()) == [default], done.stderr
 
 
 def test_nothing_a_thread_writes_while_the_launcher_ends_comes_after_its_last_line(tmp_path: Path) -> None:

@@ -340,9 +340,14 @@ def test_a_run_that_fails_is_stopped_or_hangs_ends_so_in_mlflow_and_wandb(
     env, marker = marked_env
     for name, value in mlflow_env.items():  # the reader here opens the same store
         monkeypatch.setenv(name, value)
-    returncode, output = interrupted_run(tmp_path, corpus_file, case, env | mlflow_env | wandb_env, marker)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env |= mlflow_env | wandb_env | {"TMPDIR": str(temporary)}
+    returncode, output = interrupted_run(tmp_path, corpus_file, case, env, marker)
     assert returncode == ctl_exit_code, output
     assert not processes_with_marker(marker), "a process of the run outlived `ctl run`"
+    # W&B's temporary folders too, which a rank that exits at once (hung) leaves: they were in its launcher's.
+    assert list(temporary.iterdir()) == [], output
     run_dir = tmp_path / "runs" / "tiny"
     assert mlflow_status(run_dir) == status, output
     assert wandb_run(run_dir)[1] == [exit_code], output

@@ -22,9 +22,12 @@ The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has 
 from __future__ import annotations
 
 import gc
+import getpass
 import os
+import re
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from dataclasses import replace
@@ -91,6 +94,7 @@ resume_collection()
 def main() -> None:
     give_torchrun_a_scratch_log_dir()
     frozen = FrozenRanks().start()
+    give_the_ranks_a_scratch_tmpdir()
     try:
         torchrun()
         quick_exit(0)
@@ -119,6 +123,25 @@ def give_torchrun_a_scratch_log_dir() -> None:
     args = parse_args(sys.argv[1:])
     if args.log_dir is None and args.redirects == args.tee == "0":
         os.environ["PET_LOG_DIR"] = str(scratch.make(scratch.TORCHRUN))
+
+
+def give_the_ranks_a_scratch_tmpdir() -> None:
+    """What the ranks leave in the temporary directory goes with this process. A rank that ends without its exit
+    handlers (its watchdog's os._exit, a kill) leaves their files behind (W&B's folders, multiprocessing's), and in a
+    pod /tmp is the scratch volume, which outlives the container: every restart would add them. torch.compile's
+    cache, which defaults to a folder there and is meant to outlast the run, stays where it was."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", torch_compile_default_cache())
+    os.environ["TMPDIR"] = str(scratch.make(scratch.RANKS))  # the workers torchrun starts inherit it
+
+
+def torch_compile_default_cache() -> str:
+    """torch's own default (torch._inductor.runtime.cache_dir_utils.default_cache_dir, whose package takes seconds
+    to import): `torchinductor_` and the user's name in the temporary directory."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a name
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def worker_failure(rank: int, failure: ProcessFailure) -> Failure:

@@ -1,4 +1,5 @@
-"""The launcher's scratch folders: its ranks' heartbeats (trainer.frozen) and torchrun's error files.
+"""The launcher's scratch folders: its ranks' heartbeats (trainer.frozen), torchrun's error files and its ranks'
+temporary directory.
 
 They live in the temporary directory, which in a pod is the scratch volume: it outlives the container. The launcher
 removes its own when it exits; one it was killed before (SIGKILL: the kubelet's or `ctl run`'s after the grace
@@ -19,13 +20,15 @@ from pathlib import Path
 
 HEARTBEATS = "ddpjob-heartbeats-"
 TORCHRUN = "ddpjob-torchrun-"
+RANKS = "ddpjob-ranks-"
+PREFIXES = (HEARTBEATS, TORCHRUN, RANKS)  # what the sweep removes once abandoned
 OWNER = ".owner"  # in a scratch folder: locked by its launcher while that lives
 MADE: list[Path] = []  # this process's, removed at its exit
 
 
 def make(prefix: str) -> Path:
     """A new folder in the temporary directory, this process's until it exits; before the first, the abandoned
-    folders of both prefixes (their launcher was killed) are removed."""
+    scratch folders (their launcher was killed) are removed."""
     if not MADE:
         with contextlib.suppress(OSError):  # tidying: never a reason for the launcher to fail
             remove_abandoned()
@@ -50,7 +53,7 @@ def remove_abandoned() -> None:
     """Removes the scratch folders in the temporary directory whose owner file is not locked: their launcher is
     gone. One without an owner file (another program's, or being made) is left."""
     for entry in os.scandir(tempfile.gettempdir()):
-        if not entry.name.startswith((HEARTBEATS, TORCHRUN)):
+        if not entry.name.startswith(PREFIXES):
             continue
         directory = Path(entry.path)
         try:
