@@ -40,6 +40,7 @@ from trainer.names import (
     RENDERED_BY_ENV,
     SHUTDOWN_TIMEOUT_ENV,
 )
+from trainer.spec import SOURCE_LISTS
 
 REPO = Path(__file__).resolve().parent.parent
 CHART_DIR = REPO / "helm" / "ddpjob"
@@ -55,7 +56,7 @@ VALUES_HEADER = """\
 
 # Path lists the trainer also accepts as a single string (DataSpec's "before" validator, which JSON Schema
 # generation cannot see): `train: data.txt` must pass `helm install` as it passes ctl.
-SINGLE_OR_LIST = {"DataSpec": ("train", "val", "test")}
+SINGLE_OR_LIST = {"DataSpec": SOURCE_LISTS}
 
 
 def _accept_single_strings(schema: dict[str, Any]) -> None:
@@ -63,9 +64,9 @@ def _accept_single_strings(schema: dict[str, Any]) -> None:
         properties = schema.get("$defs", {}).get(model, {}).get("properties", {})
         for key in keys:
             prop = properties.get(key)
-            if prop and prop.get("type") == "array" and prop.get("items") == {"type": "string"}:
+            if prop and prop.get("type") == "array" and prop.get("items", {}).get("type") == "string":
                 meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
-                properties[key] = {"anyOf": [{"type": "string"}, prop], **meta}
+                properties[key] = {"anyOf": [prop["items"], prop], **meta}  # the single string, checked as an item
 
 
 def values_schema() -> dict[str, Any]:
@@ -229,7 +230,11 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
         text = f"map of {_type(values, defs)}" if isinstance(values, dict) and values else "object"
     else:
         text = kind
-    limits = [template.format(node[key]) for key, template in CONSTRAINTS if key in node]
+    limits = [
+        "not empty" if (key, node[key]) == ("minLength", 1) else template.format(node[key])
+        for key, template in CONSTRAINTS
+        if key in node
+    ]
     return text + (f" ({', '.join(limits)})" if limits else "")
 
 

@@ -924,6 +924,8 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"affinity": {"nodeaffinity": {}}}, "at '/affinity': additional properties 'nodeaffinity' not allowed"),
         ({"name": "News_Job"}, "at '/name'"),
         ({"training": {**TRAIN, "batchSize": 0}}, "at '/training/batchSize'"),
+        ({"training": {**TRAIN, "data": {"train": ""}}}, "at '/training/data/train'"),
+        ({"training": {**TRAIN, "data": {"train": ["a.txt", ""]}}}, "at '/training/data/train'"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:

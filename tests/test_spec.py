@@ -137,6 +137,13 @@ BAD_SPECS = [
         "training.data: set train (files or globs) or builtin",
     ),
     ("missing-name", {"name": None}, [], "name: required key is missing"),
+    # An empty path would match nothing: refused here, before a trainer rank finds no file for it.
+    (
+        "empty-source",
+        {"training": {"data": {"val": ["val.txt", ""]}}},
+        [],
+        "training.data.val.1: String should have at least 1 character",
+    ),
     (
         "text-read-as-number",
         {"image": {"tag": 1.10}},

@@ -109,6 +109,8 @@ def label_text(value: Any) -> Any:
 
 
 # A label as the data's rows hold it: a string, or a number as written.
+Source = Annotated[str, Field(min_length=1)]  # a path, directory, glob or s3:// URI: never empty, which matches nothing
+SOURCE_LISTS = ("train", "val", "test")  # DataSpec's lists of sources, which also take a single one
 Label = Annotated[str, BeforeValidator(label_text), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})]
 
 
@@ -118,13 +120,13 @@ class DataSpec(SpecModel):
     builtin: Literal["stdlib-docstrings"] | None = Field(
         None, description="classification: a dataset built offline from Python's standard library docstrings."
     )
-    train: list[str] = Field(
+    train: list[Source] = Field(
         default_factory=list,
         description="Training files: paths, directories (the files under one), globs (`**` recurses), or s3:// URIs"
         " (an object, a prefix ending in /, or a glob), downloaded once into the node's cache.",
     )
-    val: list[str] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
-    test: list[str] = Field(default_factory=list, description="classification: files for the final report.")
+    val: list[Source] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
+    test: list[Source] = Field(default_factory=list, description="classification: files for the final report.")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
     text_field: str = Field(
         "text", min_length=1, description="The rows' field holding the text (JSONL, JSON, CSV, TSV, Parquet, Arrow)."
@@ -162,7 +164,7 @@ class DataSpec(SpecModel):
     @classmethod
     def _single_path_is_a_list(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: [v] if k in ("train", "val", "test") and isinstance(v, str) else v for k, v in data.items()}
+            return {k: [v] if k in SOURCE_LISTS and isinstance(v, str) else v for k, v in data.items()}
         return data
 
     @model_validator(mode="after")
