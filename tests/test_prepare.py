@@ -9,6 +9,7 @@ import csv
 import errno
 import fcntl
 import gzip
+import itertools
 import json
 import lzma
 import multiprocessing.util
@@ -443,6 +444,18 @@ def test_labels_one_number_written_two_ways_are_two_classes_only_when_the_spec_l
     listed = training("classification", [str(data)], tmp_path, tokenizer={"vocabSize": 300}, labels=["1.0", "1"])
     entry = prepare_spec(listed, tmp_path / "run", print).entry
     assert np.fromfile(entry / "train.labels", dtype=np.int32).tolist() == [1, 0] * 4
+
+
+def test_the_label_order_does_not_depend_on_the_order_the_labels_come_in() -> None:
+    """Numbers by value, else (a label that is no number, "nan" too: NaN orders against nothing) as text. The
+    training labels come as a set, whose order changes with each process's hashing: two preparations of the same
+    rows must give every class the same id."""
+    for labels, order in [
+        (["10", "2", "1.0", "1", "-3"], ["-3", "1", "1.0", "2", "10"]),
+        (["10", "2", "nan", "1"], ["1", "10", "2", "nan"]),
+        (["b", "10", "a"], ["10", "a", "b"]),
+    ]:
+        assert {tuple(build.label_order(arrival)) for arrival in itertools.permutations(labels)} == {tuple(order)}
 
 
 def parquet(rows: dict[str, list]) -> Callable[[Path], None]:

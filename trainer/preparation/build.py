@@ -7,12 +7,13 @@ import contextlib
 import fcntl
 import glob
 import json
+import math
 import os
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,20 +62,23 @@ class SplitWriter:
         return {"tokens": self.tokens, "documents": self.documents}
 
 
-def label_order(labels: set[str]) -> list[str]:
+def label_order(labels: Iterable[str]) -> list[str]:
     """Sorted by value when every label is a number, else as text: rows labelled 0..n-1 (a Hugging Face ClassLabel
     exported) keep each label's id equal to it in the model's id2label ("10" after "9", not after "1")."""
-    try:
-        return sorted(labels, key=lambda label: (float(label), label))  # "1" before "1.0": the same on every run
-    except ValueError:
-        return sorted(labels)
+    numbers = {label: as_number(label) for label in labels}
+    if None in numbers.values():
+        return sorted(numbers)
+    return sorted(numbers, key=lambda label: (numbers[label], label))  # "1" before "1.0": the same on every run
 
 
 def as_number(label: str) -> float | None:
+    """The number a label writes, if any. "nan" is none: NaN orders before and after nothing, so labels sorted with
+    it came out in the order of the set's hashing, which differs from one process to the next."""
     try:
-        return float(label)
+        number = float(label)
     except ValueError:
         return None
+    return None if math.isnan(number) else number
 
 
 def same_number(label: str, labels: list[str]) -> str | None:
