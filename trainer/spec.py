@@ -108,9 +108,9 @@ def label_text(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) else value
 
 
-# A label as the data's rows hold it: a string, or a number as written.
 Source = Annotated[str, Field(min_length=1)]  # a path, directory, glob or s3:// URI: never empty, which matches nothing
 SOURCE_LISTS = ("train", "val", "test")  # DataSpec's lists of sources, which also take a single one
+# A label as the data's rows hold it: a string, or a number as written.
 Label = Annotated[str, BeforeValidator(label_text), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})]
 
 
