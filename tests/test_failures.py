@@ -30,7 +30,7 @@ from ctl.cli import app
 from ctl.commands.common import seconds
 from ctl.local import keep_logs
 from ctl.processes import free_port
-from trainer import scratch
+from trainer import owned, scratch
 from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
@@ -544,6 +544,41 @@ def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_l
     assert sorted(scratch_folders(tmp_path)) == sorted(alive + others)
     live.communicate("", timeout=60)
     assert live.returncode == 0 and sorted(scratch_folders(tmp_path)) == sorted(others)
+
+
+def test_a_swept_folder_keeps_its_owner_file_while_any_of_it_stays_and_read_only_folders_go(tmp_path: Path) -> None:
+    """A pod's launchers run as one uid without root's override of file permissions. A rank may leave read-only or
+    unlistable folders in its temporary directory (a copy of a read-only tree): the sweep makes them writable, as
+    TemporaryDirectory does, and removes them. What the uid may not remove at all (another uid's) keeps the folder's
+    owner file, so a later sweep tries again; without it the folder would be taken for another program's and stay for
+    ever. Here root without those capabilities (setpriv) is that uid: the kernel's refusals are real."""
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    make = "from trainer import scratch\nfor prefix in scratch.PREFIXES:\n    print(scratch.make(prefix), flush=True)\n"
+    as_the_pods_uid = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", sys.executable, "-c"]
+
+    def launcher(then: str = "") -> list[Path]:
+        run = subprocess.run([*as_the_pods_uid, make + then], env=env, capture_output=True, text=True, timeout=60)
+        assert run.stderr == "", run.stderr
+        return [Path(line) for line in run.stdout.split()]
+
+    killed = launcher("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    ranks = next(folder for folder in killed if folder.name.startswith(scratch.RANKS))
+    copy, foreign = ranks / "copy", ranks / "foreign"
+    for folder, mode in ((copy / "tree", 0o000), (copy, 0o555)):  # the tree unlistable, the copy read-only
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "file").touch()
+        folder.chmod(mode)
+    foreign.mkdir()
+    (foreign / "file").touch()
+    for path in (foreign / "file", foreign):
+        os.chown(path, 1000, 1000)
+    launcher()
+    assert scratch_folders(tmp_path) == [ranks]
+    assert sorted(path.name for path in ranks.iterdir()) == sorted([owned.OWNER, foreign.name])
+    for path in (foreign / "file", foreign):  # now the uid's to remove
+        os.chown(path, 0, 0)
+    launcher()
+    assert scratch_folders(tmp_path) == []
 
 
 def test_a_temporary_directory_the_sweep_cannot_list_still_gets_the_launchers_folders(tmp_path: Path) -> None:

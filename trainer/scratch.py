@@ -14,15 +14,15 @@ import atexit
 import contextlib
 import fcntl
 import os
-import shutil
 import tempfile
 from pathlib import Path
+
+from trainer.owned import OWNER, remove, remove_if_abandoned
 
 HEARTBEATS = "ddpjob-heartbeats-"
 TORCHRUN = "ddpjob-torchrun-"
 RANKS = "ddpjob-ranks-"
 PREFIXES = (HEARTBEATS, TORCHRUN, RANKS)  # what the sweep removes once abandoned
-OWNER = ".owner"  # in a scratch folder: locked by its launcher while that lives
 MADE: list[Path] = []  # this process's, removed at its exit
 
 
@@ -46,25 +46,13 @@ def make(prefix: str) -> Path:
 def remove_made() -> None:
     """This process's folders; also where its exit handlers are skipped (trainer.launch's stop while starting)."""
     for directory in MADE:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove(directory)
 
 
 def remove_abandoned() -> None:
     """Removes the scratch folders in the temporary directory whose owner file is not locked: their launcher is
     gone. One without an owner file (another program's, or being made) is left."""
-    for entry in os.scandir(tempfile.gettempdir()):
-        if not entry.name.startswith(PREFIXES):
-            continue
-        directory = Path(entry.path)
-        try:
-            owner = os.open(directory / OWNER, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held meanwhile: another launcher's sweep skips it
-        except OSError:  # held by its launcher, alive
-            continue
-        else:
-            shutil.rmtree(directory, ignore_errors=True)
-        finally:
-            os.close(owner)
+    with os.scandir(tempfile.gettempdir()) as entries:
+        for entry in entries:
+            if entry.name.startswith(PREFIXES):
+                remove_if_abandoned(Path(entry.path))

@@ -9,7 +9,6 @@ import glob
 import json
 import math
 import os
-import shutil
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.owned import OWNER, remove, remove_if_abandoned
 from trainer.preparation.encode import (
     ENCODE_BATCH_BYTES,
     Encoder,
@@ -151,8 +151,7 @@ class Labels:
             first[number] = label
 
 
-OWNER = ".owner"  # in a staging directory: locked, and touched every OWNER_TOUCH_SECONDS, by the process writing it
-OWNER_TOUCH_SECONDS = 10.0
+OWNER_TOUCH_SECONDS = 10.0  # how often the process writing a staging directory touches its owner file (locked too)
 # Unlocked and untouched this long: its owner is gone. Well above the touch interval plus NFS's attribute cache (up
 # to 60 s), so a live owner on another node is kept where locks are only per node (NFS `nolock`, FUSE mounts).
 ABANDONED_SECONDS = 180.0
@@ -197,27 +196,14 @@ def remove_abandoned(entry: Path, now: float) -> list[Path]:
     """Removes the staging directories for `entry` whose owner is gone: their lock is free and their owner file was
     last touched more than ABANDONED_SECONDS before `now` (the volume's time). One without an owner file is being
     created, and is left."""
-    removed, own = [], staging_dir(entry)
-    for staging in entry.parent.glob(f".{glob.escape(entry.name)}.tmp-*"):
-        if staging == own:  # and on NFS, whose locks are per process, closing a file of ours would release ours
-            continue
-        try:
-            lock = os.open(staging / OWNER, os.O_RDWR)  # NFS grants an exclusive lock on a file open for writing only
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the lock held: no other preparation removes it too
-            except BlockingIOError:  # held by its owner, alive
-                continue
-            except OSError:  # a filesystem without locks: its age alone tells
-                pass
-            if now - os.fstat(lock).st_mtime > ABANDONED_SECONDS:
-                shutil.rmtree(staging, ignore_errors=True)
-                removed.append(staging)
-        finally:
-            os.close(lock)
-    return removed
+    own = staging_dir(entry)
+
+    def untouched(owner: int) -> bool:
+        return now - os.fstat(owner).st_mtime > ABANDONED_SECONDS
+
+    # Not our own: on NFS, whose locks are per process, closing a file of ours would release ours.
+    stagings = entry.parent.glob(f".{glob.escape(entry.name)}.tmp-*")
+    return [staging for staging in stagings if staging != own and remove_if_abandoned(staging, untouched)]
 
 
 @contextlib.contextmanager
@@ -236,7 +222,7 @@ def staged(entry: Path, log: Callable[[str], None]) -> Iterator[Path]:
                 log(f"removed {path}, left by a preparation that was killed")
 
     try:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove(staging)
         staging.mkdir(parents=True)
         owner = Owner(staging)
         try:
@@ -251,7 +237,7 @@ def staged(entry: Path, log: Callable[[str], None]) -> Iterator[Path]:
         if not (entry / MANIFEST).exists():
             raise OSError(f"cannot move {staging} to {entry}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove(staging)  # what stays keeps its owner file: a later preparation's sweep removes it
         for path in created:  # nothing left behind on bad data
             with contextlib.suppress(OSError):
                 path.rmdir()
