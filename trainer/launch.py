@@ -131,7 +131,9 @@ def give_the_ranks_a_scratch_tmpdir() -> None:
     pod /tmp is the scratch volume, which outlives the container: every restart would add them. torch.compile's
     cache, which defaults to a folder there and is meant to outlast the run, stays where it was."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", torch_compile_default_cache())
-    os.environ["TMPDIR"] = str(scratch.make(scratch.RANKS))  # the workers torchrun starts inherit it
+    # The workers torchrun starts inherit it; this process's tempfile keeps the directory it has read (by then, in
+    # scratch.make), so its own folders and the sweep stay in the user's.
+    os.environ["TMPDIR"] = str(scratch.make(scratch.RANKS))
 
 
 def torch_compile_default_cache() -> str:
