@@ -210,6 +210,15 @@ def sigterm_as_pid_1(command: list[str], cwd: Path, ready: Callable[[], bool]) -
 
 
 @pytest.fixture
+def temporary(tmp_path: Path) -> Path:
+    """A temporary directory of the test's own, `tmp` in its folder: the TMPDIR for what it runs, whose leftovers
+    are the test's to check."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
 def marked_env() -> tuple[dict[str, str], str]:
     marker = uuid.uuid4().hex
     return os.environ | {"DDPJOB_TEST_MARKER": marker}, marker

@@ -38,7 +38,6 @@ from trainer.spec import ModelSpec, SpecError
 from trainer.text import hub_out_of_reach, load_tokenizer, pretrained_options
 
 STOPPED = re.compile(r"stopped at step (\d+), resumable")
-TMP = "tmp"
 
 
 def terminal(result: subprocess.CompletedProcess) -> list[str]:
@@ -52,16 +51,15 @@ def tree(path: Path) -> dict[str, int]:
     found = {}
     for child in path.rglob("*"):
         parts = child.relative_to(path).parts
-        if parts[0] != TMP or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
+        if parts[0] != "tmp" or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
             found["/".join(parts)] = 0 if child.is_dir() else child.stat().st_mtime_ns
     return found
 
 
 @pytest.fixture
-def workdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+def workdir(tmp_path: Path, temporary: Path) -> tuple[Path, dict[str, str]]:
     """A working directory, and an env whose temporary files (ctl's logs among them) stay inside it."""
-    (tmp_path / TMP).mkdir()
-    return tmp_path, os.environ | {"TMPDIR": str(tmp_path / TMP)}
+    return tmp_path, os.environ | {"TMPDIR": str(temporary)}
 
 
 def exact_tree(path: Path) -> dict[str, tuple[int, int, bytes | None]]:
@@ -595,13 +593,12 @@ def test_a_temporary_directory_the_sweep_cannot_list_still_gets_the_launchers_fo
 
 
 def test_what_the_ranks_leave_in_the_temporary_directory_goes_with_their_launcher(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, temporary: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank that ends without its exit handlers (its watchdog's os._exit, a kill) leaves its temporary files behind
     (W&B's folders, multiprocessing's): they are in a folder of its launcher's, removed with it. torch.compile's
     cache stays where torch puts it by default, in the temporary directory, or where it is chosen."""
-    temporary, work = tmp_path / "tmp", tmp_path / "work"
-    temporary.mkdir()
+    work = tmp_path / "work"
     work.mkdir()
     (work / "rank.py").write_text(
         "import os, tempfile\nfrom torch._inductor.runtime.cache_dir_utils import cache_dir\n"

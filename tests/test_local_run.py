@@ -185,13 +185,13 @@ def test_spec_values_reach_the_trainer_unchanged(tmp_path, write_spec, corpus_fi
 
 
 @pytest.mark.timeout(300)
-def test_interrupting_a_hung_run_leaves_no_process_behind(tmp_path, write_spec, corpus_file, marked_env) -> None:
+def test_interrupting_a_hung_run_leaves_no_process_behind(
+    tmp_path, temporary, write_spec, corpus_file, marked_env
+) -> None:
     """Ctrl-C while rank 1 hangs (SIGSTOP): SIGTERM cannot finish the run, so after the grace period
     ctl kills the agents and the workers torchrun started in sessions of their own. The killed agents' heartbeat
     folders stay in $TMPDIR (they ran no exit handler) until the next launcher there removes them."""
     env, marker = marked_env
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
     env |= {"TMPDIR": str(temporary)}
     with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
         os.kill(rank1, signal.SIGSTOP)  # rank 0 now waits for it in its next collective

@@ -645,13 +645,12 @@ def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_sp
 
 
 def test_an_s3_server_that_does_not_answer_fails_the_run_with_exit_1_not_as_bad_input(
-    s3: S3Server, bucket: str, tmp_path: Path, write_spec, corpus_file: Path
+    s3: S3Server, bucket: str, tmp_path: Path, temporary: Path, write_spec, corpus_file: Path
 ) -> None:
     """A restarting server is no answer too: the ranks (and `ctl prepare`) exit 1 with the line, which a job's
     restart policy retries; exit 2 would end the job for good."""
     closed = f"http://{LOCAL_ADDRESS}:{free_port()}"
-    temporary = tmp_path / "tmp"  # where the logs stay: the run directory, in the bucket, has no local side yet
-    temporary.mkdir()
+    # The logs stay in the temporary directory: the run directory, in the bucket, has no local side yet.
     env = keys_exported_only(s3, tmp_path / "c") | {"TMPDIR": str(temporary)}
     on_s3 = object_storage_spec(corpus_file, s3, bucket) | {
         "storage": {"uri": f"s3://{bucket}/team", "endpoint": closed}

@@ -41,7 +41,7 @@ def changed_chart(tmp_path: Path, replacements: dict[str, str]) -> Path:
 
 
 def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
-    tmp_path: Path, write_spec, corpus_file: Path
+    tmp_path: Path, temporary: Path, write_spec, corpus_file: Path
 ) -> None:
     # The container's command, and one more variable in its env, changed in the template alone.
     added = '        - name: DDPJOB_CHART_SAYS\n          value: "from-the-template"\n'
@@ -63,8 +63,6 @@ def test_ctl_run_follows_a_changed_chart_template_without_python_changes(
             {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ],
     }
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
     env = os.environ | {CHART_ENV: str(chart), "TMPDIR": str(temporary)}
     run = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout + run.stderr

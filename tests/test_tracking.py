@@ -327,6 +327,7 @@ def interrupted_run(path: Path, corpus: Path, case: str, env: dict[str, str], ma
 )
 def test_a_run_that_fails_is_stopped_or_hangs_ends_so_in_mlflow_and_wandb(
     tmp_path: Path,
+    temporary: Path,
     corpus_file: Path,
     mlflow_env: dict[str, str],
     wandb_env: dict[str, str],
@@ -340,8 +341,6 @@ def test_a_run_that_fails_is_stopped_or_hangs_ends_so_in_mlflow_and_wandb(
     env, marker = marked_env
     for name, value in mlflow_env.items():  # the reader here opens the same store
         monkeypatch.setenv(name, value)
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
     env |= mlflow_env | wandb_env | {"TMPDIR": str(temporary)}
     returncode, output = interrupted_run(tmp_path, corpus_file, case, env, marker)
     assert returncode == ctl_exit_code, output
