@@ -40,7 +40,7 @@ from trainer.names import (
     RENDERED_BY_ENV,
     SHUTDOWN_TIMEOUT_ENV,
 )
-from trainer.spec import SOURCE_LISTS
+from trainer.spec import PATTERN_MEANINGS, SOURCE_LISTS
 
 REPO = Path(__file__).resolve().parent.parent
 CHART_DIR = REPO / "helm" / "ddpjob"
@@ -230,12 +230,17 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
         text = f"map of {_type(values, defs)}" if isinstance(values, dict) and values else "object"
     else:
         text = kind
-    limits = [
-        "not empty" if (key, node[key]) == ("minLength", 1) else template.format(node[key])
-        for key, template in CONSTRAINTS
-        if key in node
-    ]
+    limits = [_limit(key, node[key], template) for key, template in CONSTRAINTS if key in node]
     return text + (f" ({', '.join(limits)})" if limits else "")
+
+
+def _limit(key: str, value: Any, template: str) -> str:
+    """A constraint in words: a pattern as what it asks for, where the spec says so."""
+    if (key, value) == ("minLength", 1):
+        return "not empty"
+    if key == "pattern" and value in PATTERN_MEANINGS:
+        return PATTERN_MEANINGS[value]
+    return template.format(value)
 
 
 def _reference_rows(node: dict[str, Any], defs: dict[str, Any], defaults: dict[str, Any], prefix: str) -> list[str]:

@@ -36,6 +36,7 @@ from trainer.spec import (
     did_you_mean,
     known_keys,
     parse_yaml_mapping,
+    pattern,
     read_yaml_mapping,
 )
 
@@ -50,11 +51,11 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
 # or Helm's release record.
 CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
-PROMETHEUS_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"
-PROMETHEUS_LABEL = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+PROMETHEUS_DURATION = pattern(r"^([0-9]+(ms|s|m|h|d|w|y))+$", "a Prometheus duration, e.g. 30s, 5m or 1h30m")
+PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name: letters, digits, _; no digit first")
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
-BYTES_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
-CPU_QUANTITY = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
+BYTES_QUANTITY = pattern(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", "a size in bytes, e.g. 512Mi, 4Gi or 1.5T")
+CPU_QUANTITY = pattern(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$", "a number of CPUs, e.g. 4, 0.5 or 500m")
 
 
 class ImageSpec(SpecModel):
@@ -143,7 +144,7 @@ class StorageSpec(SpecModel):
     )
 
     existing_claim: str = Field("", description="Use this PVC instead of creating one.")
-    size: str = Field("10Gi", description="Size of the created PVC.")
+    size: str = Field("10Gi", pattern=BYTES_QUANTITY, description="Size of the created PVC.")
     storage_class_name: str = Field("", description="StorageClass of the created PVC; empty: cluster default.")
     access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
         default_factory=list,
@@ -369,8 +370,10 @@ class PrepareSpec(SpecModel):
         description="Render the prepare Job; the training pods then wait for its prepared data instead of"
         " preparing it themselves.",
     )
-    cpu: str = Field("4", description="CPU request and limit of the prepare pod: it tokenizes with every core.")
-    memory: str = Field("4Gi", description="Memory request and limit of the prepare pod.")
+    cpu: str = Field(
+        "4", pattern=CPU_QUANTITY, description="CPU request and limit of the prepare pod: it tokenizes with every core."
+    )
+    memory: str = Field("4Gi", pattern=BYTES_QUANTITY, description="Memory request and limit of the prepare pod.")
     backoff_limit: int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="nodeSelector of the prepare pod (the training pods' is not used: no GPU)."

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import pty
 import re
@@ -40,7 +41,7 @@ from ctl.render import (
     split_manifests,
 )
 from ctl.schema import generated_files
-from ctl.spec import JobSpec, load_spec
+from ctl.spec import BYTES_QUANTITY, JobSpec, load_spec
 from trainer.names import EXIT_BAD_INPUT, PREPARED_BY_JOB_ENV
 from trainer.spec import load_training_spec
 
@@ -545,6 +546,19 @@ def test_shm_gpu_and_default_resources() -> None:
     assert resources["requests"] == {"cpu": "500m", "memory": "1943Mi", "ephemeral-storage": "5Gi"}  # 1431 + 512
 
 
+SIZE_SUFFIXES = BYTES_QUANTITY.rsplit("(", 1)[1].split(")")[0].split("|")  # its last group: Ki|Mi|...
+
+
+@pytest.mark.parametrize("suffix", ["", *SIZE_SUFFIXES])
+def test_the_chart_reads_every_size_the_spec_takes(suffix: str) -> None:
+    """The chart's `ddpjob.mebibytes` knows each suffix that the spec's pattern for sizes lets through."""
+    factor = 1024 ** ("KMGTP".index(suffix[0]) + 1) if suffix.endswith("i") else 1000 ** ("kMGTP".index(suffix) + 1)
+    sized = spec_of(resources={"memory": f"1.5{suffix}", "shm": "0"}) if suffix else spec_of(resources={"shm": "0"})
+    resources = trainer_container(pod_templates(objects(sized)["PyTorchJob"])["Master"])["resources"]
+    expected = math.ceil(1.5 * factor / 2**20) if suffix else 4096  # no memory: 4Gi for its one process
+    assert resources["requests"]["memory"] == f"{expected}Mi"
+
+
 def test_caches_live_in_a_bounded_scratch_volume_under_a_read_only_root() -> None:
     """HOME, the Hugging Face, torch.compile and Triton caches and /tmp are on one size-limited emptyDir, in the
     directories the image's own ENV names (so `docker run` and a pod agree); the root filesystem is read-only."""
@@ -896,11 +910,13 @@ BAD = [
     ("imagePullSecrets=[{name: null}]", "imagePullSecrets: entry 0 needs a `name`"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
     ("resources.gpu=1", "resources.gpu: 1 GPU(s) per pod for procsPerNode 2: each process needs a GPU of its own"),
-    ("resources.memory=lots", "resources.memory: String should match pattern"),
+    ("resources.memory=lots", "resources.memory: 'lots' is not a size in bytes, e.g. 512Mi, 4Gi or 1.5T"),
+    ("storage.size=10GB", "storage.size: '10GB' is not a size in bytes"),
+    ("prepare.cpu=all", "prepare.cpu: 'all' is not a number of CPUs, e.g. 4, 0.5 or 500m"),
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
-    ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: String should match pattern"),
+    ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: 'soon' is not a Prometheus duration"),
     ("metrics.alerts.slowRankFactor=1", "metrics.alerts.slowRankFactor: Input should be greater than 1"),
 ]
 
@@ -926,6 +942,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"training": {**TRAIN, "batchSize": 0}}, "at '/training/batchSize'"),
         ({"training": {**TRAIN, "data": {"train": ""}}}, "at '/training/data/train'"),
         ({"training": {**TRAIN, "data": {"train": ["a.txt", ""]}}}, "at '/training/data/train'"),
+        ({"storage": {"size": "10GB"}}, "at '/storage/size'"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:

@@ -324,6 +324,16 @@ class TrainingSpec(SpecModel):
         return self
 
 
+# The spec's patterns, each with what it asks for in words: an error names that, not the regular expression.
+PATTERN_MEANINGS: dict[str, str] = {}
+
+
+def pattern(regex: str, meaning: str) -> str:
+    """`regex`, a field's pattern, whose error says the value `is not <meaning>`."""
+    PATTERN_MEANINGS[regex] = meaning
+    return regex
+
+
 def describe_validation_error(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """One line for the first problem of validating `model`: `dotted.key: what is wrong` (+ how many more)."""
     first = error.errors()[0]
@@ -337,6 +347,8 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
         problem = "required key is missing"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
         problem = not_text(read)
+    elif first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_MEANINGS:
+        problem = f"{first['input']!r} is not {PATTERN_MEANINGS[first['ctx']['pattern']]}"
     else:
         problem = first["msg"].removeprefix("Value error, ")
     more = error.error_count() - 1

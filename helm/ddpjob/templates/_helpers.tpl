@@ -186,8 +186,8 @@ A dashboard JSON file with the chart's defaults for its DCGM label variables. Ta
 A byte quantity (the spec's pattern: a number and an optional Ki/Mi/Gi/Ti or k/M/G/T suffix) in whole MiB, rounded up.
 */}}
 {{- define "ddpjob.mebibytes" -}}
-{{- $suffix := regexFind "[kKMGT]i?$" . -}}
-{{- $factor := get (dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1e6 "G" 1e9 "T" 1e12) $suffix -}}
+{{- $suffix := regexFind "[kKMGTP]i?$" . -}}
+{{- $factor := get (dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "k" 1000.0 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15) $suffix -}}
 {{- $bytes := mulf (float64 (trimSuffix $suffix .)) $factor -}}
 {{- ceil (divf $bytes 1048576.0) | int64 -}}
 {{- end }}
