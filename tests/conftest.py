@@ -209,11 +209,14 @@ def sigterm_as_pid_1(command: list[str], cwd: Path, ready: Callable[[], bool]) -
         unshare.wait()
 
 
+TEMPORARY = "tmp"  # the `temporary` fixture's folder in the test's tmp_path
+
+
 @pytest.fixture
 def temporary(tmp_path: Path) -> Path:
-    """A temporary directory of the test's own, `tmp` in its folder: the TMPDIR for what it runs, whose leftovers
-    are the test's to check."""
-    folder = tmp_path / "tmp"
+    """A temporary directory of the test's own, in its folder: the TMPDIR for what it runs, whose leftovers are the
+    test's to check."""
+    folder = tmp_path / TEMPORARY
     folder.mkdir()
     return folder
 

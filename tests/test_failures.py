@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import processes_with_marker, run_ctl, scratch_folders, sigterm_as_pid_1, start_ctl, tiny_spec
+from conftest import TEMPORARY, processes_with_marker, run_ctl, scratch_folders, sigterm_as_pid_1, start_ctl, tiny_spec
 from s3server import listening
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -51,7 +51,7 @@ def tree(path: Path) -> dict[str, int]:
     found = {}
     for child in path.rglob("*"):
         parts = child.relative_to(path).parts
-        if parts[0] != "tmp" or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
+        if parts[0] != TEMPORARY or (len(parts) > 1 and parts[1].startswith("ddpjob-")):
             found["/".join(parts)] = 0 if child.is_dir() else child.stat().st_mtime_ns
     return found
 

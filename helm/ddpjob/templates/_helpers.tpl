@@ -183,7 +183,7 @@ A dashboard JSON file with the chart's defaults for its DCGM label variables. Ta
 {{- end }}
 
 {{/*
-A byte quantity (the spec's pattern: a number and an optional Ki/Mi/Gi/Ti or k/M/G/T suffix) in whole MiB, rounded up.
+A byte quantity (the spec's pattern: a number and an optional Ki/Mi/Gi/Ti/Pi or k/M/G/T/P suffix) in whole MiB, rounded up.
 */}}
 {{- define "ddpjob.mebibytes" -}}
 {{- $suffix := regexFind "[kKMGTP]i?$" . -}}
