@@ -181,7 +181,9 @@ Keys in Kubernetes form (`affinity`, `env`, `envFrom`, `tolerations`, the Networ
 every depth against the Kubernetes API's own keys and types, as the installed `kubernetes` client knows them
 (`affinity.nodeAffinity...nodeSelectorTerms.0.matchExpresions: unknown key (did you mean matchExpressions?)`), by
 `ctl render` and `ctl run` too: the API server would refuse such a key only at submit, naming the object's path.
-values.schema.json checks their first level.
+values.schema.json checks their first level. The names and labels the pods carry (`storage.existingClaim`,
+`podLabels`, `nodeSelector`, `podAnnotations`' keys, the queues) are checked as the API server checks such names
+and labels: it checks a PyTorchJob's pod template only when the operator creates the pods, which then never start.
 
 `training:` is the trainer's whole input (mounted into the pods as training.yaml); everything else
 describes the Kubernetes objects around it. Secrets are never spec values: name them by reference
@@ -228,6 +230,8 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
     elif kind == "object" and "properties" not in node:
         values = node.get("additionalProperties")
         text = f"map of {_type(values, defs)}" if isinstance(values, dict) and values else "object"
+        if "propertyNames" in node:  # keys of a form of their own (ctl.spec's Labels)
+            text = f"map from {_type({'type': 'string', **node['propertyNames']}, defs)} to {_type(values, defs)}"
     else:
         text = kind
     limits = [_limit(key, node[key], template) for key, template in CONSTRAINTS if key in node]

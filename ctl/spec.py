@@ -11,10 +11,10 @@ import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
@@ -56,14 +56,54 @@ PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = pattern(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", "a size in bytes, e.g. 512Mi, 4Gi or 1.5T")
 CPU_QUANTITY = pattern(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$", "a number of CPUs, e.g. 4, 0.5 or 500m")
+# What pods name and label, by Kubernetes' own rules (apimachinery's validation). The API server applies them to a
+# PyTorchJob's or TrainingRuntime's pod template only when the operator creates the pods, which it then fails to do;
+# a pod may name any claim, and waits for ever for one that no claim can be (the e2e tier checks both against it).
+_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"  # at most 63 characters
+_NAME_IN_WORDS = "at most 63 letters, digits, '-', '_' and '.', a letter or digit at each end"
+OBJECT_NAME = pattern(
+    f"^({_SUBDOMAIN})?$",
+    "a Kubernetes object name: lower-case letters, digits, '-' and '.', a letter or digit at each end",
+)
+LABEL_VALUE = pattern(f"^({_LABEL_NAME})?$", f"a Kubernetes label value: {_NAME_IN_WORDS}")
+LABEL_KEY = pattern(
+    f"^({_SUBDOMAIN}/)?{_LABEL_NAME}$",
+    f"a Kubernetes label key: an optional lower-case DNS prefix and '/', then {_NAME_IN_WORDS}",
+)
+# The API server checks an annotation's key lower-cased: its prefix may have capitals.
+ANNOTATION_KEY = pattern(
+    f"^({_SUBDOMAIN.replace('a-z0-9', 'a-zA-Z0-9')}/)?{_LABEL_NAME}$",
+    f"a Kubernetes annotation key: an optional DNS prefix and '/', then {_NAME_IN_WORDS}",
+)
+IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
+IMAGE_TAG = pattern(r"^\S*$", "an image tag without blanks, e.g. 0.1.0")
+SUBDOMAIN_MAX = 253
+# An object's name; empty where the spec says what empty means.
+ObjectName = Annotated[str, Field(pattern=OBJECT_NAME, max_length=SUBDOMAIN_MAX)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE)]
+LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
+
+
+def _keyed(keys: str, values: dict[str, Any]) -> Any:
+    """A mapping whose keys have a form: values.schema.json checks every key (pydantic's patternProperties would
+    let a key that misses the pattern through)."""
+    return WithJsonSchema({"type": "object", "propertyNames": {"pattern": keys}, "additionalProperties": values})
+
+
+Labels = Annotated[dict[LabelKey, LabelValue], _keyed(LABEL_KEY, {"type": "string", "pattern": LABEL_VALUE})]
+Annotations = Annotated[
+    dict[Annotated[str, Field(pattern=ANNOTATION_KEY)], str], _keyed(ANNOTATION_KEY, {"type": "string"})
+]
 
 
 class ImageSpec(SpecModel):
     """The training image (see the Dockerfile)."""
 
-    repository: str = Field("ddpjob", description="Image repository.")
+    repository: str = Field("ddpjob", pattern=IMAGE_REPOSITORY, description="Image repository.")
     tag: str = Field(
         "",
+        pattern=IMAGE_TAG,
         description="Image tag (or `tag@sha256:digest`); empty: the chart's appVersion, the version the image is"
         " built as. `latest` is refused: nodes pulling at different times would run different builds.",
     )
@@ -132,7 +172,7 @@ class StorageSpec(SpecModel):
         " empty: AWS S3 of `region`.",
     )
     region: str = Field("", description="The S3 buckets' region (AWS_REGION).")
-    secret_name: str = Field(
+    secret_name: ObjectName = Field(
         "",
         description="For S3: a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, given to the"
         " pods as those variables; empty: the pods' cloud identity (IRSA, EKS Pod Identity, instance profile).",
@@ -143,9 +183,9 @@ class StorageSpec(SpecModel):
         " beside the system's (a file of the job's ConfigMap, named by AWS_CA_BUNDLE).",
     )
 
-    existing_claim: str = Field("", description="Use this PVC instead of creating one.")
+    existing_claim: ObjectName = Field("", description="Use this PVC instead of creating one.")
     size: str = Field("10Gi", pattern=BYTES_QUANTITY, description="Size of the created PVC.")
-    storage_class_name: str = Field("", description="StorageClass of the created PVC; empty: cluster default.")
+    storage_class_name: ObjectName = Field("", description="StorageClass of the created PVC; empty: cluster default.")
     access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
         default_factory=list,
         description="Access modes of the created PVC; empty: ReadWriteMany when pods of the job can run on"
@@ -172,8 +212,10 @@ class ServiceAccountSpec(SpecModel):
     """The pods' ServiceAccount; the trainer never calls the Kubernetes API."""
 
     create: bool = Field(False, description="Create a ServiceAccount for the job (named `name` when `name` is empty).")
-    name: str = Field("", description="ServiceAccount to use; empty: the namespace's `default`, or the created one.")
-    annotations: dict[str, str] = Field(
+    name: ObjectName = Field(
+        "", description="ServiceAccount to use; empty: the namespace's `default`, or the created one."
+    )
+    annotations: Annotations = Field(
         default_factory=dict, description="Annotations of the created ServiceAccount (e.g. cloud IAM bindings)."
     )
     automount_token: bool = Field(False, description="Mount an API token into the pods (off: least privilege).")
@@ -183,7 +225,7 @@ class SchedulingPolicySpec(SpecModel):
     """runPolicy.schedulingPolicy: gang scheduling with Volcano (or scheduler-plugins)."""
 
     min_available: int | None = Field(None, ge=1, description="Pods that must be schedulable together; default: all.")
-    priority_class: str = Field("", description="PriorityClass of the PodGroup.")
+    priority_class: ObjectName = Field("", description="PriorityClass of the PodGroup.")
     schedule_timeout_seconds: int | None = Field(None, ge=1, description="Give up gang scheduling after this long.")
 
 
@@ -220,16 +262,18 @@ class RunPolicySpec(SpecModel):
 class QueueSpec(SpecModel):
     """Admission through a batch queue: Kueue or Volcano (at most one)."""
 
-    kueue: str = Field("", description="Kueue LocalQueue: sets the `kueue.x-k8s.io/queue-name` label on the job.")
-    kueue_priority_class: str = Field(
+    kueue: LabelValue = Field(
+        "", description="Kueue LocalQueue: sets the `kueue.x-k8s.io/queue-name` label on the job."
+    )
+    kueue_priority_class: LabelValue = Field(
         "", description="Kueue WorkloadPriorityClass: sets the `kueue.x-k8s.io/priority-class` label on the job."
     )
-    volcano: str = Field(
+    volcano: ObjectName = Field(
         "",
         description="Volcano queue: schedulerName volcano and gang scheduling (PyTorchJob:"
         " runPolicy.schedulingPolicy.queue; TrainJob: the runtime's podGroupPolicy.volcano).",
     )
-    coscheduling: str = Field(
+    coscheduling: ObjectName = Field(
         "",
         description="TrainJob only: gang scheduling with the scheduler-plugins coscheduling plugin: the name of the"
         " scheduler running it (the pods' schedulerName, e.g. scheduler-plugins-scheduler); the runtime gets"
@@ -283,7 +327,7 @@ class PodMonitorSpec(SpecModel):
     interval: str = Field(
         "15s", pattern=PROMETHEUS_DURATION, description="Scrape interval, a Prometheus duration (e.g. 15s, 1m)."
     )
-    labels: dict[str, str] = Field(
+    labels: Labels = Field(
         default_factory=dict,
         description="Extra labels the Prometheus selects monitors by, e.g. {release: kube-prometheus-stack}.",
     )
@@ -293,8 +337,8 @@ class DashboardSpec(SpecModel):
     """The Grafana dashboard (helm/ddpjob/dashboards/) as a ConfigMap for Grafana's dashboard sidecar."""
 
     enabled: bool = Field(False, description="Create the dashboard ConfigMap (one per cluster is enough: same uid).")
-    label_key: str = Field("grafana_dashboard", min_length=1, description="Label the sidecar watches for.")
-    label_value: str = Field("1", description="Value of that label.")
+    label_key: LabelKey = Field("grafana_dashboard", description="Label the sidecar watches for.")
+    label_value: LabelValue = Field("1", description="Value of that label.")
     dcgm_pod_label: str = Field(
         "exported_pod",
         pattern=PROMETHEUS_LABEL,
@@ -309,7 +353,7 @@ class AlertsSpec(SpecModel):
     """A PrometheusRule with this job's alerts (needs the prometheus-operator CRDs)."""
 
     enabled: bool = Field(False, description="Create the PrometheusRule.")
-    labels: dict[str, str] = Field(
+    labels: Labels = Field(
         default_factory=dict,
         description="Extra labels the Prometheus selects rules by, e.g. {release: kube-prometheus-stack}.",
     )
@@ -375,7 +419,7 @@ class PrepareSpec(SpecModel):
     )
     memory: str = Field("4Gi", pattern=BYTES_QUANTITY, description="Memory request and limit of the prepare pod.")
     backoff_limit: int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")
-    node_selector: dict[str, str] = Field(
+    node_selector: Labels = Field(
         default_factory=dict, description="nodeSelector of the prepare pod (the training pods' is not used: no GPU)."
     )
     tolerations: Tolerations = Field(
@@ -423,10 +467,10 @@ class JobSpec(SpecModel):
         description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint"
         " (torchrun gives its workers all but the last 5 s).",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    node_selector: Labels = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: Tolerations = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")
     affinity: Affinity = Field(default_factory=dict, description="Pod affinity (Kubernetes form).")
-    priority_class_name: str = Field("", description="PriorityClass of the pods.")
+    priority_class_name: ObjectName = Field("", description="PriorityClass of the pods.")
     image_pull_secrets: SecretReferences = Field(
         default_factory=list, description="Secrets for pulling the image (Kubernetes form), e.g. [{name: regcred}]."
     )
@@ -440,8 +484,8 @@ class JobSpec(SpecModel):
     env_from: EnvFromEntries = Field(
         default_factory=list, description="Whole ConfigMaps/Secrets as env (Kubernetes form)."
     )
-    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
-    pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every pod.")
+    pod_annotations: Annotations = Field(default_factory=dict, description="Extra annotations on every pod.")
+    pod_labels: Labels = Field(default_factory=dict, description="Extra labels on every pod.")
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prepare: PrepareSpec = Field(default_factory=PrepareSpec)

@@ -438,6 +438,17 @@ def test_explicit_run_directory_and_existing_claim() -> None:
     assert {"name": "checkpoints", "mountPath": "/runs"} in trainer_container(template)["volumeMounts"]
 
 
+def test_names_that_yaml_reads_as_booleans_stay_text() -> None:
+    """A claim named `true`, a dashboard label key `on`: valid Kubernetes names that YAML, unquoted, reads as
+    booleans, which the job's CRD and the API server would refuse."""
+    dashboard = {"enabled": True, "labelKey": "on", "labelValue": "true"}
+    by_kind = objects(spec_of(storage={"existingClaim": "true"}, metrics={"dashboard": dashboard}))
+    template = pod_templates(by_kind["PyTorchJob"])["Master"]
+    claims = [v["persistentVolumeClaim"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [{"claimName": "true"}]
+    assert by_kind[DASHBOARDS]["metadata"]["labels"]["on"] == "true"
+
+
 @pytest.mark.parametrize("variant", ["object-storage", "trainjob-object-storage"])
 def test_a_run_on_object_storage_has_no_claim_and_gives_the_pods_the_aws_variables(variant: str) -> None:
     by_kind = objects(spec_of(**VARIANTS[variant]))
@@ -918,6 +929,13 @@ BAD = [
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
     ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: 'soon' is not a Prometheus duration"),
     ("metrics.alerts.slowRankFactor=1", "metrics.alerts.slowRankFactor: Input should be greater than 1"),
+    # What the pods name and label: the API server would check it only when the operator creates them.
+    ("storage.existingClaim=Shared_Runs", "storage.existingClaim: 'Shared_Runs' is not a Kubernetes object name"),
+    ("podLabels.team=ML team", "podLabels.team: 'ML team' is not a Kubernetes label value"),
+    ('nodeSelector={"pool": gpu, "gpu type": a100}', "nodeSelector: key 'gpu type' is not a Kubernetes label key"),
+    ('podAnnotations={"example.com/": x}', "podAnnotations: key 'example.com/' is not a Kubernetes annotation key"),
+    ("queue.kueue=team a", "queue.kueue: 'team a' is not a Kubernetes label value"),
+    ("image.repository=registry.example.com/ml ddpjob", "image.repository: 'registry.example.com/ml ddpjob' is not"),
 ]
 
 
@@ -943,6 +961,9 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"training": {**TRAIN, "data": {"train": ""}}}, "at '/training/data/train'"),
         ({"training": {**TRAIN, "data": {"train": ["a.txt", ""]}}}, "at '/training/data/train'"),
         ({"storage": {"size": "10GB"}}, "at '/storage/size'"),
+        ({"storage": {"existingClaim": "Shared_Runs"}}, "at '/storage/existingClaim'"),
+        ({"podLabels": {"team ml": "x"}}, "invalid propertyName 'team ml'"),  # Helm names no key here
+        ({"podLabels": {"team": "ML team"}}, "at '/podLabels/team'"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:

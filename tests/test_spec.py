@@ -137,12 +137,18 @@ BAD_SPECS = [
         "training.data: set train (files or globs) or builtin",
     ),
     ("missing-name", {"name": None}, [], "name: required key is missing"),
-    # An empty path would match nothing: refused here, before a trainer rank finds no file for it.
+    # An empty or blank path would match nothing: refused here, before a trainer rank finds no file for it.
     (
         "empty-source",
         {"training": {"data": {"val": ["val.txt", ""]}}},
         [],
-        "training.data.val.1: String should have at least 1 character",
+        "training.data.val.1: '' is not a file, directory, glob or s3:// URI",
+    ),
+    (
+        "blank-source",
+        {"training": {"data": {"train": " \t"}}},
+        [],
+        "training.data.train.0: ' \\t' is not a file, directory, glob or s3:// URI",
     ),
     (
         "text-read-as-number",

@@ -54,10 +54,27 @@ class SpecModel(BaseModel):
         return self.model_dump(by_alias=True, mode="json")
 
 
+# The spec's patterns, each with what it asks for in words: an error names that, not the regular expression.
+PATTERN_MEANINGS: dict[str, str] = {}
+
+
+def pattern(regex: str, meaning: str) -> str:
+    """`regex`, a field's pattern, whose error says the value `is not <meaning>`."""
+    PATTERN_MEANINGS[regex] = meaning
+    return regex
+
+
+# A path, directory, glob or s3:// URI: never empty or blank, which match nothing (or a file of that name in
+# the current directory: one nobody means).
+Source = Annotated[str, Field(pattern=pattern(r"\S", "a file, directory, glob or s3:// URI"))]
+# A path of the trainer's own; empty is the default.
+PathText = Annotated[str, Field(pattern=pattern(r"^$|\S", "a path, or empty for the default"))]
+
+
 class ModelSpec(SpecModel):
     """A GPT-2 model: a pretrained directory (or hub id), a named GPT-2 size, or the dimensions below."""
 
-    pretrained: str | None = Field(
+    pretrained: PathText | None = Field(
         None, description="Directory for from_pretrained (a hub id only when the network allows it)."
     )
     size: Literal["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] | None = Field(
@@ -94,7 +111,7 @@ class ModelSpec(SpecModel):
 class TokenizerSpec(SpecModel):
     """causal-lm / classification: a tokenizer directory, or one trained here on the training text."""
 
-    path: str | None = Field(
+    path: PathText | None = Field(
         None, description="Tokenizer directory (or hub id); default: model.pretrained, else train one."
     )
     vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
@@ -108,7 +125,6 @@ def label_text(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) else value
 
 
-Source = Annotated[str, Field(min_length=1)]  # a path, directory, glob or s3:// URI: never empty, which matches nothing
 SOURCE_LISTS = ("train", "val", "test")  # DataSpec's lists of sources, which also take a single one
 # A label as the data's rows hold it: a string, or a number as written.
 Label = Annotated[str, BeforeValidator(label_text), WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "number"}]})]
@@ -137,7 +153,7 @@ class DataSpec(SpecModel):
         min_length=2,
         description="classification: label set, e.g. [negative, positive] or [0, 1]; default: from train.",
     )
-    cache_dir: str | None = Field(
+    cache_dir: PathText | None = Field(
         None,
         description="Dataset cache: prepared token files, one directory per fingerprint, shared by runs and jobs."
         " Default: `_datasets` next to the run directory (<storage.mountPath>/_datasets in a cluster).",
@@ -196,7 +212,7 @@ class ScheduleSpec(SpecModel):
 class CheckpointSpec(SpecModel):
     """The run directory: checkpoints `step-<N>/`, the final export and the report land here."""
 
-    dir: str | None = Field(
+    dir: PathText | None = Field(
         None,
         description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster.",
     )
@@ -324,22 +340,16 @@ class TrainingSpec(SpecModel):
         return self
 
 
-# The spec's patterns, each with what it asks for in words: an error names that, not the regular expression.
-PATTERN_MEANINGS: dict[str, str] = {}
-
-
-def pattern(regex: str, meaning: str) -> str:
-    """`regex`, a field's pattern, whose error says the value `is not <meaning>`."""
-    PATTERN_MEANINGS[regex] = meaning
-    return regex
-
-
 def describe_validation_error(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """One line for the first problem of validating `model`: `dotted.key: what is wrong` (+ how many more)."""
     first = error.errors()[0]
     cause = first.get("ctx", {}).get("error")
     own = cause.key.split(".") if isinstance(cause, KeyProblem) else []
-    key = ".".join(str(part) for part in (prefix, *first["loc"], *own) if part != "")
+    loc = first["loc"]
+    of_key = loc[-1:] == ("[key]",)  # a mapping's own key: pydantic's loc ends with the key and "[key]"
+    if of_key:
+        loc = loc[:-2]
+    key = ".".join(str(part) for part in (prefix, *loc, *own) if part != "")
     if first["type"] == "extra_forbidden":
         *within, unknown = first["loc"]
         problem = "unknown key" + did_you_mean(str(unknown), known_keys(model, within))
@@ -348,9 +358,12 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
         problem = not_text(read)
     elif first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_MEANINGS:
-        problem = f"{first['input']!r} is not {PATTERN_MEANINGS[first['ctx']['pattern']]}"
+        what = f"key {first['input']!r}" if of_key else repr(first["input"])
+        problem = f"{what} is not {PATTERN_MEANINGS[first['ctx']['pattern']]}"
     else:
         problem = first["msg"].removeprefix("Value error, ")
+    if of_key and not problem.startswith("key "):
+        problem = f"key {first['input']!r}: {problem}"
     more = error.error_count() - 1
     line = f"{key}: {problem}" if key else problem
     return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")

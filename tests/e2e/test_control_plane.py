@@ -50,9 +50,10 @@ from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
 from ctl.render import render
-from ctl.spec import JobSpec, load_spec
+from ctl.spec import JobSpec, load_spec, with_keys
 from trainer.location import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
+from trainer.spec import SpecError
 
 pytestmark = pytest.mark.e2e
 
@@ -343,6 +344,86 @@ def test_kubectl_server_side_apply_accepts_the_rendered_examples(
 def conditions(job: dict[str, Any]) -> set[str]:
     """The job's true conditions."""
     return {c["type"] for c in (job.get("status") or {}).get("conditions") or [] if c["status"] == "True"}
+
+
+# Values on both sides of Kubernetes' rules for the names and labels the spec checks (ctl.spec: OBJECT_NAME,
+# LABEL_KEY, ANNOTATION_KEY, LABEL_VALUE). A prefix's own limit of 253 characters is the one rule the spec leaves to
+# the API server.
+NAMES = ["runs", "shared.runs-1", "0", "true", "Shared_Runs", " runs", "runs-", "-runs", "a..b", "a" * 253, "a" * 254]
+LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" * 64]
+KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
+
+
+def claim(name: str) -> dict[str, Any]:
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name}, "spec": spec}
+
+
+# The spec's mappings that the pods carry as they are: (key, where in the pod, whether its values are label values).
+MAPPINGS = [
+    ("podLabels", ("metadata", "labels"), True),
+    ("podAnnotations", ("metadata", "annotations"), False),
+    ("nodeSelector", ("spec", "nodeSelector"), True),
+]
+Make = Callable[[dict[str, Any]], dict[str, Any]]  # the chart's pod -> the object carrying the value
+
+
+def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
+    """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
+    KEYS and LABEL_VALUES where the spec has it: a claim of each name (a pod may name any claim, and waits for
+    ever for one no claim can be), the pod carrying each label, annotation and node selector."""
+    for name in NAMES:
+        yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
+    for key, (part, field), labels in MAPPINGS:
+        for entry in [{k: "x"} for k in KEYS] + ([{"team": v} for v in LABEL_VALUES] if labels else []):
+            yield f"{key} {entry}", {key: entry}, lambda pod, e=entry, p=part, f=field: with_entry(pod, p, f, e)
+
+
+def with_entry(pod: dict[str, Any], part: str, field: str, entry: dict[str, str]) -> dict[str, Any]:
+    pod[part].setdefault(field, {}).update(entry)
+    return pod
+
+
+def test_the_spec_refuses_exactly_the_names_and_labels_the_api_server_refuses(cluster: Cluster, namespace: str) -> None:
+    """The API server checks a PyTorchJob's pod template only when the operator creates its pods: the spec checks
+    what the pods name and label as the API server then would (a server dry run of the chart's pod carrying each
+    value, or of a claim of each name), so that `ctl` refuses a job whose pods could never run, and no job that
+    could."""
+    spec = job_spec("names")
+    job = next(m.obj for m in render(spec, namespace) if m.obj["kind"] == PYTORCHJOB.api.kind)
+    template = next(iter(job["spec"]["pytorchReplicaSpecs"].values()))["template"]
+    # Why the spec checks them: the API server takes a job whose pods it will refuse.
+    refused_pods = json.loads(json.dumps(job))
+    next(iter(refused_pods["spec"]["pytorchReplicaSpecs"].values()))["template"]["metadata"]["labels"]["team"] = "a b"
+    controlplane.server_side_apply(cluster.client(), in_namespace(refused_pods, namespace), dry_run=True)
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    create = {
+        "Pod": core.create_namespaced_pod,
+        "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
+    }
+    deadline = time.monotonic() + 30  # the pod's ServiceAccount, the namespace's default, is made for it meanwhile
+    while not core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items:
+        assert time.monotonic() < deadline, "the namespace has no default ServiceAccount"
+        time.sleep(0.2)
+    disagreements = []
+    for what, keys, make in placed_values():
+        try:
+            with_keys(spec, keys, Path("spec.yaml"))
+            spec_takes = True
+        except SpecError:
+            spec_takes = False
+        pod = json.loads(json.dumps(template)) | {"apiVersion": "v1", "kind": "Pod"}
+        pod["metadata"] |= {"name": "names"}
+        obj = make(pod)
+        try:
+            create[obj["kind"]](namespace, obj, dry_run="All")
+            api_takes = True
+        except kubernetes.client.ApiException as refused:
+            assert refused.status == 422, refused.body  # invalid, not refused for another reason
+            api_takes = False
+        if spec_takes != api_takes:
+            disagreements.append(f"{what}: spec {spec_takes}, API server {api_takes}")
+    assert not disagreements, "\n".join(disagreements)
 
 
 def test_two_node_job_is_reconciled_and_succeeds(cluster: Cluster, shipped_namespace: str) -> None:

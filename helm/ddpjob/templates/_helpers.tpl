@@ -459,7 +459,7 @@ spec:
     {{- if not .Values.storage.uri }}
     - name: checkpoints
       persistentVolumeClaim:
-        claimName: {{ include "ddpjob.claimName" . }}
+        claimName: {{ include "ddpjob.claimName" . | quote }}
     {{- end }}
     # NCCL and DataLoader workers share memory through /dev/shm; the runtime default is 64Mi.
     - name: dshm
