@@ -591,7 +591,7 @@ class Override(NamedTuple):
     flag: str
     assignment: str  # as given
     path: list[str]  # `a.b.c` -> ["a", "b", "c"]
-    typed: str  # the value as typed (--set) or the file's text (--set-file)
+    typed: str | None  # the value as typed (--set); None for --set-file, whose value is the file's text
     value: Any  # what the key is set to; None takes it back to its default
 
 
@@ -620,7 +620,7 @@ def read_set_file(assignment: str) -> Override:
     file = Path(name).expanduser()
     try:
         text = file.read_text(encoding="utf-8")
-        return Override("--set-file", assignment, path, text, text)
+        return Override("--set-file", assignment, path, None, text)
     except UnicodeDecodeError as exc:
         raise SpecError(f"--set-file {assignment!r}: {file} is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
@@ -728,7 +728,7 @@ def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:
 def keep_text(values: dict[str, Any], overrides: Sequence[Override], error: ValidationError) -> bool:
     """Where the spec wants text and a `--set` value read as YAML is a number or a boolean (`image.tag=1.10`: 1.1),
     put the value as typed into `values`, as helm's --set-string would; whether there was any."""
-    typed = {tuple(o.path): o.typed.strip() for o in overrides if o.flag == "--set"}
+    typed = {tuple(o.path): o.typed.strip() for o in overrides if o.typed is not None}
     wanted = [loc for e in error.errors() if (loc := text_key(e)) in typed]
     for loc in wanted:
         node = values
