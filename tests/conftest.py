@@ -26,6 +26,25 @@ CTL = [sys.executable, "-m", "ctl"]
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (`kill`, `kill %1`) stops a test run as Ctrl-C does: the tests' teardown still runs, which stops the
+    control plane and its node (containers, mounts, cgroups, links). A run started in the background (`make test
+    &`) ignores SIGINT, so SIGTERM is the way to stop it; by default it would end pytest alone and leave all that
+    behind. A second SIGTERM during the teardown is ignored: SIGKILL stops at once, leaving it."""
+    main = os.getpid()
+
+    def interrupt(signum: int, frame: object) -> None:
+        if os.getpid() != main:  # a child forked by a test keeps this handler: it ends as SIGTERM would end it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        signal.signal(signum, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~50 KB of real text: the standard library's json package sources."""

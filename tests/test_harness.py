@@ -1,0 +1,71 @@
+"""The test harness itself: a test run stopped by SIGTERM still tears down what its tests started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+# A test run in miniature: a module fixture standing for the control plane, whose teardown takes a moment, and a
+# test that forks a child (which must still end by SIGTERM as before) and then waits to be stopped.
+STOPPED_RUN = """
+import os, signal, time
+from pathlib import Path
+import pytest
+
+HERE = Path(__file__).parent
+
+@pytest.fixture(scope="module")
+def plane():
+    yield
+    (HERE / "tearing-down").touch()
+    time.sleep(1)
+    (HERE / "torn-down").touch()
+
+def test_runs_until_stopped(plane):
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    (HERE / "child").write_text(str(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1))
+    (HERE / "running").touch()
+    time.sleep(60)
+"""
+
+
+def wait_for(path: Path, run: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert run.poll() is None and time.monotonic() < deadline, f"no {path.name}: {run.communicate()[0]}"
+        time.sleep(0.05)
+
+
+def test_sigterm_stops_a_background_run_as_ctrl_c_does_and_its_teardown_runs(tmp_path: Path) -> None:
+    (tmp_path / "test_stopped.py").write_text(STOPPED_RUN)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "test_stopped.py"],
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # As `make test &` starts it: SIGINT ignored, so SIGTERM is the signal that can stop it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    wait_for(tmp_path / "running", run)
+    run.send_signal(signal.SIGTERM)
+    wait_for(tmp_path / "tearing-down", run)
+    run.send_signal(signal.SIGTERM)  # ignored: the teardown goes on
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == pytest.ExitCode.INTERRUPTED, output
+    assert "KeyboardInterrupt: stopped by SIGTERM" in output
+    assert (tmp_path / "torn-down").exists(), output
+    assert (tmp_path / "child").read_text() == str(int(signal.SIGTERM))
