@@ -76,6 +76,8 @@ ANNOTATION_KEY = pattern(
     f"^({_SUBDOMAIN.replace('a-z0-9', 'a-zA-Z0-9')}/)?{_LABEL_NAME}$",
     f"a Kubernetes annotation key: an optional DNS prefix and '/', then {_NAME_IN_WORDS}",
 )
+MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoints")
+ENDPOINT_URL = pattern(r"^(https?://[^\s/?#]+(/\S*)?)?$", "an http:// or https:// URL, e.g. https://s3.example.com")
 IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
 IMAGE_TAG = pattern(r"^\S*$", "an image tag without blanks, e.g. 0.1.0")
 SUBDOMAIN_MAX = 253
@@ -168,6 +170,7 @@ class StorageSpec(SpecModel):
     )
     endpoint: str = Field(
         "",
+        pattern=ENDPOINT_URL,
         description="The S3 server of `uri` and of s3:// data: an S3-compatible endpoint URL (AWS_ENDPOINT_URL);"
         " empty: AWS S3 of `region`.",
     )
@@ -191,7 +194,7 @@ class StorageSpec(SpecModel):
         description="Access modes of the created PVC; empty: ReadWriteMany when pods of the job can run on"
         " several nodes (nodes > 1, elastic), else ReadWriteOnce (every cloud's default class gives it).",
     )
-    mount_path: str = Field("/checkpoints", description="Where the volume is mounted in every pod.")
+    mount_path: str = Field("/checkpoints", pattern=MOUNT_PATH, description="Where the volume is mounted in every pod.")
 
     @field_validator("uri")
     @classmethod

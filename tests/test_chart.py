@@ -936,6 +936,8 @@ BAD = [
     ('podAnnotations={"example.com/": x}', "podAnnotations: key 'example.com/' is not a Kubernetes annotation key"),
     ("queue.kueue=team a", "queue.kueue: 'team a' is not a Kubernetes label value"),
     ("image.repository=registry.example.com/ml ddpjob", "image.repository: 'registry.example.com/ml ddpjob' is not"),
+    ("storage.mountPath=runs", "storage.mountPath: 'runs' is not an absolute path other than /"),
+    ("storage.endpoint=s3.example.com", "storage.endpoint: 's3.example.com' is not an http:// or https:// URL"),
 ]
 
 
