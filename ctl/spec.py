@@ -85,6 +85,7 @@ SUBDOMAIN_MAX = 253
 ObjectName = Annotated[str, Field(pattern=OBJECT_NAME, max_length=SUBDOMAIN_MAX)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE)]
 LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
+AnnotationKey = Annotated[str, Field(pattern=ANNOTATION_KEY)]
 
 
 def _keyed(keys: str, values: dict[str, Any]) -> Any:
@@ -94,9 +95,7 @@ def _keyed(keys: str, values: dict[str, Any]) -> Any:
 
 
 Labels = Annotated[dict[LabelKey, LabelValue], _keyed(LABEL_KEY, {"type": "string", "pattern": LABEL_VALUE})]
-Annotations = Annotated[
-    dict[Annotated[str, Field(pattern=ANNOTATION_KEY)], str], _keyed(ANNOTATION_KEY, {"type": "string"})
-]
+Annotations = Annotated[dict[AnnotationKey, str], _keyed(ANNOTATION_KEY, {"type": "string"})]
 
 
 class ImageSpec(SpecModel):
