@@ -32,6 +32,15 @@ PREPARE_DENIED_ENV = (
     POD_KEY_ENV,
     *COMPILE_CACHES,
 )
+# Where the chart mounts the trainer container's own volumes, which storage.mountPath must not be: training.yaml's
+# ConfigMap, /dev/shm, the metric files, and the scratch volume at HOME (the image's, see the Dockerfile) and /tmp.
+POD_MOUNTS = {
+    "config": "/etc/ddpjob",
+    "shm": "/dev/shm",
+    "metrics": "/run/ddpjob-metrics",
+    "home": "/home/ddpjob",
+    "tmp": "/tmp",
+}
 # Refusals that ctl's spec model makes and the chart makes again for values files ctl never saw (`helm install -f`):
 # formats that Python's % and Go's printf read alike.
 POD_NAME_TOO_LONG = 'name: too long: pod name "%s" would have %d characters (at most %d)'

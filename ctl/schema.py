@@ -306,6 +306,7 @@ def chart_names() -> dict[str, Any]:
             "s3CaBundle": S3_CA_BUNDLE_ENV,
         },
         "prepareDeniedEnv": list(names.PREPARE_DENIED_ENV),
+        "mounts": names.POD_MOUNTS,
         "compileCaches": names.COMPILE_CACHES,
         "compileCacheDir": names.COMPILE_CACHE_DIR,
         "s3Scheme": S3_SCHEME,

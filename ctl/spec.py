@@ -24,6 +24,7 @@ from ctl.names import (
     DNS_LABEL_MAX,
     GPUS_BELOW_PROCESSES,
     MEMORY_MIB_PER_PROCESS,
+    POD_MOUNTS,
     POD_NAME_TOO_LONG,
 )
 from trainer.location import PEM_CERTIFICATE, S3Location
@@ -193,7 +194,20 @@ class StorageSpec(SpecModel):
         description="Access modes of the created PVC; empty: ReadWriteMany when pods of the job can run on"
         " several nodes (nodes > 1, elastic), else ReadWriteOnce (every cloud's default class gives it).",
     )
-    mount_path: str = Field("/checkpoints", pattern=MOUNT_PATH, description="Where the volume is mounted in every pod.")
+    mount_path: str = Field(
+        "/checkpoints",
+        pattern=MOUNT_PATH,
+        json_schema_extra={"not": {"enum": list(POD_MOUNTS.values())}},  # for `helm install`, as ctl refuses them
+        description="Where the volume is mounted in every pod.",
+    )
+
+    @field_validator("mount_path")
+    @classmethod
+    def _not_the_pods_own(cls, path: str) -> str:
+        """Two volumes at one path: the API server refuses the pods when the operator creates them."""
+        if own := next((name for name, mount in POD_MOUNTS.items() if mount == path.rstrip("/")), None):
+            raise ValueError(f"{path!r} is where every pod mounts its {own} volume: choose another, e.g. /checkpoints")
+        return path
 
     @field_validator("uri")
     @classmethod

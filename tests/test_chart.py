@@ -937,6 +937,7 @@ BAD = [
     ("queue.kueue=team a", "queue.kueue: 'team a' is not a Kubernetes label value"),
     ("image.repository=registry.example.com/ml ddpjob", "image.repository: 'registry.example.com/ml ddpjob' is not"),
     ("storage.mountPath=runs", "storage.mountPath: 'runs' is not an absolute path other than /"),
+    ("storage.mountPath=/tmp/", "storage.mountPath: '/tmp/' is where every pod mounts its tmp volume"),
     ("storage.endpoint=s3.example.com", "storage.endpoint: 's3.example.com' is not an http:// or https:// URL"),
 ]
 
@@ -966,6 +967,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"storage": {"existingClaim": "Shared_Runs"}}, "at '/storage/existingClaim'"),
         ({"podLabels": {"team ml": "x"}}, "invalid propertyName 'team ml'"),  # Helm names no key here
         ({"podLabels": {"team": "ML team"}}, "at '/podLabels/team'"),
+        ({"storage": {"mountPath": "/dev/shm"}}, "at '/storage/mountPath'"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:

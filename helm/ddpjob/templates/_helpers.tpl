@@ -127,7 +127,7 @@ The ConfigMap holding training.yaml.
 Where training.yaml is mounted; the container command reads it.
 */}}
 {{- define "ddpjob.configDir" -}}
-/etc/ddpjob
+{{- (include "ddpjob.names" . | fromJson).mounts.config -}}
 {{- end }}
 
 {{/*
@@ -141,7 +141,7 @@ s3-ca.crt
 Where the trainer processes of a pod keep their metric files (prometheus_client's multiprocess mode).
 */}}
 {{- define "ddpjob.metricsDir" -}}
-/run/ddpjob-metrics
+{{- (include "ddpjob.names" . | fromJson).mounts.metrics -}}
 {{- end }}
 
 {{/*
@@ -232,7 +232,7 @@ The container image: the chart's appVersion unless the spec pins a tag (`tag@sha
 Where the scratch volume is mounted: HOME and the caches under it (the image's HOME, see the Dockerfile), and /tmp.
 */}}
 {{- define "ddpjob.home" -}}
-/home/ddpjob
+{{- (include "ddpjob.names" . | fromJson).mounts.home -}}
 {{- end }}
 
 {{/*
@@ -390,7 +390,7 @@ spec:
           value: {{ printf "%s/%s" $compileCache $folder | quote }}
         {{- end }}
         - name: TMPDIR
-          value: /tmp
+          value: {{ $names.mounts.tmp }}
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: {{ $names.env.shutdownTimeout }}
@@ -443,14 +443,14 @@ spec:
           mountPath: {{ .Values.storage.mountPath | quote }}
         {{- end }}
         - name: dshm
-          mountPath: /dev/shm
+          mountPath: {{ $names.mounts.shm }}
         - name: metrics
           mountPath: {{ include "ddpjob.metricsDir" . }}
         - name: scratch
           mountPath: {{ include "ddpjob.home" . }}
           subPath: home
         - name: scratch
-          mountPath: /tmp
+          mountPath: {{ $names.mounts.tmp }}
           subPath: tmp
   volumes:
     - name: training-config
