@@ -329,7 +329,8 @@ class Watchdog:
 
     def silent(self, beat: dict[str, Any]) -> bool:
         """A heartbeat older than STALE_POLLS polls: its rank's process is stopped, frozen or gone (its heartbeats
-        come from a thread of their own, whatever the training thread is doing)."""
+        come from a thread of their own, whatever the training thread is doing). Its writer's clock against this
+        rank's: nodes' clocks agree (NTP), as torch's rendezvous assumes for its keep-alives (docs/hangs.md)."""
         return time.time() - beat["time"] > STALE_POLLS * self.poll
 
     def behind(self, beats: dict[int, dict[str, Any]]) -> str:
