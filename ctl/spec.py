@@ -289,7 +289,7 @@ class QueueSpec(SpecModel):
         description="Volcano queue: schedulerName volcano and gang scheduling (PyTorchJob:"
         " runPolicy.schedulingPolicy.queue; TrainJob: the runtime's podGroupPolicy.volcano).",
     )
-    coscheduling: ObjectName = Field(
+    coscheduling: str = Field(
         "",
         description="TrainJob only: gang scheduling with the scheduler-plugins coscheduling plugin: the name of the"
         " scheduler running it (the pods' schedulerName, e.g. scheduler-plugins-scheduler); the runtime gets"

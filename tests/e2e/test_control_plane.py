@@ -351,6 +351,9 @@ def conditions(job: dict[str, Any]) -> set[str]:
 # the API server.
 NAMES = ["runs", "shared.runs-1", "0", "true", "Shared_Runs", " runs", "runs-", "-runs", "a..b", "a" * 253, "a" * 254]
 LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" * 64]
+# The spec refuses more mount paths than the API server: a relative one (the kubelet mounts `runs` at /runs, and the
+# run directory would be runs/<name> under the working directory), / and a pod's own mount with a trailing /.
+MOUNT_PATHS = ["/checkpoints", "/tmp/runs", "/tmp", "/dev/shm", "/home/ddpjob"]
 KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
 
 
@@ -371,12 +374,29 @@ Make = Callable[[dict[str, Any]], dict[str, Any]]  # the chart's pod -> the obje
 def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
     KEYS and LABEL_VALUES where the spec has it: a claim of each name (a pod may name any claim, and waits for
-    ever for one no claim can be), the pod carrying each label, annotation and node selector."""
+    ever for one no claim can be), the pod naming each as its Secret, mounting the run volume at each path, and
+    carrying each label, annotation and node selector."""
     for name in NAMES:
         yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
+        yield f"secretName {name!r}", {"storage": {"secretName": name}}, lambda pod, n=name: with_secret_key(pod, n)
+    for path in MOUNT_PATHS:
+        yield f"mountPath {path!r}", {"storage": {"mountPath": path}}, lambda pod, p=path: with_run_volume_at(pod, p)
     for key, (part, field), labels in MAPPINGS:
         for entry in [{k: "x"} for k in KEYS] + ([{"team": v} for v in LABEL_VALUES] if labels else []):
             yield f"{key} {entry}", {key: entry}, lambda pod, e=entry, p=part, f=field: with_entry(pod, p, f, e)
+
+
+def with_run_volume_at(pod: dict[str, Any], path: str) -> dict[str, Any]:
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"]
+    mount["mountPath"] = path
+    return pod
+
+
+def with_secret_key(pod: dict[str, Any], secret: str) -> dict[str, Any]:
+    """The pod with a variable from a key of `secret`, as the chart gives it storage.secretName's."""
+    reference = {"secretKeyRef": {"name": secret, "key": S3_ACCESS_KEY_ENV}}
+    pod["spec"]["containers"][0].setdefault("env", []).append({"name": S3_ACCESS_KEY_ENV, "valueFrom": reference})
+    return pod
 
 
 def with_entry(pod: dict[str, Any], part: str, field: str, entry: dict[str, str]) -> dict[str, Any]:
