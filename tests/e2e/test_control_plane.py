@@ -357,8 +357,9 @@ MOUNT_PATHS = ["/checkpoints", "/tmp/runs", "/tmp", "/dev/shm", "/home/ddpjob"]
 KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
 
 
-def claim(name: str) -> dict[str, Any]:
+def claim(name: str, storage_class: str = "standard") -> dict[str, Any]:
     spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+    spec["storageClassName"] = storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name}, "spec": spec}
 
 
@@ -373,11 +374,13 @@ Make = Callable[[dict[str, Any]], dict[str, Any]]  # the chart's pod -> the obje
 
 def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
-    KEYS and LABEL_VALUES where the spec has it: a claim of each name (a pod may name any claim, and waits for
-    ever for one no claim can be), the pod naming each as its Secret, mounting the run volume at each path, and
-    carrying each label, annotation and node selector."""
+    MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim of each name and of each storage class (a
+    pod may name any claim, and waits for ever for one no claim can be), the pod naming each as its Secret,
+    mounting the run volume at each path, and carrying each label, annotation and node selector."""
     for name in NAMES:
         yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
+        of_class = {"storage": {"storageClassName": name}}
+        yield f"storageClassName {name!r}", of_class, lambda pod, n=name: claim("runs", storage_class=n)
         yield f"secretName {name!r}", {"storage": {"secretName": name}}, lambda pod, n=name: with_secret_key(pod, n)
     for path in MOUNT_PATHS:
         yield f"mountPath {path!r}", {"storage": {"mountPath": path}}, lambda pod, p=path: with_run_volume_at(pod, p)
