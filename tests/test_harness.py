@@ -29,10 +29,14 @@ def plane():
     (HERE / "torn-down").touch()
 
 def test_runs_until_stopped(plane):
+    ready, readied = os.pipe()
     child = os.fork()
     if child == 0:
+        os.write(readied, b"r")
         time.sleep(60)
         os._exit(0)
+    # Not before the child runs Python: CPython clears the signals a child got while its fork was ending.
+    os.read(ready, 1)
     os.kill(child, signal.SIGTERM)
     _, status = os.waitpid(child, 0)
     (HERE / "child").write_text(str(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1))
