@@ -150,6 +150,13 @@ BAD_SPECS = [
         [],
         "training.data.train.0: ' \\t' is not a file, directory, glob or s3:// URI",
     ),
+    # The trainer's own paths take empty (their default) but not blanks: a run directory named ' '.
+    (
+        "blank-run-directory",
+        {"training": {"checkpoint": {"dir": " "}}},
+        [],
+        "training.checkpoint.dir: ' ' is not a path, or empty for the default",
+    ),
     (
         "text-read-as-number",
         {"image": {"tag": 1.10}},
