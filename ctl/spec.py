@@ -197,7 +197,8 @@ class StorageSpec(SpecModel):
     mount_path: str = Field(
         "/checkpoints",
         pattern=MOUNT_PATH,
-        json_schema_extra={"not": {"enum": list(POD_MOUNTS.values())}},  # for `helm install`, as ctl refuses them
+        # For `helm install`: the pods' own mounts, with or without a trailing /, as _not_the_pods_own refuses them.
+        json_schema_extra={"not": {"pattern": f"^({'|'.join(map(re.escape, POD_MOUNTS.values()))})/*$"}},
         description="Where the volume is mounted in every pod.",
     )
 

@@ -968,6 +968,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"podLabels": {"team ml": "x"}}, "invalid propertyName 'team ml'"),  # Helm names no key here
         ({"podLabels": {"team": "ML team"}}, "at '/podLabels/team'"),
         ({"storage": {"mountPath": "/dev/shm"}}, "at '/storage/mountPath'"),
+        ({"storage": {"mountPath": "/tmp/"}}, "at '/storage/mountPath'"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:
