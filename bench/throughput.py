@@ -24,7 +24,7 @@ it. Each ratio is also given round by round, where the runners ran back to back.
     python bench/throughput.py --fast              # CPU with bf16 autocast + torch.compile (the GPU
                                                    # settings' code paths, on a machine without one)
     python bench/throughput.py --toy               # every code path in seconds, no figure worth reading:
-                                                   # a tiny model and corpus, 1 round of 6 steps (tests)
+                                                   # a tiny model and corpus, 1 round of 20 steps (tests)
 
 A peer's run that fails is run again once, and the output says so (its exit and its last lines):
 a flaky peer should not cost the whole bench, nor go unseen. ddpjob's runs are never retried.
@@ -46,7 +46,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,8 +73,8 @@ SHAPES = {
     "cpu": {"layers": 4, "heads": 4, "embd": 256, "block": 256, "batch": 4, "vocab_size": 2048},
     # GPT-2 124M: its 50257-token vocabulary (a BPE of that size trains on the corpus above in seconds).
     "cuda": {"layers": 12, "heads": 12, "embd": 768, "block": 1024, "batch": 16, "vocab_size": 50257},
-    # Its steps (~0.1 s) still span CPU clock ticks and torchrun's 0.1 s polling of the workers' logs,
-    # through which ddpjob's step lines come: a smaller model's CPU s/step can read 0.
+    # Its steps take 25-100 ms here: LENGTHS' toy times 14 of them, which span CPU clock ticks and torchrun's 0.1 s
+    # polling of the workers' logs (ddpjob's step lines come through it, a few at a time).
     "toy": {"layers": 2, "heads": 2, "embd": 128, "block": 128, "batch": 4, "vocab_size": 512},
 }
 # The toy's, about 250 KB: its 0.2% of validation text still holds a block.
@@ -84,7 +83,7 @@ CORPORA = {"cpu": CORPUS, "cuda": GPU_CORPUS, "toy": ["{stdlib}/json/*.py", "{st
 LENGTHS = {
     "cpu": {"steps": 40, "warmup": 5, "rounds": 5},
     "cuda": {"steps": 120, "warmup": 30, "rounds": 3},
-    "toy": {"steps": 6, "warmup": 2, "rounds": 1},
+    "toy": {"steps": 20, "warmup": 5, "rounds": 1},
 }
 # Rank 0's line under `ctl run`'s prefix, or torchrun's default one (a torch that ignores the prefix template).
 STEP_LINE = re.compile(r"^(?:\[rank 0\] |\[default0\]:)?step (\d+)\b")
@@ -123,6 +122,12 @@ class Run:
     def usage_per_step(self) -> Usage:
         """What every process of the run (workers, agents, ctl) used per step, over the same steps as tokens/s."""
         (first, start), (last, end) = sorted(self.usage.items())
+        if end.cpu_seconds == start.cpu_seconds:  # a figure of 0 would be a ratio's zero divisor
+            apart = self.step_times[last] - self.step_times[first]
+            raise RuntimeError(
+                f"{self.runner}: steps {first} to {last} used no CPU time between their lines, which came"
+                f" {apart * 1000:.0f} ms apart: too few steps to measure (--steps)"
+            )
         steps = last - first
         return Usage((end.cpu_seconds - start.cpu_seconds) / steps, (end.page_faults - start.page_faults) / steps)
 
@@ -141,42 +146,57 @@ def exit_name(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def marked_processes(marker: bytes) -> Iterator[Path]:
-    """The /proc entries of every process whose environment carries `marker`: one run's whole tree."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes():
-                yield entry
-        except OSError:
-            continue
+class RunTree:
+    """One run's processes: every one whose environment carries its marker, found as they start.
 
+    Its usage sums each process's own CPU time and minor faults with those of the children it has reaped, and keeps
+    reading a process it knows once it has exited (a zombie's environment cannot be read): a rank's use stays in the
+    sum after it exits, first as its own and then in its torchrun agent's, so the sum never falls. Read as it runs,
+    the sum of the living alone lost the ranks when a step's line came after they had exited (torchrun passes
+    ddpjob's lines on every 0.1 s), which made CPU s/step negative or zero.
+    """
 
-def rss_of_marked_processes(marker: bytes) -> int:
-    """Resident memory of the run's processes, summed."""
-    total = 0
-    for entry in marked_processes(marker):
-        try:
-            total += int(re.search(r"VmRSS:\s+(\d+) kB", (entry / "status").read_text()).group(1)) * 1024
-        except (OSError, AttributeError):
-            continue
-    return total
+    def __init__(self, marker: bytes) -> None:
+        self.marker = marker
+        self.known: dict[Path, str] = {}  # a process's /proc entry -> its start time (a reused pid starts later)
+        self.lock = threading.Lock()  # the RSS poller's thread and the step lines' both scan
 
+    def stats(self) -> list[tuple[Path, list[str]]]:
+        """Each process's /proc entry and the fields of its stat after the command name (field N at index N - 3)."""
+        found = []
+        with self.lock:
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    if self.known.get(entry) != fields[19]:
+                        if self.marker not in (entry / "environ").read_bytes():
+                            continue
+                        self.known[entry] = fields[19]
+                except (OSError, IndexError):
+                    continue
+                found.append((entry, fields))
+        return found
 
-def usage_of_marked_processes(marker: bytes) -> Usage:
-    """CPU time and minor page faults of the run's processes so far, summed over their threads."""
-    ticks = faults = 0
-    for entry in marked_processes(marker):
-        try:
-            # Fields 10 (minflt), 14 and 15 (utime, stime) of /proc/PID/stat, counted after the
-            # parenthesised command name.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            faults += int(fields[7])
-            ticks += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError):
-            continue
-    return Usage(ticks / os.sysconf("SC_CLK_TCK"), faults)
+    def rss(self) -> int:
+        """Resident memory of the run's processes, summed."""
+        total = 0
+        for entry, _ in self.stats():
+            try:
+                total += int(re.search(r"VmRSS:\s+(\d+) kB", (entry / "status").read_text()).group(1)) * 1024
+            except (OSError, AttributeError):  # a zombie has no VmRSS
+                continue
+        return total
+
+    def usage(self) -> Usage:
+        """CPU time (user + system) and minor page faults of the run's processes so far, over all their threads and
+        reaped children."""
+        ticks = faults = 0
+        for _, fields in self.stats():
+            faults += int(fields[7]) + int(fields[8])  # minflt, cminflt
+            ticks += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime, stime, cutime, cstime
+        return Usage(ticks / os.sysconf("SC_CLK_TCK"), faults)
 
 
 def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: int, threads: int | None = 1) -> Run:
@@ -189,13 +209,14 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
     if threads is None:
         del env["OMP_NUM_THREADS"]
     run = Run(runner)
+    tree = RunTree(marker.encode())
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = threading.Event()
 
     def poll_rss() -> None:
         while not done.wait(0.5):
-            run.peak_rss = max(run.peak_rss, rss_of_marked_processes(marker.encode()))
+            run.peak_rss = max(run.peak_rss, tree.rss())
 
     poller = threading.Thread(target=poll_rss, daemon=True)
     poller.start()
@@ -209,7 +230,7 @@ def measure(runner: str, command: list[str], cwd: Path, warmup: int, last_step: 
             step = int(match.group(1))
             run.step_times[step] = time.perf_counter() - started
             if step == last_step or (step > warmup and not run.usage):
-                run.usage[step] = usage_of_marked_processes(marker.encode())
+                run.usage[step] = tree.usage()
         elif match := PEAK_GPU_MEMORY_LINE.search(line):
             run.peak_gpu_memory_gib = float(match.group(1))
     process.wait()
@@ -341,7 +362,7 @@ def main() -> None:
     parser.add_argument(
         "--toy",
         action="store_true",
-        help="a tiny model and corpus, 1 round of 6 steps: every code path in seconds (tests/test_bench.py)",
+        help="a tiny model and corpus, 1 round of 20 steps: every code path in seconds (tests/test_bench.py)",
     )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 CPU, 120 CUDA)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out (default: 5 CPU, 30 CUDA)")

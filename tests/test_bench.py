@@ -66,6 +66,8 @@ def test_throughput_runs_ddpjob_and_both_peers() -> None:
     result = run_bench("throughput.py", "--toy")
     assert set(result["tokens_per_second"]) == {"ddpjob", "reference", "hf-trainer"}
     assert_finite(result, "ratio_vs_reference", "ratio_vs_hf_trainer", "cpu_ratio_vs_reference")
+    # A CPU time can be wrong but never below 0 (the ranks' left the sum when they exited before a step line came).
+    assert all(seconds > 0 for seconds in result["cpu_seconds_per_step"].values()), result
     assert result["retried"] == []
 
 
@@ -74,6 +76,8 @@ def test_nanogpt_bench_runs_ddpjob_and_the_reference_at_1_and_2_processes() -> N
     assert [r["configuration"] for r in result["results"]] == ["p1-eager", "p2-eager"]
     for configuration in result["results"]:
         assert_finite(configuration, "wall_seconds_ratio", "final_val_loss_ratio", "cpu_seconds_per_step_ratio")
+        assert configuration["ddpjob"]["cpu_seconds_per_step"] > 0, configuration
+        assert configuration["reference"]["cpu_seconds_per_step"] > 0, configuration
     assert result["retried"] == []
 
 
@@ -172,3 +176,42 @@ def test_a_worker_killed_by_a_signal_is_named_from_torchrun_s_report(throughput:
     with pytest.raises(throughput.RunFailed) as failed:
         throughput.measure("reference", command, cwd=tmp_path, warmup=0, last_step=1)
     assert failed.value.how == "exit code 1, rank 1 signal SIGABRT"
+
+
+# A run's process tree as a trainer under torchrun is: a worker that uses CPU time and exits, its step lines passed
+# on later (torchrun's relay reads the workers' logs every 0.1 s), the last one after the worker has exited.
+EXITED_WORKER = """
+import os, time
+pid = os.fork()
+if pid == 0:
+    time.sleep(0.3)  # after the first line has been read
+    started = time.process_time()
+    while time.process_time() - started < 0.3:
+        pass
+    os._exit(0)
+print("step 1", flush=True)
+while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.01)
+print("step 2", flush=True)  # the worker has exited, not yet reaped
+os.waitpid(pid, 0)
+print("step 3", flush=True)  # reaped: its time is now its parent's children's
+"""
+
+
+@pytest.mark.parametrize("last_step", [2, 3], ids=["exited", "reaped"])
+def test_a_worker_s_cpu_time_stays_counted_after_it_exits(throughput: Any, tmp_path: Path, last_step: int) -> None:
+    run = throughput.measure(
+        "ddpjob", [sys.executable, "-c", EXITED_WORKER], cwd=tmp_path, warmup=0, last_step=last_step
+    )
+    (first, _), (last, _) = sorted(run.usage.items())
+    assert (first, last) == (1, last_step)
+    assert run.usage_per_step().cpu_seconds * (last - first) >= 0.25  # the worker's 0.3 s, less a tick or two
+
+
+def test_a_window_whose_lines_came_at_once_is_refused_not_divided_by(throughput: Any) -> None:
+    run = throughput.Run("ddpjob", step_times={3: 9.0, 6: 9.001})
+    run.usage = {3: throughput.Usage(4.0, 10), 6: throughput.Usage(4.0, 10)}
+    with pytest.raises(
+        RuntimeError, match=r"ddpjob: steps 3 to 6 used no CPU time between their lines, which came 1 ms"
+    ):
+        run.usage_per_step()
