@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
-from pydantic import Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
@@ -68,35 +68,60 @@ OBJECT_NAME = pattern(
     "a Kubernetes object name: lower-case letters, digits, '-' and '.', a letter or digit at each end",
 )
 LABEL_VALUE = pattern(f"^({_LABEL_NAME})?$", f"a Kubernetes label value: {_NAME_IN_WORDS}")
+SUBDOMAIN_MAX = 253
 LABEL_KEY = pattern(
     f"^({_SUBDOMAIN}/)?{_LABEL_NAME}$",
-    f"a Kubernetes label key: an optional lower-case DNS prefix and '/', then {_NAME_IN_WORDS}",
+    f"a Kubernetes label key: an optional lower-case DNS prefix (at most {SUBDOMAIN_MAX} characters) and '/', then"
+    f" {_NAME_IN_WORDS}",
 )
 # The API server checks an annotation's key lower-cased: its prefix may have capitals.
 ANNOTATION_KEY = pattern(
     f"^({_SUBDOMAIN.replace('a-z0-9', 'a-zA-Z0-9')}/)?{_LABEL_NAME}$",
-    f"a Kubernetes annotation key: an optional DNS prefix and '/', then {_NAME_IN_WORDS}",
+    f"a Kubernetes annotation key: an optional DNS prefix (at most {SUBDOMAIN_MAX} characters) and '/', then"
+    f" {_NAME_IN_WORDS}",
 )
+# A key's prefix length, which the patterns above cannot bound without look-ahead (Go's and Rust's regular
+# expressions have none): values.schema.json refuses a longer prefix beside the pattern, ctl in a validator.
+PREFIX_TOO_LONG = rf"^[^/]{{{SUBDOMAIN_MAX + 1},}}/"
 MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoints")
 ENDPOINT_URL = pattern(r"^(https?://[^\s/?#]+(/\S*)?)?$", "an http:// or https:// URL, e.g. https://s3.example.com")
 IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
 IMAGE_TAG = pattern(r"^\S*$", "an image tag without blanks, e.g. 0.1.0")
-SUBDOMAIN_MAX = 253
 # An object's name; empty where the spec says what empty means.
 ObjectName = Annotated[str, Field(pattern=OBJECT_NAME, max_length=SUBDOMAIN_MAX)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE)]
-LabelKey = Annotated[str, Field(pattern=LABEL_KEY)]
-AnnotationKey = Annotated[str, Field(pattern=ANNOTATION_KEY)]
 
 
-def _keyed(keys: str, values: dict[str, Any]) -> Any:
+def _prefix_within_limit(key: str) -> str:
+    if re.match(PREFIX_TOO_LONG, key):  # after the key's pattern: one '/' at most
+        raise ValueError(f"its DNS prefix has {key.index('/')} characters, at most {SUBDOMAIN_MAX}")
+    return key
+
+
+def _qualified_key(key_pattern: str) -> dict[str, Any]:
+    """The JSON schema of a label's or annotation's key."""
+    return {"pattern": key_pattern, "not": {"pattern": PREFIX_TOO_LONG}}
+
+
+LABEL_KEY_SCHEMA = _qualified_key(LABEL_KEY)
+ANNOTATION_KEY_SCHEMA = _qualified_key(ANNOTATION_KEY)
+LabelKey = Annotated[
+    str,
+    Field(pattern=LABEL_KEY),
+    AfterValidator(_prefix_within_limit),
+    WithJsonSchema({"type": "string", **LABEL_KEY_SCHEMA}),
+]
+AnnotationKey = Annotated[str, Field(pattern=ANNOTATION_KEY), AfterValidator(_prefix_within_limit)]
+
+
+def _keyed(keys: dict[str, Any], values: dict[str, Any]) -> Any:
     """A mapping whose keys have a form: values.schema.json checks every key (pydantic's patternProperties would
     let a key that misses the pattern through)."""
-    return WithJsonSchema({"type": "object", "propertyNames": {"pattern": keys}, "additionalProperties": values})
+    return WithJsonSchema({"type": "object", "propertyNames": keys, "additionalProperties": values})
 
 
-Labels = Annotated[dict[LabelKey, LabelValue], _keyed(LABEL_KEY, {"type": "string", "pattern": LABEL_VALUE})]
-Annotations = Annotated[dict[AnnotationKey, str], _keyed(ANNOTATION_KEY, {"type": "string"})]
+Labels = Annotated[dict[LabelKey, LabelValue], _keyed(LABEL_KEY_SCHEMA, {"type": "string", "pattern": LABEL_VALUE})]
+Annotations = Annotated[dict[AnnotationKey, str], _keyed(ANNOTATION_KEY_SCHEMA, {"type": "string"})]
 
 
 class ImageSpec(SpecModel):

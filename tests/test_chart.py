@@ -934,6 +934,8 @@ BAD = [
     ("podLabels.team=ML team", "podLabels.team: 'ML team' is not a Kubernetes label value"),
     ('nodeSelector={"pool": gpu, "gpu type": a100}', "nodeSelector: key 'gpu type' is not a Kubernetes label key"),
     ('podAnnotations={"example.com/": x}', "podAnnotations: key 'example.com/' is not a Kubernetes annotation key"),
+    (f'podAnnotations={{"{"a" * 254}/team": x}}', "/team': its DNS prefix has 254 characters, at most 253"),
+    (f"metrics.dashboard.labelKey={'a' * 254}/x", "labelKey: its DNS prefix has 254 characters, at most 253"),
     ("queue.kueue=team a", "queue.kueue: 'team a' is not a Kubernetes label value"),
     ("image.repository=registry.example.com/ml ddpjob", "image.repository: 'registry.example.com/ml ddpjob' is not"),
     ("storage.mountPath=runs", "storage.mountPath: 'runs' is not an absolute path other than /"),
@@ -967,6 +969,8 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"storage": {"existingClaim": "Shared_Runs"}}, "at '/storage/existingClaim'"),
         ({"podLabels": {"team ml": "x"}}, "invalid propertyName 'team ml'"),  # Helm names no key here
         ({"podLabels": {"team": "ML team"}}, "at '/podLabels/team'"),
+        ({"podLabels": {f"{'a' * 254}/team": "x"}}, "invalid propertyName"),
+        ({"metrics": {"dashboard": {"labelKey": f"{'a' * 254}/x"}}}, "at '/metrics/dashboard/labelKey'"),
         ({"storage": {"mountPath": "/dev/shm"}}, "at '/storage/mountPath'"),
         ({"storage": {"mountPath": "/tmp/"}}, "at '/storage/mountPath'"),
     ],

@@ -355,6 +355,7 @@ LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" *
 # run directory would be runs/<name> under the working directory), / and a pod's own mount with a trailing /.
 MOUNT_PATHS = ["/checkpoints", "/tmp/runs", "/tmp", "/dev/shm", "/home/ddpjob"]
 KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
+KEYS += [f"{'a' * 253}/team", f"{'a' * 254}/team"]  # the longest prefix, and one character more
 
 
 def claim(name: str, storage_class: str = "standard") -> dict[str, Any]:
