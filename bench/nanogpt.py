@@ -67,7 +67,9 @@ LENGTHS = {
     # one invocation, 0.91x to 1.06x in another, and seed 1337's final loss is above the reference's where the mean over
     # three seeds is below it (docs/performance.md). 24 runs of 2000 steps, about 40 minutes: most of `make bench`.
     "full": {"steps": 2000, "eval_every": 250, "eval_iters": 20, "log_every": 10, "rounds": 3},
-    "toy": {"steps": 20, "eval_every": 10, "eval_iters": 2, "log_every": 5, "rounds": 1},
+    # Its CPU s/step is timed between the lines of steps 10 and 40, about 1 s apart. ddpjob's lines come through
+    # torchrun's reads of the workers' logs, every 0.1 s, and two lines in one read would time nothing.
+    "toy": {"steps": 40, "eval_every": 10, "eval_iters": 2, "log_every": 5, "rounds": 1},
 }
 MODEL = {"layers": 4, "heads": 4, "width": 128, "block": 64}
 GLOBAL_BATCH = 12
@@ -314,7 +316,7 @@ def summary(runs: list[Run], steps: int, target: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # the reference's training run
-    parser.add_argument("--toy", action="store_true", help="48 KB, 20 steps, 1 round, no compile (tests)")
+    parser.add_argument("--toy", action="store_true", help="48 KB, 40 steps, 1 round, no compile (tests)")
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts (default: 1 2)")
     parser.add_argument(
         "--compile",

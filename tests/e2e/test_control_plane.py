@@ -347,8 +347,7 @@ def conditions(job: dict[str, Any]) -> set[str]:
 
 
 # Values on both sides of Kubernetes' rules for the names and labels the spec checks (ctl.spec: OBJECT_NAME,
-# LABEL_KEY, ANNOTATION_KEY, LABEL_VALUE). A prefix's own limit of 253 characters is the one rule the spec leaves to
-# the API server.
+# LABEL_KEY, ANNOTATION_KEY, PREFIX_TOO_LONG, LABEL_VALUE).
 NAMES = ["runs", "shared.runs-1", "0", "true", "Shared_Runs", " runs", "runs-", "-runs", "a..b", "a" * 253, "a" * 254]
 LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" * 64]
 # The spec refuses more mount paths than the API server: a relative one (the kubelet mounts `runs` at /runs, and the
@@ -375,11 +374,19 @@ Make = Callable[[dict[str, Any]], dict[str, Any]]  # the chart's pod -> the obje
 
 def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
-    MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim of each name and of each storage class (a
-    pod may name any claim, and waits for ever for one no claim can be), the pod naming each as its Secret,
-    mounting the run volume at each path, and carrying each label, annotation and node selector."""
+    MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim, ServiceAccount and PriorityClass of each name
+    and a claim of each storage class (a pod may name any claim, and waits for ever for one no claim can be), the
+    pod naming each as its Secret, mounting the run volume at each path, and carrying each label, annotation and
+    node selector."""
     for name in NAMES:
         yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
+        # The objects of these names must exist before a pod may name them (the admission looks them up).
+        account = {"serviceAccount": {"name": name}}
+        yield f"serviceAccount.name {name!r}", account, lambda pod, n=name: named("v1", "ServiceAccount", n)
+        priority = {"priorityClassName": name}
+        yield f"priorityClassName {name!r}", priority, lambda pod, n=name: priority_class(n)
+        gang = {"runPolicy": {"schedulingPolicy": {"priorityClass": name}}}
+        yield f"schedulingPolicy.priorityClass {name!r}", gang, lambda pod, n=name: priority_class(n)
         of_class = {"storage": {"storageClassName": name}}
         yield f"storageClassName {name!r}", of_class, lambda pod, n=name: claim("runs", storage_class=n)
         yield f"secretName {name!r}", {"storage": {"secretName": name}}, lambda pod, n=name: with_secret_key(pod, n)
@@ -388,6 +395,14 @@ def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     for key, (part, field), labels in MAPPINGS:
         for entry in [{k: "x"} for k in KEYS] + ([{"team": v} for v in LABEL_VALUES] if labels else []):
             yield f"{key} {entry}", {key: entry}, lambda pod, e=entry, p=part, f=field: with_entry(pod, p, f, e)
+
+
+def named(api_version: str, kind: str, name: str) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name}}
+
+
+def priority_class(name: str) -> dict[str, Any]:
+    return named("scheduling.k8s.io/v1", "PriorityClass", name) | {"value": 1000}
 
 
 def with_run_volume_at(pod: dict[str, Any], path: str) -> dict[str, Any]:
@@ -421,9 +436,12 @@ def test_the_spec_refuses_exactly_the_names_and_labels_the_api_server_refuses(cl
     next(iter(refused_pods["spec"]["pytorchReplicaSpecs"].values()))["template"]["metadata"]["labels"]["team"] = "a b"
     controlplane.server_side_apply(cluster.client(), in_namespace(refused_pods, namespace), dry_run=True)
     core = kubernetes.client.CoreV1Api(cluster.client())
+    scheduling = kubernetes.client.SchedulingV1Api(cluster.client())
     create = {
         "Pod": core.create_namespaced_pod,
         "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
+        "ServiceAccount": core.create_namespaced_service_account,
+        "PriorityClass": lambda _, obj, **dry: scheduling.create_priority_class(obj, **dry),  # of no namespace
     }
     deadline = time.monotonic() + 30  # the pod's ServiceAccount, the namespace's default, is made for it meanwhile
     while not core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items:
