@@ -84,6 +84,9 @@ ANNOTATION_KEY = pattern(
 # expressions have none): values.schema.json refuses a longer prefix beside the pattern, ctl in a validator.
 PREFIX_TOO_LONG = rf"^[^/]{{{SUBDOMAIN_MAX + 1},}}/"
 MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoints")
+# The pods' own mounts, with or without a trailing /: the run volume cannot be mounted there too (refused by
+# values.schema.json beside MOUNT_PATH, by ctl in a validator that names the mount).
+POD_MOUNT_PATH = f"^({'|'.join(map(re.escape, POD_MOUNTS.values()))})/*$"
 ENDPOINT_URL = pattern(r"^(https?://[^\s/?#]+(/\S*)?)?$", "an http:// or https:// URL, e.g. https://s3.example.com")
 IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
 IMAGE_TAG = pattern(r"^\S*$", "an image tag without blanks, e.g. 0.1.0")
@@ -222,8 +225,7 @@ class StorageSpec(SpecModel):
     mount_path: str = Field(
         "/checkpoints",
         pattern=MOUNT_PATH,
-        # For `helm install`: the pods' own mounts, with or without a trailing /, as _not_the_pods_own refuses them.
-        json_schema_extra={"not": {"pattern": f"^({'|'.join(map(re.escape, POD_MOUNTS.values()))})/*$"}},
+        json_schema_extra={"not": {"pattern": POD_MOUNT_PATH}},
         description="Where the volume is mounted in every pod.",
     )
 
@@ -231,7 +233,8 @@ class StorageSpec(SpecModel):
     @classmethod
     def _not_the_pods_own(cls, path: str) -> str:
         """Two volumes at one path: the API server refuses the pods when the operator creates them."""
-        if own := next((name for name, mount in POD_MOUNTS.items() if mount == path.rstrip("/")), None):
+        if match := re.match(POD_MOUNT_PATH, path):
+            own = next(name for name, mount in POD_MOUNTS.items() if mount == match.group(1))
             raise ValueError(f"{path!r} is where every pod mounts its {own} volume: choose another, e.g. /checkpoints")
         return path
 
