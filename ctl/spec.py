@@ -662,6 +662,8 @@ def yaml_value(raw: str) -> Any:
 def read_set_file(assignment: str) -> Override:
     """`a.b=path`, the key set to the file's text, as helm's --set-file: a certificate, a long prompt."""
     path, name = _split_assignment(assignment, "--set-file", "dotted.key=path")
+    if not name.strip():  # Path('') is the current directory
+        raise SpecError(f"--set-file {assignment!r}: expected dotted.key=path, and the path is empty")
     file = Path(name).expanduser()
     try:
         text = file.read_text(encoding="utf-8")

@@ -141,6 +141,54 @@ def test_run_without_a_spec_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert_one_line(run_ctl("run", cwd=tmp_path), EXIT_BAD_INPUT, "ctl run: Missing argument")
 
 
+# (arguments, the line's problem): paths as typed, refused before anything runs. An empty path was the current
+# directory: `ctl run spec.yaml --run-dir ''` trained into it.
+PATH_CASES = {
+    "empty-spec": (["render", ""], "ctl render: Invalid value for 'spec': an empty path"),
+    "empty-values": (["render", "spec.yaml", "--values", " "], "ctl render: Invalid value for '--values': an empty"),
+    "empty-set-file": (
+        ["render", "spec.yaml", "--set-file", "storage.caBundle="],
+        "--set-file 'storage.caBundle=': expected dotted.key=path, and the path is empty",
+    ),
+    "empty-run-dir": (["run", "spec.yaml", "--run-dir", ""], "ctl run: Invalid value for '--run-dir': an empty path"),
+    "run-dir-a-file": (
+        ["run", "spec.yaml", "--run-dir", "spec.yaml"],
+        "ctl run: Invalid value for '--run-dir': spec.yaml is a file, not a directory",
+    ),
+    "run-dir-in-a-file": (
+        ["prepare", "spec.yaml", "--run-dir", "spec.yaml/run"],
+        "ctl prepare: Invalid value for '--run-dir': spec.yaml is a file, not a directory",
+    ),
+    "empty-kubeconfig": (["status", "tiny", "--kubeconfig", ""], "Invalid value for '--kubeconfig': an empty path"),
+}
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_an_empty_path_or_a_file_as_the_run_directory_is_refused_before_anything_runs(
+    workdir, corpus_file: Path, case: str
+) -> None:
+    path, env = workdir
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
+    args, expected = PATH_CASES[case]
+    before = tree(path)
+    assert_one_line(run_ctl(*args, cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path) == before
+
+
+def test_a_flag_s_value_is_checked_before_the_cluster_is_asked(tmp_path: Path) -> None:
+    """An -o or --dry-run no command takes is a usage error (exit 2), not a failure to reach the cluster (exit 1)."""
+    (tmp_path / "config.yaml").write_text(KUBECONFIG)  # its server's port answers nothing
+    (tmp_path / "spec.yaml").write_text("name: tiny\n")
+    for args, problem in (
+        (["list", "-o", "xml"], "'xml': expected table, yaml or json"),
+        (["status", "tiny", "-o", "wide"], "'wide': expected table, yaml or json"),
+        (["submit", "spec.yaml", "--dry-run", "true"], "'true': expected none, client or server"),
+    ):
+        result = run_ctl(*args, "--kubeconfig", "config.yaml", cwd=tmp_path)
+        assert_one_line(result, EXIT_BAD_INPUT, f"ctl {args[0]}: Invalid value for '--")
+        assert problem in result.stderr
+
+
 KUBECONFIG = """apiVersion: v1
 current-context: here
 contexts:

@@ -23,9 +23,38 @@ if TYPE_CHECKING:
     from ctl.cluster import Target
     from ctl.spec import JobSpec
 
+
+def given_path(text: str) -> Path:
+    """A path as typed: an empty one is refused, where Path('') would be the current directory (`--run-dir ''`
+    would train into it)."""
+    if not text.strip():
+        raise typer.BadParameter("an empty path")
+    return Path(text)
+
+
+def given_file(text: str) -> str:
+    """A file's name as typed (--kubeconfig): not empty, for the same reason."""
+    return str(given_path(text))
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """A flag's parser that takes only `choices`: checked as the command line is read, before anything runs."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise typer.BadParameter(f"{text!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+        return text
+
+    return parse
+
+
 SpecArg = Annotated[
     Path,
-    typer.Argument(help="Job spec (YAML; also the Helm chart's values); - reads it from stdin.", show_default=False),
+    typer.Argument(
+        help="Job spec (YAML; also the Helm chart's values); - reads it from stdin.",
+        show_default=False,
+        parser=given_path,
+    ),
 ]
 SetOpt = Annotated[
     list[str],
@@ -45,6 +74,7 @@ ValuesOpt = Annotated[
         "--values",
         help="A YAML file of spec keys merged over the spec, before --set (repeatable, in order; helm's -f).",
         metavar="PATH",
+        parser=given_path,
     ),
 ]
 
@@ -114,7 +144,10 @@ def mapped_errors() -> Iterator[None]:
 
 
 KubeconfigOpt = Annotated[
-    str | None, typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).")
+    str | None,
+    typer.Option(
+        "--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster).", parser=given_file
+    ),
 ]
 ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
 NamespaceOpt = Annotated[

@@ -20,6 +20,7 @@ from ctl.commands.common import (
     fail,
     load_job,
     note,
+    one_of,
     timeout_option,
 )
 from ctl.commands.output import follow_log, interruptible, print_data, print_logs
@@ -34,7 +35,9 @@ WATCH_INTERVAL_S = 2.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 
 NameArg = Annotated[str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False)]
-OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table, yaml or json.")]
+OutputOpt = Annotated[
+    str, typer.Option("--output", "-o", help="table, yaml or json.", parser=one_of("table", "yaml", "json"))
+]
 
 
 @command(cluster=True)
@@ -44,7 +47,12 @@ def submit(
     set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     dry_run: Annotated[
-        str, typer.Option("--dry-run", help="none; client (print the objects); server (the API server validates).")
+        str,
+        typer.Option(
+            "--dry-run",
+            help="none; client (print the objects); server (the API server validates).",
+            parser=one_of("none", "client", "server"),
+        ),
     ] = "none",
     replace: Annotated[bool, typer.Option("--replace", help="Delete and recreate a job of the same name.")] = False,
     wait_for: Annotated[bool, typer.Option("--wait", help="Wait until the job succeeds or fails.")] = False,
@@ -56,8 +64,6 @@ def submit(
     cluster: Cluster,
 ) -> None:
     """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
-    if dry_run not in ("none", "client", "server"):
-        raise fail(f"--dry-run {dry_run!r}: expected none, client or server")
     job = load_job(spec, values, set_values, set_files)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
@@ -151,8 +157,6 @@ def status(
     each pod's phase, restarts and exit code, recent events."""
     from ctl.status import status as job_status
 
-    if output not in ("table", "yaml", "json"):
-        raise fail(f"--output {output!r}: expected table, yaml or json")
     target = cluster.connect()
     data = job_status(target, name)
     print_data(data, output, lambda: status_table(data))

@@ -5,18 +5,45 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ctl.commands.common import SetFileOpt, SetOpt, SpecArg, ValuesOpt, command, fail, load_job, note
+from ctl.commands.common import (
+    SetFileOpt,
+    SetOpt,
+    SpecArg,
+    ValuesOpt,
+    command,
+    fail,
+    given_path,
+    load_job,
+    note,
+    one_of,
+)
 
 if TYPE_CHECKING:
     from ctl.local_pods import LocalJob
     from ctl.spec import JobSpec
 
+
+def run_directory(text: str) -> Path:
+    """--run-dir: a directory, or a path to make one at; not a file, nor a path through one."""
+    path = given_path(text)
+    if file := next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None):
+        raise typer.BadParameter(f"{file} is a file, not a directory")
+    return path
+
+
 RunDirOpt = Annotated[
-    Path | None, typer.Option("--run-dir", help="Run directory (default: ./runs/<name>).", show_default=False)
+    Path | None,
+    typer.Option(
+        "--run-dir",
+        help="Run directory (default: ./runs/<name>).",
+        show_default=False,
+        parser=run_directory,
+        metavar="DIR",
+    ),
 ]
 
 
@@ -107,16 +134,19 @@ def render(
     set_values: SetOpt = [],  # noqa: B006
     set_files: SetFileOpt = [],  # noqa: B006
     output: Annotated[
-        str, typer.Option("--output", "-o", help="yaml (multi-document, as `helm template`) or json (a List).")
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            help="yaml (multi-document, as `helm template`) or json (a List).",
+            parser=one_of("yaml", "json"),
+        ),
     ] = "yaml",
 ) -> None:
     """Print the Kubernetes objects the job becomes (the Helm chart, rendered in process); no cluster access.
 
     The objects carry no namespace: `kubectl apply -n NS` (or `ctl submit -n NS`) chooses it.
     """
-    if output not in ("yaml", "json"):
-        raise fail(f"--output {output!r}: expected yaml or json")
-    fmt: Literal["yaml", "json"] = "json" if output == "json" else "yaml"
     job = load_job(spec, values, set_values, set_files)
     from ctl.render import render as render_spec
     from ctl.render import to_json, to_yaml
@@ -125,4 +155,4 @@ def render(
     manifests = render_spec(job)
     if message := render_note([m.obj for m in manifests]):
         note(message)
-    typer.echo(to_json(manifests) if fmt == "json" else to_yaml(manifests), nl=False)
+    typer.echo(to_json(manifests) if output == "json" else to_yaml(manifests), nl=False)
