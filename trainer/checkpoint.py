@@ -35,7 +35,7 @@ import torch
 import torch.distributed as torch_dist
 
 from trainer.dist import Dist, barrier
-from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT
+from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT, NEW_RUN_DIR
 from trainer.rundir import RUN_RECORDS, event_files, publish
 from trainer.spec import CheckpointSpec, SpecError
 from trainer.storage import open_store
@@ -267,8 +267,8 @@ class Checkpointer:
             keys = changed_keys(config_values(saved["config"]), config_values(self.config), "training.")
             raise SpecError(
                 f"training.checkpoint: {name} was written with different settings (changed: {', '.join(keys)});"
-                " set training.checkpoint.allowConfigChange: true to resume anyway, or use a new"
-                " training.checkpoint.dir"
+                " set training.checkpoint.allowConfigChange: true to resume anyway, or use a new run directory"
+                f" ({NEW_RUN_DIR})"
             )
         return saved
 

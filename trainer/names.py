@@ -32,6 +32,8 @@ EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2  # bad spec, flag or data: one line naming the key; retrying cannot help
 EXIT_INTERRUPTED = 130  # `ctl run` stopped by Ctrl-C (128 + SIGINT), after the trainers saved
 EXIT_PREEMPTED = 143  # stopped by SIGTERM after saving (128 + SIGTERM); the next start resumes
+# How a message says "start afresh": where a run directory is chosen, in a pod and with `ctl run`.
+NEW_RUN_DIR = "training.checkpoint.dir, or ctl run --run-dir"
 # The run directory's pointer to its newest complete checkpoint, `step-<N>` (8 digits).
 LATEST_CHECKPOINT = "latest"
 CHECKPOINT_NAME = re.compile(r"step-(\d{8})")

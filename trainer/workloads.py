@@ -28,7 +28,7 @@ from trainer.data import Collate
 from trainer.dist import Dist, barrier
 from trainer.location import S3Location, is_s3
 from trainer.metrics import metrics_endpoint
-from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, PREPARED_BY_JOB_ENV
+from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
 from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
@@ -110,8 +110,8 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
             if previous != source:
                 raise SpecError(
                     f"training.data.{split}: {source['path']} changed since this run's checkpoints were written"
-                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new"
-                    " training.checkpoint.dir"
+                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new run directory"
+                    f" ({NEW_RUN_DIR})"
                 )
         gone = sorted(set(old) - {s.path for s in now})
         if gone:
