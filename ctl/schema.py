@@ -40,7 +40,7 @@ from trainer.names import (
     RENDERED_BY_ENV,
     SHUTDOWN_TIMEOUT_ENV,
 )
-from trainer.spec import PATTERN_MEANINGS, SOURCE_LISTS
+from trainer.spec import INT_MAX, INT_MIN, PATTERN_MEANINGS, SOURCE_LISTS
 
 REPO = Path(__file__).resolve().parent.parent
 CHART_DIR = REPO / "helm" / "ddpjob"
@@ -73,7 +73,21 @@ def values_schema() -> dict[str, Any]:
     """JSON Schema of the chart's values: the job spec model by alias (camelCase)."""
     schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
     _accept_single_strings(schema)
+    _integers_within_int32(schema)
     return {"title": "ddpjob job spec (the ddpjob chart's values)", **{k: v for k, v in schema.items() if k != "title"}}
+
+
+def _integers_within_int32(node: Any) -> None:
+    """Every integer's range, where its field gives none of its own: the int32 that SpecModel checks."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.setdefault("minimum", INT_MIN)
+            node.setdefault("maximum", INT_MAX)
+        for value in node.values():
+            _integers_within_int32(value)
+    elif isinstance(node, list):
+        for value in node:
+            _integers_within_int32(value)
 
 
 def _scalar(value: Any) -> str:
@@ -174,7 +188,7 @@ A bad spec gets one line naming the key and the problem, and exit code 2; `helm 
 
 ```
 $ ctl run examples/quickstart.yaml --set training.batchSize=0
-error: examples/quickstart.yaml: training.batchSize: Input should be greater than or equal to 1
+error: --set 'training.batchSize=0': training.batchSize: Input should be greater than or equal to 1
 ```
 
 Keys in Kubernetes form (`affinity`, `env`, `envFrom`, `tolerations`, the NetworkPolicy's selectors) are checked at
@@ -189,6 +203,10 @@ and labels: it checks a PyTorchJob's pod template only when the operator creates
 describes the Kubernetes objects around it. Secrets are never spec values: name them by reference
 (`env` with `valueFrom.secretKeyRef`, `envFrom`).
 """
+TYPES = f"""\
+An integer is YAML's own (`2`, not `"2"` or `true`), from {INT_MIN} to {INT_MAX} (Kubernetes' int32) unless its
+row says less; a boolean is `true` or `false` (YAML's `yes` and `no` too), not quoted.
+"""
 
 CONSTRAINTS = (
     ("minimum", "≥ {}"),
@@ -200,6 +218,9 @@ CONSTRAINTS = (
     ("minItems", "at least {} items"),
     ("pattern", "matching `{}`"),
 )
+
+
+INT_RANGE = {("minimum", INT_MIN), ("maximum", INT_MAX)}
 
 
 def _cell(text: str) -> str:
@@ -234,7 +255,9 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
             text = f"map from {_type({'type': 'string', **node['propertyNames']}, defs)} to {_type(values, defs)}"
     else:
         text = kind
-    limits = [_limit(key, node[key], template) for key, template in CONSTRAINTS if key in node]
+    # Every integer's int32 range is said once, above the tables: a row shows its own bounds.
+    shown = {key: node[key] for key, _ in CONSTRAINTS if key in node and (key, node[key]) not in INT_RANGE}
+    limits = [_limit(key, shown[key], template) for key, template in CONSTRAINTS if key in shown]
     return text + (f" ({', '.join(limits)})" if limits else "")
 
 
@@ -269,7 +292,7 @@ def spec_reference() -> str:
     schema = values_schema()
     table = ["| key | type | default | meaning |", "|---|---|---|---|"]
     rows = _reference_rows(schema, schema.get("$defs", {}), _defaults(JobSpec), "")
-    return SPEC_HEADER + "\n" + "\n".join(table + rows) + "\n"
+    return SPEC_HEADER + "\n" + TYPES + "\n" + "\n".join(table + rows) + "\n"
 
 
 NAMES_HEADER = """\

@@ -30,11 +30,14 @@ from ctl.names import (
 from trainer.location import PEM_CERTIFICATE, S3Location
 from trainer.names import EXIT_HUNG
 from trainer.spec import (
+    Flag,
+    Int,
     SpecError,
     SpecModel,
     TrainingSpec,
     describe_validation_error,
     did_you_mean,
+    error_path,
     known_keys,
     parse_yaml_mapping,
     pattern,
@@ -150,7 +153,7 @@ class ImageSpec(SpecModel):
 class ResourcesSpec(SpecModel):
     """Per-pod resources."""
 
-    gpu: int = Field(
+    gpu: Int = Field(
         0,
         ge=0,
         description="nvidia.com/gpu per pod (request and limit): 0, or at least procsPerNode (one per process).",
@@ -181,10 +184,10 @@ class ResourcesSpec(SpecModel):
 class ElasticSpec(SpecModel):
     """Worker-only PyTorchJob with torchrun's c10d rendezvous."""
 
-    enabled: bool = Field(False, description="Use an elasticPolicy instead of Master + Workers.")
-    min_nodes: int = Field(1, ge=1, description="Fewest pods the job runs with.")
-    max_nodes: int = Field(1, ge=1, description="Most pods the job scales to.")
-    max_restarts: int = Field(3, ge=0, description="Worker-group restarts torchrun allows.")
+    enabled: Flag = Field(False, description="Use an elasticPolicy instead of Master + Workers.")
+    min_nodes: Int = Field(1, ge=1, description="Fewest pods the job runs with.")
+    max_nodes: Int = Field(1, ge=1, description="Most pods the job scales to.")
+    max_restarts: Int = Field(3, ge=0, description="Worker-group restarts torchrun allows.")
 
 
 class StorageSpec(SpecModel):
@@ -256,28 +259,28 @@ class StorageSpec(SpecModel):
 class ServiceAccountSpec(SpecModel):
     """The pods' ServiceAccount; the trainer never calls the Kubernetes API."""
 
-    create: bool = Field(False, description="Create a ServiceAccount for the job (named `name` when `name` is empty).")
+    create: Flag = Field(False, description="Create a ServiceAccount for the job (named `name` when `name` is empty).")
     name: ObjectName = Field(
         "", description="ServiceAccount to use; empty: the namespace's `default`, or the created one."
     )
     annotations: Annotations = Field(
         default_factory=dict, description="Annotations of the created ServiceAccount (e.g. cloud IAM bindings)."
     )
-    automount_token: bool = Field(False, description="Mount an API token into the pods (off: least privilege).")
+    automount_token: Flag = Field(False, description="Mount an API token into the pods (off: least privilege).")
 
 
 class SchedulingPolicySpec(SpecModel):
     """runPolicy.schedulingPolicy: gang scheduling with Volcano (or scheduler-plugins)."""
 
-    min_available: int | None = Field(None, ge=1, description="Pods that must be schedulable together; default: all.")
+    min_available: Int | None = Field(None, ge=1, description="Pods that must be schedulable together; default: all.")
     priority_class: ObjectName = Field("", description="PriorityClass of the PodGroup.")
-    schedule_timeout_seconds: int | None = Field(None, ge=1, description="Give up gang scheduling after this long.")
+    schedule_timeout_seconds: Int | None = Field(None, ge=1, description="Give up gang scheduling after this long.")
 
 
 class RunPolicySpec(SpecModel):
     """The PyTorchJob's runPolicy: retries, lifetime and clean-up."""
 
-    backoff_limit: int = Field(
+    backoff_limit: Int = Field(
         3,
         ge=0,
         description="Container restarts (restartPolicy OnFailure or Always, summed over the job's pods) before the"
@@ -285,13 +288,13 @@ class RunPolicySpec(SpecModel):
         " restart resumes from the last checkpoint. The operator (v1.9) does not count ExitCode's pod"
         " recreations; 0 fails the job at its first failure.",
     )
-    ttl_seconds_after_finished: int | None = Field(
+    ttl_seconds_after_finished: Int | None = Field(
         None,
         ge=0,
         description="Delete the finished PyTorchJob (and its pods, with their logs) after this many seconds, e.g."
         " 604800 (a week); the run directory's claim stays. When unset they stay until deleted (`ctl delete`).",
     )
-    active_deadline_seconds: int | None = Field(
+    active_deadline_seconds: Int | None = Field(
         None,
         ge=1,
         description="Fail the job after running this long, e.g. as a cost cap; how long training takes is the"
@@ -300,7 +303,7 @@ class RunPolicySpec(SpecModel):
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods deleted when the job finishes; None keeps them for `ctl logs`."
     )
-    suspend: bool = Field(False, description="Create the job suspended (no pods until resumed).")
+    suspend: Flag = Field(False, description="Create the job suspended (no pods until resumed).")
     scheduling_policy: SchedulingPolicySpec = Field(default_factory=SchedulingPolicySpec)
 
 
@@ -337,9 +340,9 @@ class QueueSpec(SpecModel):
 class PodSecuritySpec(SpecModel):
     """Who the trainer runs as; the chart adds the rest of the "restricted" Pod Security profile."""
 
-    run_as_user: int = Field(1000, ge=1, description="UID of the trainer (the image's non-root user).")
-    run_as_group: int = Field(1000, ge=0, description="GID of the trainer.")
-    fs_group: int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
+    run_as_user: Int = Field(1000, ge=1, description="UID of the trainer (the image's non-root user).")
+    run_as_group: Int = Field(1000, ge=0, description="GID of the trainer.")
+    fs_group: Int = Field(1000, ge=0, description="Group owning the mounted volumes (changed only on mismatch).")
 
 
 # Keys given in Kubernetes form, checked against the API's own keys and types (ctl.kubernetes_form).
@@ -354,7 +357,7 @@ Tolerations = kubernetes_list("V1Toleration")
 class NetworkPolicySpec(SpecModel):
     """A NetworkPolicy letting into the job's pods only their peers (rendezvous, NCCL/Gloo) and Prometheus."""
 
-    enabled: bool = Field(False, description="Create the NetworkPolicy (needs a CNI that enforces them).")
+    enabled: Flag = Field(False, description="Create the NetworkPolicy (needs a CNI that enforces them).")
     prometheus_namespace_selector: LabelSelector = Field(
         default_factory=lambda: {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
         description="namespaceSelector (Kubernetes form) of the Prometheus allowed to scrape the `metrics` port.",
@@ -368,7 +371,7 @@ class NetworkPolicySpec(SpecModel):
 class PodMonitorSpec(SpecModel):
     """A prometheus-operator PodMonitor scraping every pod's `metrics` port (needs the operator's CRDs)."""
 
-    enabled: bool = Field(False, description="Create the PodMonitor.")
+    enabled: Flag = Field(False, description="Create the PodMonitor.")
     interval: str = Field(
         "15s", pattern=PROMETHEUS_DURATION, description="Scrape interval, a Prometheus duration (e.g. 15s, 1m)."
     )
@@ -381,7 +384,7 @@ class PodMonitorSpec(SpecModel):
 class DashboardSpec(SpecModel):
     """The Grafana dashboard (helm/ddpjob/dashboards/) as a ConfigMap for Grafana's dashboard sidecar."""
 
-    enabled: bool = Field(False, description="Create the dashboard ConfigMap (one per cluster is enough: same uid).")
+    enabled: Flag = Field(False, description="Create the dashboard ConfigMap (one per cluster is enough: same uid).")
     label_key: LabelKey = Field("grafana_dashboard", description="Label the sidecar watches for.")
     label_value: LabelValue = Field("1", description="Value of that label.")
     dcgm_pod_label: str = Field(
@@ -397,18 +400,18 @@ class DashboardSpec(SpecModel):
 class AlertsSpec(SpecModel):
     """A PrometheusRule with this job's alerts (needs the prometheus-operator CRDs)."""
 
-    enabled: bool = Field(False, description="Create the PrometheusRule.")
+    enabled: Flag = Field(False, description="Create the PrometheusRule.")
     labels: Labels = Field(
         default_factory=dict,
         description="Extra labels the Prometheus selects rules by, e.g. {release: kube-prometheus-stack}.",
     )
-    stalled_seconds: int = Field(
+    stalled_seconds: Int = Field(
         900,
         ge=60,
         description="TrainingStalled: no optimizer step for this long, once the trainer processes have completed"
         " their first (so compilation and a resume's loading are not taken for a hang).",
     )
-    first_step_seconds: int = Field(
+    first_step_seconds: Int = Field(
         1800,
         ge=60,
         description="TrainingFirstStepMissing: trainer processes running this long without completing a step"
@@ -422,10 +425,10 @@ class AlertsSpec(SpecModel):
     loss_explosion_factor: float = Field(
         3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
     )
-    checkpoint_max_age_seconds: int = Field(
+    checkpoint_max_age_seconds: Int = Field(
         7200, ge=0, description="CheckpointTooOld: no checkpoint committed for this long; 0 disables the alert."
     )
-    restart_window_seconds: int = Field(
+    restart_window_seconds: Int = Field(
         1800,
         ge=60,
         description="TrainingRestarted: a restart within this window (a container restarted in place or a pod"
@@ -442,8 +445,8 @@ class AlertsSpec(SpecModel):
 class MetricsSpec(SpecModel):
     """Prometheus metrics: every pod serves its ranks' metrics on the container port named `metrics`."""
 
-    port: int = Field(9402, ge=1, le=65535, description="Container port of the metrics endpoint (/metrics).")
-    annotations: bool = Field(
+    port: Int = Field(9402, ge=1, le=65535, description="Container port of the metrics endpoint (/metrics).")
+    annotations: Flag = Field(
         False, description="Add prometheus.io/scrape, port and path pod annotations (annotation-based scraping)."
     )
     pod_monitor: PodMonitorSpec = Field(default_factory=PodMonitorSpec)
@@ -454,7 +457,7 @@ class MetricsSpec(SpecModel):
 class PrepareSpec(SpecModel):
     """A CPU-only Kubernetes Job that prepares the training data on the shared volume while the GPU pods wait."""
 
-    enabled: bool = Field(
+    enabled: Flag = Field(
         False,
         description="Render the prepare Job; the training pods then wait for its prepared data instead of"
         " preparing it themselves.",
@@ -463,7 +466,7 @@ class PrepareSpec(SpecModel):
         "4", pattern=CPU_QUANTITY, description="CPU request and limit of the prepare pod: it tokenizes with every core."
     )
     memory: str = Field("4Gi", pattern=BYTES_QUANTITY, description="Memory request and limit of the prepare pod.")
-    backoff_limit: int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")
+    backoff_limit: Int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")
     node_selector: Labels = Field(
         default_factory=dict, description="nodeSelector of the prepare pod (the training pods' is not used: no GPU)."
     )
@@ -485,9 +488,9 @@ class JobSpec(SpecModel):
         " on JobSet: a TrainingRuntime carrying the pod template and a TrainJob referencing it).",
     )
     image: ImageSpec = Field(default_factory=ImageSpec)
-    nodes: int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
-    procs_per_node: int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
-    master_port: int = Field(
+    nodes: Int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
+    procs_per_node: Int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
+    master_port: Int = Field(
         23456,
         ge=1,
         le=65535,
@@ -506,7 +509,7 @@ class JobSpec(SpecModel):
     )
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
-    termination_grace_period_seconds: int = Field(
+    termination_grace_period_seconds: Int = Field(
         120,
         ge=0,
         description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint"
@@ -761,7 +764,15 @@ def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), l
                 raise
             return JobSpec.model_validate(values)
     except ValidationError as exc:
-        raise SpecError(f"{name}: {describe_validation_error(exc, JobSpec)}") from None
+        raise SpecError(f"{given_by(exc, overrides, name)}: {describe_validation_error(exc, JobSpec)}") from None
+
+
+def given_by(error: ValidationError, overrides: Sequence[Override], files: str) -> str:
+    """Where the key of the first problem was given: the last --set or --set-file of it (or of a mapping around
+    it), else the spec's `files`."""
+    path = error_path(error)
+    given = [o for o in overrides if path[: len(o.path)] == tuple(o.path)]
+    return f"{given[-1].flag} {given[-1].assignment!r}" if given else files
 
 
 def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:

@@ -973,6 +973,10 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"metrics": {"dashboard": {"labelKey": f"{'a' * 254}/x"}}}, "at '/metrics/dashboard/labelKey'"),
         ({"storage": {"mountPath": "/dev/shm"}}, "at '/storage/mountPath'"),
         ({"storage": {"mountPath": "/tmp/"}}, "at '/storage/mountPath'"),
+        ({"terminationGracePeriodSeconds": 2**31}, "at '/terminationGracePeriodSeconds': maximum"),
+        ({"training": {**TRAIN, "seed": -(2**31) - 1}}, "at '/training/seed': minimum"),
+        ({"nodes": "2"}, "at '/nodes': got string, want integer"),  # as ctl refuses them (test_spec.py)
+        ({"training": {**TRAIN, "compile": "true"}}, "at '/training/compile': got string, want boolean"),
     ],
 )
 def test_helm_schema_refuses_bad_values(values: dict[str, Any], message: str) -> None:

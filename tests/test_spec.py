@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -125,7 +127,27 @@ BAD_SPECS = [
         [],
         "training.optimizer.lrr: unknown key (did you mean lr?)",
     ),
-    ("wrong-type", {"nodes": "two"}, [], "nodes: Input should be a valid integer"),
+    ("wrong-type", {"nodes": "two"}, [], "nodes: expected a whole number, not the text 'two'"),
+    # YAML's own kinds, as values.schema.json asks for them: pydantic's lax mode took all of these.
+    ("quoted-integer", {"nodes": "2"}, [], "spec.yaml: nodes: expected a whole number, but '2' is quoted"),
+    (
+        "boolean-integer",
+        {},
+        ["--set", "procsPerNode=true"],
+        "procsPerNode: expected a whole number, but YAML read true",
+    ),
+    ("fraction-integer", {"training": {"maxSteps": 2.0}}, [], "training.maxSteps: expected a whole number, not the"),
+    ("quoted-boolean", {"training": {"compile": "false"}}, [], "training.compile: expected true or false, but 'false'"),
+    ("number-boolean", {}, ["--set", "training.compile=1"], "training.compile: expected true or false, not the number"),
+    # Beyond an int32: Helm wrapped such a number (a negative grace period) or wrote 1e+23, which YAML reads as text.
+    (
+        "beyond-int32",
+        {},
+        ["--set", "terminationGracePeriodSeconds=99999999999999999999"],
+        "--set 'terminationGracePeriodSeconds=99999999999999999999': terminationGracePeriodSeconds:"
+        " 99999999999999999999 is beyond an int32's range (-2147483648 to 2147483647)",
+    ),
+    ("below-int32", {"training": {"seed": -(2**31) - 1}}, [], "spec.yaml: training.seed: -2147483649 is beyond"),
     ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
     ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
@@ -222,6 +244,25 @@ BAD_SPECS = [
         "--set 'training.data.train[0]=x.txt': no list items by index; set the whole list, training.data.train=[a, b]",
     ),
 ]
+
+
+def strictness(node: Any, at: str = "") -> Iterator[tuple[str, bool]]:
+    """(where, strict) of every integer and boolean in a pydantic core schema, nested models' definitions too."""
+    if isinstance(node, dict):
+        if node.get("type") in ("int", "bool"):
+            yield at, bool(node.get("strict"))
+        for key, value in node.items():
+            yield from strictness(value, f"{at}/{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from strictness(value, f"{at}/{index}")
+
+
+def test_every_integer_and_boolean_of_the_spec_is_strict() -> None:
+    """A field declared `int` or `bool`, not trainer.spec's Int or Flag, would take "2" and true for numbers again."""
+    found = dict(strictness(JobSpec.__pydantic_core_schema__))
+    assert len(found) > 50
+    assert [at for at, strict in found.items() if not strict] == []
 
 
 @pytest.mark.parametrize(("patch", "flags", "message"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])

@@ -20,6 +20,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
@@ -44,10 +45,29 @@ class KeyProblem(ValueError):
         self.key = key
 
 
+# Every whole number and every flag of the spec is YAML's own: not a quoted "2" or "true", not true as 1 (Python's
+# bool is an int), as values.schema.json's "integer" and "boolean" refuse them for helm.
+Int = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
+# And every integer fits an int32 (SpecModel checks it; values.schema.json says it), as the API server's fields and
+# Helm need: beyond int64 Helm wrapped it (a grace period of -9223372036854775808 s) or wrote 1e+23, which YAML reads
+# back as text. Not a bound in `Int`: pydantic then ignores a field's own bounds.
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+
 class SpecModel(BaseModel):
-    """Base for every spec section: camelCase keys, unknown keys rejected, no infinite or NaN number anywhere."""
+    """Base for every spec section: camelCase keys, unknown keys rejected, no infinite or NaN number anywhere, no
+    integer beyond an int32."""
 
     model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _integers_fit_an_int32(self) -> SpecModel:
+        for name, value in self:
+            if type(value) is int and not INT_MIN <= value <= INT_MAX:
+                key = self.model_fields[name].alias or name
+                raise KeyProblem(key, f"{value} is beyond an int32's range ({INT_MIN} to {INT_MAX})")
+        return self
 
     def to_values(self) -> dict[str, Any]:
         """The section as plain YAML-ready data with camelCase keys."""
@@ -80,10 +100,10 @@ class ModelSpec(SpecModel):
     size: Literal["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] | None = Field(
         None, description="A GPT-2 size built from its config with random weights."
     )
-    n_layer: int = Field(4, ge=1, description="Transformer blocks (without pretrained/size).")
-    n_head: int = Field(4, ge=1, description="Attention heads per block (without pretrained/size).")
-    n_embd: int = Field(128, ge=1, description="Embedding width, a multiple of nHead (without pretrained/size).")
-    block_size: int = Field(
+    n_layer: Int = Field(4, ge=1, description="Transformer blocks (without pretrained/size).")
+    n_head: Int = Field(4, ge=1, description="Attention heads per block (without pretrained/size).")
+    n_embd: Int = Field(128, ge=1, description="Embedding width, a multiple of nHead (without pretrained/size).")
+    block_size: Int = Field(
         128,
         ge=2,
         description="Context length: the packing block (LM) or truncation length; at most the model's positions"
@@ -114,7 +134,7 @@ class TokenizerSpec(SpecModel):
     path: PathText | None = Field(
         None, description="Tokenizer directory (or hub id); default: model.pretrained, else train one."
     )
-    vocab_size: int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
+    vocab_size: Int = Field(2048, ge=260, description="Vocabulary of the byte-level BPE trained on the training text.")
 
 
 def label_text(value: Any) -> Any:
@@ -168,8 +188,8 @@ class DataSpec(SpecModel):
         description="What identifies the sources in the cache: size and modification time, or a hash of their"
         " contents (reads every file at each start).",
     )
-    prepare_workers: int = Field(0, ge=0, description="Processes that tokenize during preparation; 0: every core.")
-    prepare_buffer_mib: int = Field(
+    prepare_workers: Int = Field(0, ge=0, description="Processes that tokenize during preparation; 0: every core.")
+    prepare_buffer_mib: Int = Field(
         256,
         ge=1,
         alias="prepareBufferMiB",
@@ -205,7 +225,7 @@ class OptimizerSpec(SpecModel):
 class ScheduleSpec(SpecModel):
     """Linear warmup, then cosine decay to `minLrRatio x lr` at the last step."""
 
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    warmup_steps: Int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a share of the peak.")
 
 
@@ -216,17 +236,17 @@ class CheckpointSpec(SpecModel):
         None,
         description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster.",
     )
-    every: int = Field(500, ge=0, description="Save a checkpoint every N steps and at the end; 0: only at the end.")
-    keep_last: int = Field(3, ge=1, description="Newest checkpoints kept; older ones go once a new one is committed.")
-    keep_best: bool = Field(
+    every: Int = Field(500, ge=0, description="Save a checkpoint every N steps and at the end; 0: only at the end.")
+    keep_last: Int = Field(3, ge=1, description="Newest checkpoints kept; older ones go once a new one is committed.")
+    keep_best: Flag = Field(
         True,
         description="Also keep the checkpoint with the lowest validation loss, evaluated at each save as a periodic"
         " evaluation is (evalBatches): every checkpoint, the last one included, is ranked by the same estimate.",
     )
-    async_save: bool = Field(
+    async_save: Flag = Field(
         False, description="Write checkpoints from a background thread while training goes on (state copied first)."
     )
-    allow_config_change: bool = Field(
+    allow_config_change: Flag = Field(
         False, description="Resume even when training settings differ from the checkpoint's (otherwise an error)."
     )
 
@@ -242,26 +262,26 @@ class CheckpointSpec(SpecModel):
 class TimeoutsSpec(SpecModel):
     """How long a rank waits before a stuck job is called hung; see docs/hangs.md."""
 
-    collective_seconds: int = Field(
+    collective_seconds: Int = Field(
         300,
         ge=10,
         description="Process-group timeout of the collectives on the step path (gradient all-reduce, log and"
         " evaluation reductions) from the second step on: a backstop behind the watchdog.",
     )
-    long_work_seconds: int = Field(
+    long_work_seconds: Int = Field(
         1800,
         ge=10,
         description="Bound for one-off work: joining the process group, the first step (compile, warm-up),"
         " checkpoint saves, evaluations, and the barriers around them, which run on a process group of their own"
         " with this timeout.",
     )
-    prepare_stall_seconds: int = Field(
+    prepare_stall_seconds: Int = Field(
         1800,
         ge=10,
         description="How long training pods wait for a prepare Job (prepare.enabled) that shows no progress before"
         " they give up.",
     )
-    watchdog: bool = Field(
+    watchdog: Flag = Field(
         True,
         description="Every rank watches for steps that stop completing, names the ranks behind, dumps its"
         f" Python stacks and exits {EXIT_HUNG} (retryable) so the pods restart and resume from the last checkpoint.",
@@ -269,7 +289,7 @@ class TimeoutsSpec(SpecModel):
     hang_factor: float = Field(
         10.0, ge=2.0, description="Watchdog: the job is hung when no step completed for this many recent step times."
     )
-    hang_floor_seconds: int = Field(
+    hang_floor_seconds: Int = Field(
         120, ge=2, description="Watchdog: never call the job hung sooner than this after the last completed step."
     )
 
@@ -278,9 +298,9 @@ class SampleSpec(SpecModel):
     """Text generated by rank 0 from the final model (char-gpt)."""
 
     prompt: str = Field("\n", description="Text the sample starts from.")
-    max_new_tokens: int = Field(300, ge=0, description="Tokens to generate; 0 disables the sample.")
+    max_new_tokens: Int = Field(300, ge=0, description="Tokens to generate; 0 disables the sample.")
     temperature: float = Field(0.8, gt=0.0, description="Sampling temperature.")
-    top_k: int = Field(40, ge=1, description="Sample from the k most likely tokens.")
+    top_k: Int = Field(40, ge=1, description="Sample from the k most likely tokens.")
 
 
 class TrainingSpec(SpecModel):
@@ -299,26 +319,26 @@ class TrainingSpec(SpecModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast on GPUs that support it, fp32 otherwise; fp16 uses a GradScaler."
     )
-    compile: bool = Field(
+    compile: Flag = Field(
         False,
         description="Wrap the model in torch.compile. On the cluster, with the run directory on the volume, each pod"
         " keeps torch.compile's caches there (compile-cache/<pod>/), so a recreated pod does not compile again.",
     )
-    epochs: int = Field(1, ge=1, description="Passes over the training data (when maxSteps is not set).")
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
-    batch_size: int = Field(16, ge=1, description="Sequences per process per micro-step.")
-    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    epochs: Int = Field(1, ge=1, description="Passes over the training data (when maxSteps is not set).")
+    max_steps: Int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
+    batch_size: Int = Field(16, ge=1, description="Sequences per process per micro-step.")
+    grad_accum: Int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm; 0 disables clipping.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps; 0: only at the end.")
-    eval_batches: int = Field(
+    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps; 0: only at the end.")
+    eval_batches: Int = Field(
         0,
         ge=0,
         description="Global batches (world size x batchSize examples) a periodic evaluation (evalEvery, an epoch's"
         " end, a checkpoint's keepBest) scores, spread evenly over the validation split: an estimate, like"
         " nanoGPT's eval_iters; 0: the whole split. The final evaluation always scores the whole split.",
     )
-    log_every: int = Field(10, ge=1, description="Rank 0 logs a line every N steps.")
-    seed: int = Field(1337, description="Seed for init, data order and sampling.")
+    log_every: Int = Field(10, ge=1, description="Rank 0 logs a line every N steps.")
+    seed: Int = Field(1337, description="Seed for init, data order and sampling.")
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Experiment trackers rank 0 reports to: tensorboard (event files in `<run dir>/tensorboard`),"
@@ -357,6 +377,8 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
         problem = "required key is missing"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
         problem = not_text(read)
+    elif first["type"] in WANTED and isinstance(read := first["input"], str | int | float):  # bool too
+        problem = not_of_kind(first["type"], read)
     elif first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_MEANINGS:
         what = f"key {first['input']!r}" if of_key else repr(first["input"])
         problem = f"{what} is not {PATTERN_MEANINGS[first['ctx']['pattern']]}"
@@ -369,10 +391,37 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
     return line + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
 
+def error_path(error: ValidationError) -> tuple[str, ...]:
+    """Where the first problem of `error` is: its location (a mapping's own key included), and a model validator's
+    key within it."""
+    first = error.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    own = cause.key.split(".") if isinstance(cause, KeyProblem) else []
+    return tuple(str(part) for part in (*first["loc"], *own) if part != "[key]")
+
+
 def not_text(read: float) -> str:
     """The problem with a number or boolean (YAML's reading of an unquoted 1.10, true, 0755) where text belongs."""
     what = "boolean" if isinstance(read, bool) else "number"
     return f"expected text, but YAML read {json.dumps(read)} as a {what}: quote it"
+
+
+# What an Int or a Flag holds, in words, by pydantic's error type.
+WANTED = {"int_type": ("a whole number", int), "bool_type": ("true or false", bool)}
+
+
+def not_of_kind(error_type: str, read: str | float) -> str:
+    """The problem with a value of another YAML kind than an Int's or a Flag's: quoted, a boolean, a number."""
+    wanted, kind = WANTED[error_type]
+    if isinstance(read, str):
+        with contextlib.suppress(yaml.YAMLError):
+            unquoted = yaml.safe_load(read)
+            if type(unquoted) is kind:  # bool is int's subclass: "true" is no whole number
+                return f"expected {wanted}, but {read!r} is quoted: YAML reads it as text"
+        return f"expected {wanted}, not the text {read!r}"
+    if isinstance(read, bool):
+        return f"expected {wanted}, but YAML read {json.dumps(read)} as a boolean"
+    return f"expected {wanted}, not the number {read!r}"
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
