@@ -67,6 +67,16 @@ CASES = {
         lambda d: {"train": jsonl(d / "t.jsonl", ROWS[:20]), "valFraction": 0.1},
         "training.data.train: 18 samples, fewer than world size x batchSize = 2 x 16",
     ),
+    # JSON's escape of half a surrogate pair decodes to a string no UTF-8 tokenizer or report can hold: the run failed
+    # with exit 1 in the tokenizer, or, for a label, after training, in the report.
+    "half-a-surrogate-pair-in-text": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS[:9], {"text": "a \ud800 b", "label": "odd"}, *ROWS[9:]])},
+        "t.jsonl:10: 'text' holds \\ud800 at character 2, half of a UTF-16 surrogate pair without its other half",
+    ),
+    "half-a-surrogate-pair-in-a-label": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS, {"text": "x", "label": "odd\udfff"}])},
+        "t.jsonl:41: 'label' holds \\udfff at character 3",
+    ),
     "not-utf-8": (
         lambda d: (
             (d / "latin1.csv").write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))

@@ -485,9 +485,14 @@ def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_f
         file.write("\nmore text\n")
     before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
     expected = f"error: training.data.train: {corpus} changed since this run's checkpoints were written"
-    assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, f"{expected} (size ")
     assert tree(path) == before
     assert exact_tree(path / "runs" / "tiny") == run_before
+    # Its text again: the size is the checkpoints', the time is not, which the line says (not "size 5402 -> 5402").
+    corpus.write_text(corpus_file.read_text())
+    os.utime(corpus, ns=(0, 10**18))
+    again = f"{expected} (the same size, modified at 2001-09-09 01:46:40 UTC, not "
+    assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, again)
 
 
 # -- the root cause, and where the rest is --------------------------------------------------------------------

@@ -108,14 +108,24 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
                     f"training.data.{split}: {source['path']} is new since this run's checkpoints were written"
                 )
             if previous != source:
+                now_at, then_at = modified(source["mtimeNs"]), modified(previous["mtimeNs"])
+                how = (
+                    f"size {previous['size']} -> {source['size']}"
+                    if previous["size"] != source["size"]
+                    else f"the same size, modified at {now_at}, not {then_at}"
+                )
                 raise SpecError(
                     f"training.data.{split}: {source['path']} changed since this run's checkpoints were written"
-                    f" (size {previous['size']} -> {source['size']}); restore it, or start a new run directory"
-                    f" ({NEW_RUN_DIR})"
+                    f" ({how}); restore it, or start a new run directory ({NEW_RUN_DIR})"
                 )
         gone = sorted(set(old) - {s.path for s in now})
         if gone:
             raise SpecError(f"training.data.{split}: {gone[0]} is gone since this run's checkpoints were written")
+
+
+def modified(mtime_ns: int) -> str:
+    """A file's modification time in a message: UTC, to the second."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(mtime_ns / 1e9))
 
 
 def check_resumed_data(spec: TrainingSpec, run_dir: Path) -> None:

@@ -58,6 +58,9 @@ CSV_FIELD_LIMIT = 2**31 - 1  # characters: the most the csv module takes on ever
 JSON_CHUNK = 1 << 20  # bytes a JSON array file is read by at least
 NOT_BLANK = re.compile(r"\S")
 JSON_KINDS = {list: "a list", dict: "an object"}  # what a row's field may be instead of a string or a number
+# Half of a UTF-16 surrogate pair: JSON's `\ud800` escape alone decodes to it, and no UTF-8 tokenizer, file or
+# report can hold it (the run failed with exit 1 in the tokenizer, or at the end in the report, for a label).
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,13 @@ def _value(record: dict[str, Any], name: str, where: str, key: str) -> str:
     if not isinstance(value, str | int | float):
         kind = JSON_KINDS.get(type(value), type(value).__name__)
         raise SpecError(f"{key}: {where}: {name!r} is {kind}, not a string or a number")
+    # isascii() first: it reads a flag of the string, so only text with other characters is searched.
+    if isinstance(value, str) and not value.isascii() and (half := LONE_SURROGATE.search(value)):
+        escape = f"\\u{ord(half.group()):04x}"
+        raise SpecError(
+            f"{key}: {where}: {name!r} holds {escape} at character {half.start()}, half of a UTF-16 surrogate pair"
+            " without its other half: not Unicode text"
+        )
     return str(value)
 
 
