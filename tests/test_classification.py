@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
 from trainer import stdlib_docstrings
+from trainer.report import CLASSES_SHOWN, classification_report, format_report
 
 TINY_MODEL = {"nLayer": 1, "nHead": 2, "nEmbd": 64, "blockSize": 64}
 
@@ -185,3 +186,20 @@ def test_compile_compiles_the_model_with_its_loss_once_for_every_batch_length(tm
     # Its caches are in the run directory, as a pod's are (docs/operations.md), and the first step's line says so.
     caches = tmp_path / "runs" / "classify" / COMPILE_CACHE_DIR / "classify-master-0" / "torchinductor"
     assert f"graph(s), 0 from the cache ({caches})\n" in result.stdout, result.stdout
+
+
+def test_the_printed_report_of_many_classes_shows_the_best_supported_and_leaves_the_matrix_to_report_json() -> None:
+    """Its size must not grow with the classes: 3,000 of them printed 6,000 lines and a matrix 3,000 columns wide."""
+    labels = [f"class-{i}" for i in range(3000)]
+    truth = [i % 3000 for i in range(6000)] + [7] * 5  # class-7 has the most examples
+    printed = format_report(classification_report(labels, truth, truth)).splitlines()
+    assert len(printed) < 2 * CLASSES_SHOWN and max(map(len, printed)) < 80
+    assert printed[1].split()[0] == "class-7"
+    assert f"({3000 - CLASSES_SHOWN} more classes, none with more examples: report.json has them)" in printed
+    assert printed[-1] == "confusion matrix: 3000 x 3000 classes, in report.json"
+
+
+def test_the_printed_report_quotes_a_label_with_blanks_at_an_end() -> None:
+    """ " pos" and "pos" (a CSV's `neg, pos`) are two classes: printed alike, they could not be told apart."""
+    printed = format_report(classification_report(["pos", " pos"], [0, 1], [0, 0]))
+    assert "      ' pos'     0.000" in printed and "\n         pos     0.500" in printed

@@ -41,15 +41,32 @@ def classification_report(labels: list[str], truth: list[int], predicted: list[i
     }
 
 
+# Classes the printed report shows: beyond this many, its rows are the best supported, and its matrix is left to
+# report.json (3,000 classes printed 6,000 lines, a matrix of 3,000 columns).
+CLASSES_SHOWN = 20
+
+
+def shown_label(label: str) -> str:
+    """A label as the table prints it: quoted where blanks at an end would hide it (" pos" beside "pos")."""
+    return label if label and label == label.strip() else repr(label)
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The report as a text table, like sklearn's classification_report plus the confusion matrix."""
-    labels = report["labels"]
-    width = max(12, *(len(label) for label in labels))
+    """The report as a text table, like sklearn's classification_report plus the confusion matrix; with more than
+    CLASSES_SHOWN classes, the best supported classes' rows and no matrix (report.json has all of it)."""
+    labels = [shown_label(label) for label in report["labels"]]
+    rows = list(zip(labels, report["per_class"].values(), strict=True))
+    many = len(rows) > CLASSES_SHOWN
+    if many:  # the most examples first; the label order among equals
+        rows = sorted(rows, key=lambda pair: -pair[1]["support"])[:CLASSES_SHOWN]
+    width = max(12, *(len(label) for label, _ in rows))
     lines = [f"{'':>{width}} {'precision':>9} {'recall':>9} {'f1':>9} {'support':>9}"]
-    for label, row in report["per_class"].items():
+    for label, row in rows:
         lines.append(
             f"{label:>{width}} {row['precision']:>9.3f} {row['recall']:>9.3f} {row['f1']:>9.3f} {row['support']:>9d}"
         )
+    if many:
+        lines.append(f"({len(labels) - CLASSES_SHOWN} more classes, none with more examples: report.json has them)")
     lines.append("")
     lines.append(f"{'accuracy':>{width}} {'':>9} {'':>9} {report['accuracy']:>9.3f} {report['support']:>9d}")
     for name in ("macro_avg", "weighted_avg"):
@@ -59,6 +76,9 @@ def format_report(report: dict[str, Any]) -> str:
             f" {avg['f1']:>9.3f} {report['support']:>9d}"
         )
     lines.append("")
+    if many:
+        lines.append(f"confusion matrix: {len(labels)} x {len(labels)} classes, in report.json")
+        return "\n".join(lines)
     lines.append("confusion matrix (rows: true, columns: predicted)")
     cell = max(5, *(len(str(n)) for row in report["confusion_matrix"] for n in row))
     lines.append(f"{'':>{width}} " + " ".join(f"{label[:cell]:>{cell}}" for label in labels))
