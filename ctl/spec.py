@@ -17,6 +17,7 @@ import yaml
 from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ctl.kinds import KINDS, JobKind
+from ctl.kinds.base import DEFAULT_MASTER_PORT
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
 from ctl.kubernetes_form import NotText, kubernetes_list, kubernetes_object
 from ctl.names import (
@@ -491,7 +492,7 @@ class JobSpec(SpecModel):
     nodes: Int = Field(1, ge=1, description="Pods: 1 Master + (nodes-1) Workers, or the initial elastic Workers.")
     procs_per_node: Int = Field(1, ge=1, description="torchrun processes per pod (GPUs per pod).")
     master_port: Int = Field(
-        23456,
+        DEFAULT_MASTER_PORT,
         ge=1,
         le=65535,
         description="PyTorchJob: the `pytorchjob-port` rendezvous port"
@@ -575,6 +576,12 @@ class JobSpec(SpecModel):
             raise ValueError(
                 f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
                 f" and maxNodes ({self.elastic.max_nodes})"
+            )
+        gang = self.run_policy.scheduling_policy.min_available or 0
+        if gang > (pods := self.elastic.max_nodes if self.elastic.enabled else self.nodes):
+            raise ValueError(
+                f"runPolicy.schedulingPolicy.minAvailable: {gang} pods, and the job has at most {pods}: the gang"
+                " would never be scheduled"
             )
         if 0 < self.resources.gpu < self.procs_per_node:
             raise ValueError(GPUS_BELOW_PROCESSES % (self.resources.gpu, self.procs_per_node))

@@ -927,6 +927,11 @@ BAD = [
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
+    (
+        "runPolicy.schedulingPolicy.minAvailable=9",
+        "runPolicy.schedulingPolicy.minAvailable: 9 pods, and the job has at most 1: the gang would never be scheduled",
+    ),
+    ("training.data.labels=[a, b, a]", "training.data.labels: 'a' is listed twice"),
     ("metrics.podMonitor.interval=soon", "metrics.podMonitor.interval: 'soon' is not a Prometheus duration"),
     ("metrics.alerts.slowRankFactor=1", "metrics.alerts.slowRankFactor: Input should be greater than 1"),
     # What the pods name and label: the API server would check it only when the operator creates them.

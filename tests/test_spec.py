@@ -149,6 +149,12 @@ BAD_SPECS = [
     ),
     ("below-int32", {"training": {"seed": -(2**31) - 1}}, [], "spec.yaml: training.seed: -2147483649 is beyond"),
     ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
+    (
+        "tokenizer-for-char-gpt",  # it was ignored, silently
+        {"training": {"tokenizer": {"vocabSize": 300}}},
+        [],
+        "training.tokenizer: char-gpt's vocabulary is its text's characters: no tokenizer to set",
+    ),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
     ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
     ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f'name: too long: pod name "{LONG_NAME}-worker-0"'),

@@ -156,6 +156,7 @@ def test_the_migration_is_one_key(tmp_path: Path) -> None:
 BAD = [
     ("elastic.enabled=true", "elastic.enabled: Kubeflow Trainer v2.3 has no elastic training"),
     ("restartPolicy=Always", "restartPolicy: Always is not allowed for the Job pods of a TrainJob"),
+    ("masterPort=29501", "masterPort: PyTorchJob only"),  # a TrainJob's is Trainer v2's: it was ignored, silently
     ("runPolicy.ttlSecondsAfterFinished=60", "runPolicy.ttlSecondsAfterFinished: PyTorchJob only"),
     ("runPolicy.cleanPodPolicy=All", "runPolicy.cleanPodPolicy: PyTorchJob only"),
     ("runPolicy.schedulingPolicy.minAvailable=1", "runPolicy.schedulingPolicy.minAvailable: PyTorchJob only"),

@@ -209,6 +209,14 @@ class DataSpec(SpecModel):
             raise ValueError("set train (files or globs) or builtin, one of the two")
         return self
 
+    @field_validator("labels")
+    @classmethod
+    def _each_label_once(cls, labels: list[str] | None) -> list[str] | None:
+        # A class listed twice would be two outputs of the model, one of them never a target.
+        if twice := next((label for i, label in enumerate(labels or ()) if label in labels[:i]), None):
+            raise ValueError(f"{twice!r} is listed twice")
+        return labels
+
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -357,6 +365,8 @@ class TrainingSpec(SpecModel):
                 raise KeyProblem(f"data.{misplaced[0]}", "only for task classification")
         if self.task == "char-gpt" and (self.model.pretrained or self.model.size):
             raise KeyProblem("model", "char-gpt trains from scratch: no pretrained or size")
+        if self.task == "char-gpt" and self.tokenizer != TokenizerSpec():
+            raise KeyProblem("tokenizer", "char-gpt's vocabulary is its text's characters: no tokenizer to set")
         return self
 
 

@@ -21,6 +21,10 @@ class ElasticShape(Protocol):
     max_restarts: int
 
 
+# The spec's masterPort unless it sets one: a PyTorchJob's rendezvous port (a TrainJob's is Trainer v2's own).
+DEFAULT_MASTER_PORT = 23456
+
+
 class JobShape(Protocol):
     """The job spec as a kind reads it (ctl.spec.JobSpec)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctl.kinds.base import JobKind, JobShape, Replica, State, true_conditions
+from ctl.kinds.base import DEFAULT_MASTER_PORT, JobKind, JobShape, Replica, State, true_conditions
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # the JobSet is named after the TrainJob
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -80,6 +80,7 @@ class TrainJob(JobKind):
             raise ValueError("restartPolicy: Always is not allowed for the Job pods of a TrainJob")
         policy = spec.run_policy
         pytorchjob_only = {
+            "masterPort": spec.master_port != DEFAULT_MASTER_PORT,  # a TrainJob's is MASTER_PORT, fixed
             "runPolicy.ttlSecondsAfterFinished": policy.ttl_seconds_after_finished is not None,
             "runPolicy.cleanPodPolicy": policy.clean_pod_policy != "None",
             "runPolicy.schedulingPolicy.minAvailable": policy.scheduling_policy.min_available is not None,
