@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_ctl
+from conftest import run_ctl, tiny_spec
 
 ROWS = [
     {"text": f"document number {i} about {'cats' if i % 2 else 'dogs'}", "label": "odd" if i % 2 else "even"}
@@ -118,3 +118,18 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
         assert all((entry / "manifest.json").exists() for entry in (tmp_path / "runs" / "_datasets").iterdir())
     else:
         assert not (tmp_path / "runs").exists()
+
+
+def test_files_skipped_as_bad_are_a_warning_on_the_terminal_at_every_run(tmp_path: Path, corpus_file: Path) -> None:
+    """onBadFile skip: the skip went to the ranks' logs only, and a later run, which maps the prepared data, said
+    nothing of it."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    spec = tiny_spec(corpus_file, maxSteps=1, sample={"maxNewTokens": 0})
+    spec["training"]["data"] |= {"train": [str(corpus_file), str(bad)], "onBadFile": "skip"}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    warning = f"warning: skipped 1 bad file(s) (training.data.onBadFile: skip): {bad}; first: "
+    for run in ("preparing", "mapping the prepared data"):
+        result = run_ctl("run", "spec.yaml", "--set", f"training.checkpoint.dir={tmp_path / run}", cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert warning in result.stdout + result.stderr, run

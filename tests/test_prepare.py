@@ -596,11 +596,17 @@ def test_bad_inputs_name_key_file_and_row_and_leave_nothing(tmp_path, case) -> N
         return
     logged: list[str] = []
     entry = prepare_spec(skipping, tmp_path / "run", logged.append).entry
-    assert any(
-        line.startswith(f"skipped 1 bad file(s) (training.data.onBadFile: skip): {tmp_path / name}") for line in logged
-    )
-    assert json.loads((entry / MANIFEST).read_text())["skipped"] == {"count": 1, "files": [str(tmp_path / name)]}
+    warning = f"warning: skipped 1 bad file(s) (training.data.onBadFile: skip): {tmp_path / name}; first: "
+    assert any(line.startswith(warning) and message in line for line in logged), logged
+    skipped = json.loads((entry / MANIFEST).read_text())["skipped"]
+    assert skipped["count"] == 1 and skipped["files"] == [str(tmp_path / name)] and message in skipped["first"]
     assert len(tokens(entry)) == len("some good text\n" * 50)
+    # Every file bad: not "no text in" them, which they may well have.
+    only_bad = training("char-gpt", [str(tmp_path / name)], tmp_path, onBadFile="skip", prepareWorkers=1)
+    with pytest.raises(SpecError) as failure:
+        prepare_spec(only_bad, tmp_path / "run", print)
+    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so there is no text;"
+    assert str(failure.value).startswith(every) and message in str(failure.value)
 
 
 def test_ctl_prepare_once_then_runs_map_it_and_a_changed_source_stops_a_resume(tmp_path, corpus_file) -> None:

@@ -30,6 +30,7 @@ from trainer.location import S3Location, is_s3
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
 from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources
+from trainer.preparation.readers import skipped_warning
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
 from trainer.storage import S3Store, open_store
@@ -152,6 +153,8 @@ def prepared(
         manifest = prepare_now(plan, tokenizer, dist.store) if prepares else wait_for(plan, dist)
     else:
         say(f"rank {dist.rank}: prepared data {plan.entry} ({manifest['splits']['train']['tokens']:,} train tokens)")
+        if dist.is_main and manifest.get("skipped", {}).get("count"):  # as its preparation warned
+            say(skipped_warning(manifest["skipped"]))
     return plan, manifest
 
 

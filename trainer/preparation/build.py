@@ -30,7 +30,7 @@ from trainer.preparation.encode import (
 )
 from trainer.preparation.plan import MANIFEST, TOKENIZER_DIR, Plan, stat_sources, tokenizer_hash
 from trainer.preparation.progress import PrepareMetrics, Progress
-from trainer.preparation.readers import SKIPPED_SHOWN, Document, Skipped, documents, find_label
+from trainer.preparation.readers import Document, Skipped, documents, find_label, skipped_warning
 from trainer.spec import DataSpec, SpecError
 from trainer.text import load_tokenizer, train_tokenizer
 
@@ -298,7 +298,7 @@ class Builder:
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         self.plan.error_path.unlink(missing_ok=True)  # a failure recorded for this dataset (trainer.prepare) is over
         if self.skipped.files:
-            self.log(self.skipped.summary())
+            self.log(skipped_warning(manifest["skipped"]))
         return manifest
 
     def write(self, staging: Path) -> dict[str, Any]:
@@ -314,7 +314,7 @@ class Builder:
                 manifest["splits"][split] = self.write_split(staging, split, encoder, pool, labels)
         if labels is not None:
             manifest["labels"] = labels.finish(staging)
-        manifest["skipped"] = {"count": len(self.skipped.files), "files": self.skipped.files[:SKIPPED_SHOWN]}
+        manifest["skipped"] = self.skipped.record()
         return manifest
 
     def char_encoder(self, splits: list[str]) -> tuple[Encoder, int, dict[str, Any]]:
@@ -365,7 +365,13 @@ class Builder:
         progress.finish()
         if not writer.documents or not writer.has_text:
             what = "examples" if self.labelled and not writer.documents else "text"
-            raise SpecError(f"training.data.{split}: no {what} in {', '.join(map(str, self.plan.files[split]))}")
+            files = [str(path) for path in self.plan.files[split]]
+            if not writer.documents and set(files) <= set(self.skipped.files):
+                raise SpecError(
+                    f"training.data.{split}: every file was skipped as bad (training.data.onBadFile: skip), so there"
+                    f" is no {what}; first: {self.skipped.reasons[0]}"
+                )
+            raise SpecError(f"training.data.{split}: no {what} in {', '.join(files)}")
         return counts
 
     @property

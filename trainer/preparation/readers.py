@@ -404,11 +404,17 @@ class Skipped:
     files: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
-    def summary(self) -> str:
-        shown = ", ".join(self.files[:SKIPPED_SHOWN]) + (", ..." if len(self.files) > SKIPPED_SHOWN else "")
-        return (
-            f"skipped {len(self.files)} bad file(s) (training.data.onBadFile: skip): {shown}; first: {self.reasons[0]}"
-        )
+    def record(self) -> dict[str, Any]:
+        """What the manifest keeps of them: a run that maps the dataset later warns of them too."""
+        first = self.reasons[0] if self.reasons else None
+        return {"count": len(self.files), "files": self.files[:SKIPPED_SHOWN], "first": first}
+
+
+def skipped_warning(record: dict[str, Any]) -> str:
+    """The warning line of a manifest's skipped files (Skipped.record); a terminal shows it (ctl run: a warning)."""
+    shown = ", ".join(record["files"]) + (", ..." if record["count"] > len(record["files"]) else "")
+    first = f"; first: {record['first']}" if record.get("first") else ""  # a manifest of before it kept the reason
+    return f"warning: skipped {record['count']} bad file(s) (training.data.onBadFile: skip): {shown}{first}"
 
 
 def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipped: Skipped) -> Iterator[Document]:
