@@ -1,5 +1,6 @@
 """Spec keys given in Kubernetes form (affinity, env, envFrom, tolerations, a NetworkPolicy's selectors), checked
-against the kubernetes client's models: the API's own key names and value types, at every depth. The API server
+against the kubernetes client's models: the API's own key names and value types, at every depth, and the API's
+rules for some of its objects (ctl.api_rules: a toleration's operator, a variable's one source...). The API server
 finds a mistyped key or a wrong type only when `ctl submit` applies the job, and names the object's path, not the
 spec's key (`500 Internal Server Error: failed to create typed patch object ...:
 .spec.pytorchReplicaSpecs.Master.template.spec.affinity.nodAffinity: field not declared in schema`); `ctl render`
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, GetJsonSchemaHandler
 
+from ctl.api_rules import RULES
 from trainer.spec import KeyProblem, did_you_mean, not_text
 
 LIST_OF = re.compile(r"list\[(.+)\]$")
@@ -85,6 +87,9 @@ def check_object(value: Any, cls: Any, path: Path) -> None:
             raise KeyProblem(dotted((*path, name)), "unknown key" + did_you_mean(str(name), list(types)))
         if item is not None:
             check(item, types[name], (*path, name))
+    # The API's rules for such an object (its inner objects were checked above: the innermost problem comes first).
+    for where, problem in RULES[cls.__name__](value) if cls.__name__ in RULES else ():
+        raise KeyProblem(dotted((*path, *where)), problem)
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,9 @@ Keys in Kubernetes form (`affinity`, `env`, `envFrom`, `tolerations`, the Networ
 every depth against the Kubernetes API's own keys and types, as the installed `kubernetes` client knows them
 (`affinity.nodeAffinity...nodeSelectorTerms.0.matchExpresions: unknown key (did you mean matchExpressions?)`), by
 `ctl render` and `ctl run` too: the API server would refuse such a key only at submit, naming the object's path.
+So are the API's rules for a toleration (its operator, value and effect), a variable's one source, an `envFrom`'s
+one reference, the names and keys they refer to, and a selector's operators, keys and values
+(`tolerations.0.operator: 'Equals' is not Equal or Exists`): the API server checks those only in the pods.
 values.schema.json checks their first level. The names and labels the pods carry (`storage.existingClaim`,
 `podLabels`, `nodeSelector`, `podAnnotations`' keys, the queues) are checked as the API server checks such names
 and labels: it checks a PyTorchJob's pod template only when the operator creates the pods, which then never start.

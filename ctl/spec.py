@@ -16,6 +16,15 @@ from typing import Annotated, Any, Literal, NamedTuple
 import yaml
 from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from ctl.api_rules import (
+    ANNOTATION_KEY,
+    LABEL_KEY,
+    LABEL_VALUE,
+    OBJECT_NAME,
+    PREFIX_TOO_LONG,
+    SUBDOMAIN_MAX,
+    prefix_problem,
+)
 from ctl.kinds import KINDS, JobKind
 from ctl.kinds.base import DEFAULT_MASTER_PORT
 from ctl.kinds.trainjob import MASTER_PORT as TRAINJOB_MASTER_PORT
@@ -61,32 +70,6 @@ PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = pattern(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", "a size in bytes, e.g. 512Mi, 4Gi or 1.5T")
 CPU_QUANTITY = pattern(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$", "a number of CPUs, e.g. 4, 0.5 or 500m")
-# What pods name and label, by Kubernetes' own rules (apimachinery's validation). The API server applies them to a
-# PyTorchJob's or TrainingRuntime's pod template only when the operator creates the pods, which it then fails to do;
-# a pod may name any claim, and waits for ever for one that no claim can be (the e2e tier checks both against it).
-_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-_LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"  # at most 63 characters
-_NAME_IN_WORDS = "at most 63 letters, digits, '-', '_' and '.', a letter or digit at each end"
-OBJECT_NAME = pattern(
-    f"^({_SUBDOMAIN})?$",
-    "a Kubernetes object name: lower-case letters, digits, '-' and '.', a letter or digit at each end",
-)
-LABEL_VALUE = pattern(f"^({_LABEL_NAME})?$", f"a Kubernetes label value: {_NAME_IN_WORDS}")
-SUBDOMAIN_MAX = 253
-LABEL_KEY = pattern(
-    f"^({_SUBDOMAIN}/)?{_LABEL_NAME}$",
-    f"a Kubernetes label key: an optional lower-case DNS prefix (at most {SUBDOMAIN_MAX} characters) and '/', then"
-    f" {_NAME_IN_WORDS}",
-)
-# The API server checks an annotation's key lower-cased: its prefix may have capitals.
-ANNOTATION_KEY = pattern(
-    f"^({_SUBDOMAIN.replace('a-z0-9', 'a-zA-Z0-9')}/)?{_LABEL_NAME}$",
-    f"a Kubernetes annotation key: an optional DNS prefix (at most {SUBDOMAIN_MAX} characters) and '/', then"
-    f" {_NAME_IN_WORDS}",
-)
-# A key's prefix length, which the patterns above cannot bound without look-ahead (Go's and Rust's regular
-# expressions have none): values.schema.json refuses a longer prefix beside the pattern, ctl in a validator.
-PREFIX_TOO_LONG = rf"^[^/]{{{SUBDOMAIN_MAX + 1},}}/"
 MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoints")
 # The pods' own mounts, with or without a trailing /: the run volume cannot be mounted there too (refused by
 # values.schema.json beside MOUNT_PATH, by ctl in a validator that names the mount).
@@ -100,8 +83,8 @@ LabelValue = Annotated[str, Field(pattern=LABEL_VALUE)]
 
 
 def _prefix_within_limit(key: str) -> str:
-    if re.match(PREFIX_TOO_LONG, key):  # after the key's pattern: one '/' at most
-        raise ValueError(f"its DNS prefix has {key.index('/')} characters, at most {SUBDOMAIN_MAX}")
+    if problem := prefix_problem(key):
+        raise ValueError(problem)
     return key
 
 

@@ -911,6 +911,17 @@ BAD = [
     ),
     ("affinity={podAntiAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: high}]}}", ".0.weight:"),
     ("affinity={nodeaffinity: {}}", "affinity.nodeaffinity: unknown key (did you mean nodeAffinity?)"),
+    # The API's rules for such objects (ctl.api_rules), which it applies only to the pods: the e2e tier checks each.
+    ("tolerations=[{key: gpu, operator: Equals}]", "tolerations.0.operator: 'Equals' is not Equal or Exists"),
+    ("tolerations=[{key: gpu, effect: NoSchedule, tolerationSeconds: 5}]", "tolerationSeconds: only with effect"),
+    ("env=[{name: A, value: x, valueFrom: {fieldRef: {fieldPath: a}}}]", "env.0.valueFrom: not with a value"),
+    ("envFrom=[{}]", "envFrom.0: one of configMapRef and secretRef is required"),
+    ("envFrom=[{secretRef: {name: Team_A}}]", "envFrom.0.secretRef.name: 'Team_A' is not a Kubernetes object name"),
+    (
+        "affinity={nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms:"
+        " [{matchExpressions: [{key: zone, operator: In}]}]}}}",
+        "nodeSelectorTerms.0.matchExpressions.0.values: required with operator In",
+    ),
     (
         "networkPolicy.prometheusNamespaceSelector={matchLabel: {team: ml}}",
         "networkPolicy.prometheusNamespaceSelector.matchLabel: unknown key (did you mean matchLabels?)",

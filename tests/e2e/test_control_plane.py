@@ -346,7 +346,7 @@ def conditions(job: dict[str, Any]) -> set[str]:
     return {c["type"] for c in (job.get("status") or {}).get("conditions") or [] if c["status"] == "True"}
 
 
-# Values on both sides of Kubernetes' rules for the names and labels the spec checks (ctl.spec: OBJECT_NAME,
+# Values on both sides of Kubernetes' rules for the names and labels the spec checks (ctl.api_rules: OBJECT_NAME,
 # LABEL_KEY, ANNOTATION_KEY, PREFIX_TOO_LONG, LABEL_VALUE).
 NAMES = ["runs", "shared.runs-1", "0", "true", "Shared_Runs", " runs", "runs-", "-runs", "a..b", "a" * 253, "a" * 254]
 LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" * 64]
@@ -355,6 +355,70 @@ LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" *
 MOUNT_PATHS = ["/checkpoints", "/tmp/runs", "/tmp", "/dev/shm", "/home/ddpjob"]
 KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
 KEYS += [f"{'a' * 253}/team", f"{'a' * 254}/team"]  # the longest prefix, and one character more
+
+
+def node_affinity(requirement: dict[str, Any]) -> dict[str, Any]:
+    terms = [{"matchExpressions": [requirement]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
+def pod_anti_affinity(selector: dict[str, Any]) -> dict[str, Any]:
+    term = {"topologyKey": "kubernetes.io/hostname", "labelSelector": selector}
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+
+
+SECRET_KEY = {"secretKeyRef": {"name": "s", "key": "k"}}
+# Values in Kubernetes form on both sides of the API's rules that the spec checks (ctl.api_rules.RULES).
+IN_KUBERNETES_FORM: list[tuple[str, Any]] = [
+    ("tolerations", [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    ("tolerations", [{"operator": "Exists"}]),
+    ("tolerations", [{"key": "gpu", "value": "a100"}]),
+    ("tolerations", [{"key": "gpu", "operator": "Equals"}]),
+    ("tolerations", [{"effect": "NoSchedule"}]),
+    ("tolerations", [{"key": "gpu", "operator": "Exists", "value": "a100"}]),
+    ("tolerations", [{"key": "gpu", "value": "a 100"}]),
+    ("tolerations", [{"key": "gpu type"}]),
+    ("tolerations", [{"key": "gpu", "effect": "NoRun"}]),
+    ("tolerations", [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 5}]),
+    ("tolerations", [{"key": "gpu", "effect": "NoExecute", "tolerationSeconds": 5}]),
+    ("env", [{"name": "A", "value": "x", "valueFrom": SECRET_KEY}]),
+    ("env", [{"name": "A", "valueFrom": {}}]),
+    ("env", [{"name": "A", "valueFrom": SECRET_KEY | {"configMapKeyRef": {"name": "c", "key": "k"}}}]),
+    ("env", [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "Bad_Name", "key": "k"}}}]),
+    ("env", [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a b"}}}]),
+    ("env", [{"name": "A", "valueFrom": {"configMapKeyRef": {"key": "k"}}}]),
+    ("env", [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+    ("envFrom", [{}]),
+    ("envFrom", [{"prefix": "X_", "secretRef": {"name": "s"}}]),
+    ("envFrom", [{"secretRef": {"name": "s"}, "configMapRef": {"name": "c"}}]),
+    ("envFrom", [{"secretRef": {"name": "Bad_Name"}}]),
+    ("envFrom", [{"configMapRef": {}}]),
+    ("affinity", node_affinity({"key": "zone", "operator": "In", "values": ["a"]})),
+    ("affinity", node_affinity({"key": "zone", "operator": "In"})),
+    ("affinity", node_affinity({"key": "zone", "operator": "Exists", "values": ["a"]})),
+    ("affinity", node_affinity({"key": "zone", "operator": "Bogus", "values": ["a"]})),
+    ("affinity", node_affinity({"key": "zone", "operator": "Gt", "values": ["1", "2"]})),
+    ("affinity", node_affinity({"key": "zone", "operator": "Lt", "values": ["4"]})),
+    ("affinity", node_affinity({"key": "zone type", "operator": "Exists"})),
+    ("affinity", pod_anti_affinity({"matchLabels": {"app": "x"}})),
+    ("affinity", pod_anti_affinity({"matchLabels": {"app": "a b"}})),
+    ("affinity", pod_anti_affinity({"matchLabels": {"app x": "a"}})),
+    ("affinity", pod_anti_affinity({"matchExpressions": [{"key": "app", "operator": "NotIn"}]})),
+    ("affinity", pod_anti_affinity({"matchExpressions": [{"key": "app", "operator": "In", "values": ["a b"]}]})),
+    ("affinity", pod_anti_affinity({"matchExpressions": [{"key": "app", "operator": "Gt", "values": ["1"]}]})),
+]
+
+
+def in_pod(pod: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """The pod with a value in Kubernetes form where the chart puts that spec key's."""
+    container = pod["spec"]["containers"][0]
+    if key == "env":
+        container.setdefault("env", []).extend(value)
+    elif key == "envFrom":
+        container["envFrom"] = value
+    else:
+        pod["spec"][key] = value
+    return pod
 
 
 def claim(name: str, storage_class: str = "standard") -> dict[str, Any]:
@@ -376,8 +440,8 @@ def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
     MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim, ServiceAccount and PriorityClass of each name
     and a claim of each storage class (a pod may name any claim, and waits for ever for one no claim can be), the
-    pod naming each as its Secret, mounting the run volume at each path, and carrying each label, annotation and
-    node selector."""
+    pod naming each as its Secret and its scheduler, mounting the run volume at each path, carrying each label,
+    annotation and node selector, and taking each value in Kubernetes form (IN_KUBERNETES_FORM)."""
     for name in NAMES:
         yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
         # The objects of these names must exist before a pod may name them (the admission looks them up).
@@ -390,8 +454,13 @@ def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
         of_class = {"storage": {"storageClassName": name}}
         yield f"storageClassName {name!r}", of_class, lambda pod, n=name: claim("runs", storage_class=n)
         yield f"secretName {name!r}", {"storage": {"secretName": name}}, lambda pod, n=name: with_secret_key(pod, n)
+        # The pods' schedulerName: the API server takes any name (the scheduler of that name never comes).
+        coscheduled = {"apiKind": "TrainJob", "queue": {"coscheduling": name}}
+        yield f"queue.coscheduling {name!r}", coscheduled, lambda pod, n=name: in_pod(pod, "schedulerName", n)
     for path in MOUNT_PATHS:
         yield f"mountPath {path!r}", {"storage": {"mountPath": path}}, lambda pod, p=path: with_run_volume_at(pod, p)
+    for key, value in IN_KUBERNETES_FORM:
+        yield f"{key} {value}", {key: value}, lambda pod, k=key, v=value: in_pod(pod, k, v)
     for key, (part, field), labels in MAPPINGS:
         for entry in [{k: "x"} for k in KEYS] + ([{"team": v} for v in LABEL_VALUES] if labels else []):
             yield f"{key} {entry}", {key: entry}, lambda pod, e=entry, p=part, f=field: with_entry(pod, p, f, e)
