@@ -76,7 +76,12 @@ MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoi
 POD_MOUNT_PATH = f"^({'|'.join(map(re.escape, POD_MOUNTS.values()))})/*$"
 ENDPOINT_URL = pattern(r"^(https?://[^\s/?#]+(/\S*)?)?$", "an http:// or https:// URL, e.g. https://s3.example.com")
 IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
-IMAGE_TAG = pattern(r"^\S*$", "an image tag without blanks, e.g. 0.1.0")
+# An image reference's tag (and digest) as the kubelet parses it (distribution's reference grammar): another one is
+# InvalidImageName on every node, which the API server takes (semver's `1.0+build` among them).
+IMAGE_TAG = pattern(
+    r"^(\w[\w.-]{0,127}(@sha256:[0-9a-f]{64})?)?$",
+    "an image tag: letters, digits, '_', '.' and '-', at most 128, then an optional @sha256:digest, e.g. 0.1.0",
+)
 # An object's name; empty where the spec says what empty means.
 ObjectName = Annotated[str, Field(pattern=OBJECT_NAME, max_length=SUBDOMAIN_MAX)]
 LabelValue = Annotated[str, Field(pattern=LABEL_VALUE)]

@@ -927,7 +927,7 @@ BAD = [
         "networkPolicy.prometheusNamespaceSelector.matchLabel: unknown key (did you mean matchLabels?)",
     ),
     ("serviceAccount.craete=true", "serviceAccount.craete: unknown key (did you mean create?)"),
-    ("imagePullSecrets=[regcred]", "imagePullSecrets.0: Input should be a valid dictionary"),
+    ("imagePullSecrets=[regcred]", "imagePullSecrets.0: expected a mapping of keys, not the text 'regcred'"),
     ("imagePullSecrets=[{nmae: regcred}]", "imagePullSecrets.0.nmae: unknown key (did you mean name?)"),
     ("imagePullSecrets=[{name: null}]", "imagePullSecrets: entry 0 needs a `name`"),
     ("resources.gpu=-1", "resources.gpu: Input should be greater than or equal to 0"),
@@ -936,6 +936,9 @@ BAD = [
     ("storage.size=10GB", "storage.size: '10GB' is not a size in bytes"),
     ("prepare.cpu=all", "prepare.cpu: 'all' is not a number of CPUs, e.g. 4, 0.5 or 500m"),
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
+    ("image.tag=1.0+build.5", "image.tag: '1.0+build.5' is not an image tag: letters, digits, '_', '.' and '-'"),
+    ("image.tag=.1", "image.tag: '.1' is not an image tag"),
+    (f"image.tag=1.0@sha256:{'a' * 63}", "image.tag: '1.0@sha256:aaaa"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
     (

@@ -128,6 +128,9 @@ BAD_SPECS = [
         "training.optimizer.lrr: unknown key (did you mean lr?)",
     ),
     ("wrong-type", {"nodes": "two"}, [], "nodes: expected a whole number, not the text 'two'"),
+    ("section-not-a-mapping", {}, ["--set", "training=5"], "training: expected a mapping of keys, not the number 5"),
+    ("labels-as-a-list", {"podLabels": ["team"]}, [], "podLabels: expected a mapping of keys, not a list"),
+    ("text-as-a-list", {"nodeSelector": {"pool": ["a"]}}, [], "nodeSelector.pool: expected text, not a list"),
     # YAML's own kinds, as values.schema.json asks for them: pydantic's lax mode took all of these.
     ("quoted-integer", {"nodes": "2"}, [], "spec.yaml: nodes: expected a whole number, but '2' is quoted"),
     (
@@ -291,8 +294,9 @@ def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patc
         ("- just\n- a list\n", "expected a mapping"),
         # PyYAML would keep the second silently, dropping the first's keys; helm and kubectl refuse the file.
         ("name: a\ntraining: {}\nnodes: 1\ntraining: {}\n", "at line 4: duplicate key 'training' (first at line 2)"),
+        ("name: a\n---\nname: b\n", "at line 2: a second document (---): a spec is one mapping"),
     ],
-    ids=["invalid-yaml", "not-a-mapping", "duplicate-key"],
+    ids=["invalid-yaml", "not-a-mapping", "duplicate-key", "two-documents"],
 )
 def test_unreadable_spec_file(tmp_path: Path, content: str, message: str) -> None:
     spec = tmp_path / "spec.yaml"

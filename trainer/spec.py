@@ -387,8 +387,8 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
         problem = "required key is missing"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
         problem = not_text(read)
-    elif first["type"] in WANTED and isinstance(read := first["input"], str | int | float):  # bool too
-        problem = not_of_kind(first["type"], read)
+    elif first["type"] in WANTED:
+        problem = not_of_kind(first["type"], first["input"])
     elif first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] in PATTERN_MEANINGS:
         what = f"key {first['input']!r}" if of_key else repr(first["input"])
         problem = f"{what} is not {PATTERN_MEANINGS[first['ctx']['pattern']]}"
@@ -416,22 +416,37 @@ def not_text(read: float) -> str:
     return f"expected text, but YAML read {json.dumps(read)} as a {what}: quote it"
 
 
-# What an Int or a Flag holds, in words, by pydantic's error type.
-WANTED = {"int_type": ("a whole number", int), "bool_type": ("true or false", bool)}
+# What a key takes, in words, by pydantic's error type for a value of another kind; with the type that YAML reads
+# unquoted as one (a quoted "2" or "true").
+WANTED: dict[str, tuple[str, type | None]] = {
+    "int_type": ("a whole number", int),
+    "bool_type": ("true or false", bool),
+    "float_type": ("a number", None),
+    "string_type": ("text", None),  # a number or a boolean has its own line (not_text): this is null, a list...
+    "list_type": ("a list", None),
+    "tuple_type": ("a list", None),
+    "dict_type": ("a mapping of keys", None),
+    "model_type": ("a mapping of keys", None),
+}
 
 
-def not_of_kind(error_type: str, read: str | float) -> str:
-    """The problem with a value of another YAML kind than an Int's or a Flag's: quoted, a boolean, a number."""
+def not_of_kind(error_type: str, read: Any) -> str:
+    """The problem with a value of another YAML kind than its key takes: quoted, a boolean, a number, null..."""
     wanted, kind = WANTED[error_type]
     if isinstance(read, str):
         with contextlib.suppress(yaml.YAMLError):
             unquoted = yaml.safe_load(read)
-            if type(unquoted) is kind:  # bool is int's subclass: "true" is no whole number
+            if kind is not None and type(unquoted) is kind:  # bool is int's subclass: "true" is no whole number
                 return f"expected {wanted}, but {read!r} is quoted: YAML reads it as text"
         return f"expected {wanted}, not the text {read!r}"
     if isinstance(read, bool):
         return f"expected {wanted}, but YAML read {json.dumps(read)} as a boolean"
-    return f"expected {wanted}, not the number {read!r}"
+    if isinstance(read, int | float):
+        return f"expected {wanted}, not the number {read!r}"
+    return f"expected {wanted}, not {YAML_KINDS.get(type(read), type(read).__name__)}"
+
+
+YAML_KINDS = {type(None): "null", list: "a list", dict: "a mapping"}
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:
@@ -496,7 +511,10 @@ def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{name}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = getattr(exc, "problem", exc)
+        if problem == "but found another document":  # PyYAML's sentence begins in its context
+            problem = "a second document (---): a spec is one mapping"
+        raise SpecError(f"{name}: invalid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{name}: expected a mapping of keys at the top level")
     return data
