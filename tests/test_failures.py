@@ -183,6 +183,7 @@ def test_a_flag_s_value_is_checked_before_the_cluster_is_asked(tmp_path: Path) -
         (["list", "-o", "xml"], "'xml': expected table, yaml or json"),
         (["status", "tiny", "-o", "wide"], "'wide': expected table, yaml or json"),
         (["submit", "spec.yaml", "--dry-run", "true"], "'true': expected none, client or server"),
+        (["logs", "tiny", "--rank", "-1"], "greater than or equal to 0"),
     ):
         result = run_ctl(*args, "--kubeconfig", "config.yaml", cwd=tmp_path)
         assert_one_line(result, EXIT_BAD_INPUT, f"ctl {args[0]}: Invalid value for '--")

@@ -204,7 +204,8 @@ def list_command(
 def logs(
     name: NameArg,
     rank: Annotated[
-        int | None, typer.Option("--rank", help="The pod that runs this global rank (default 0).", show_default=False)
+        int | None,
+        typer.Option("--rank", help="The pod that runs this global rank (default 0).", show_default=False, min=0),
     ] = None,
     all_nodes: Annotated[
         bool, typer.Option("--all", help="Every pod, each line prefixed [master-0], [worker-0]... ([node-0]...)")
