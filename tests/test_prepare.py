@@ -560,6 +560,17 @@ BAD = {
         lambda p: p.write_text("text,source\nhello,a\nhello, world,b\n"),
         "rows.csv:3: 3 fields, the header has 2: a comma in a field that is not in quotes? quote the field",
     ),
+    # Not strict, the csv module read the rest of the file into the open quote's field, and kept text after a quote.
+    "csv-quote-never-closed": (
+        "rows.csv",
+        lambda p: p.write_text('text\nfine\n"never closed\nmore\nrows\n'),
+        "rows.csv:3: invalid CSV: a quote opened in the row that starts here is never closed (the file ends inside it)",
+    ),
+    "csv-text-after-a-quote": (
+        "rows.csv",
+        lambda p: p.write_text('text\n"quoted" and not\n'),
+        "rows.csv:2: invalid CSV: ',' expected after '\"'",
+    ),
     "tsv-tab-in-field": (
         "rows.tsv",
         lambda p: p.write_text("text\nhello\tworld\n"),

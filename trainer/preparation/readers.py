@@ -28,7 +28,12 @@ ROWS_AT_ONCE = 1024  # rows of a columnar file made Python objects at a time
 ARROW_FILE_MAGIC = b"ARROW1"  # how an Arrow IPC file of the file format begins; one of the stream format does not
 # The csv module's reading of each table format. A TSV has no quoting (IANA's text/tab-separated-values, GLUE's
 # files): a quote is text, where CSV quoting would join the rows up to the next quote into one field.
-TABLES: dict[str, dict[str, Any]] = {".csv": {}, ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
+# Strict: a quote left open read the rest of the file into one field (a missing label at its end, or rows joined
+# into one document up to the next stray quote), and text after a closing quote was kept.
+TABLES: dict[str, dict[str, Any]] = {
+    ".csv": {"strict": True},
+    ".tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE, "strict": True},
+}
 # A row with more fields than the header would be read as a document cut short, its label from the wrong field.
 SPLIT_FIELD = {
     ".csv": 'a comma in a field that is not in quotes? quote the field ("a, b")',
@@ -165,9 +170,10 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
         reader = csv.DictReader(text(), **TABLES[kind])
         if reader.fieldnames is not None:  # None: an empty file
             _check_columns(path, fields, reader.fieldnames, key)
+        first = reader.line_num + 1  # the line the next row starts on
         try:
             for row in reader:
-                where = f"{path}:{reader.line_num}"
+                where, first = f"{path}:{reader.line_num}", reader.line_num + 1
                 if any(row.get(None) or ()):  # the fields past the header's (empty ones: trailing delimiters)
                     count = len(reader.fieldnames or ()) + len(row[None])
                     raise SpecError(
@@ -177,8 +183,11 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
                 if kind == ".tsv":
                     _refuse_csv_quotes(row, fields, where, key)
                 yield where, row, read
-        except csv.Error as exc:
-            raise SpecError(f"{key}: {path}:{reader.line_num}: invalid {kind[1:].upper()}: {exc}") from None
+        except csv.Error as exc:  # the csv module's line count lags here: the line the row starts on
+            why = str(exc)
+            if why == "unexpected end of data":  # the row's quote was never closed
+                why = f"a quote opened in the row that starts here is never closed (the file ends inside it): {why}"
+            raise SpecError(f"{key}: {path}:{first}: invalid {kind[1:].upper()}: {why}") from None
     elif kind == ".json" and _first_character(path, key) == "[":
         yield from _json_array(path, key)
     else:
