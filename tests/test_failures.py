@@ -496,6 +496,23 @@ def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_f
     assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, again)
 
 
+def test_a_resume_on_another_vocabulary_is_refused_even_when_settings_may_change(workdir, corpus_file: Path) -> None:
+    """allowConfigChange lets a resume read changed data; new characters there are another vocabulary, under which
+    the checkpoint's embeddings would stand for other tokens (with a trained BPE, silently: the same size)."""
+    path, env = workdir
+    corpus = path / "corpus.txt"
+    corpus.write_text(corpus_file.read_text())
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus, maxSteps=2, sample={"maxNewTokens": 0})))
+    assert run_ctl("run", "spec.yaml", cwd=path, env=env).returncode == 0
+    with corpus.open("a") as file:
+        file.write("\n\u00e9t\u00e9 \u00e0 No\u00ebl\n")  # characters the corpus has not had
+    run_before = tree(path / "runs" / "tiny")  # found after the trainer's write test, which leaves nothing
+    flags = ("--set", "training.checkpoint.allowConfigChange=true", "--set", "training.maxSteps=3")
+    expected = "error: training.data: the vocabulary differs from the one this run's checkpoints were trained on"
+    assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path / "runs" / "tiny") == run_before
+
+
 # -- the root cause, and where the rest is --------------------------------------------------------------------
 
 

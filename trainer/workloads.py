@@ -11,6 +11,7 @@ barrier.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -24,12 +25,12 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data import Collate
+from trainer.data import CharVocab, Collate
 from trainer.dist import Dist, barrier
 from trainer.location import S3Location, is_s3
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
-from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources
+from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources, tokenizer_hash
 from trainer.preparation.readers import skipped_warning
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
@@ -266,9 +267,39 @@ def job_progress(plan: Plan, since: float) -> tuple[str, float]:
         return "", since
 
 
-def record_dataset(plan: Plan, run_dir: Path) -> None:
-    """The data checked out: this run reads this dataset from now on (see check_same_sources)."""
+def vocabulary_hash(tokenizer: Any) -> str | None:
+    """What the model's token ids stand for: a char-gpt's characters, or the tokenizer (one trained during
+    preparation is known only once the data is prepared)."""
+    if isinstance(tokenizer, CharVocab):
+        return hashlib.sha256("".join(tokenizer.chars).encode()).hexdigest()
+    return tokenizer_hash(tokenizer)
+
+
+def check_same_vocabulary(work: Workload, run_dir: Path) -> None:
+    """A run resuming from checkpoints must read its tokens as they were trained: another vocabulary (a tokenizer
+    trained anew on changed data under allowConfigChange, a pinned tokenizer's files changed, new characters) would
+    give the model's embeddings other tokens, silently. Every rank checks it, before anything is resumed."""
+    store = open_store(work.data.spec.checkpoint.dir, run_dir)
+    try:
+        store.read_bytes(LATEST_CHECKPOINT)
+        trained = json.loads(store.read_bytes(RUN_DATASET)).get("vocabularySha256")
+    except (FileNotFoundError, NotADirectoryError):  # nothing to resume
+        return
+    if trained is not None and trained != vocabulary_hash(work.tokenizer):
+        pinned = "" if isinstance(work.tokenizer, CharVocab) else " (or set training.tokenizer.path to it)"
+        raise SpecError(
+            "training.data: the vocabulary differs from the one this run's checkpoints were trained on: resumed,"
+            f" the model would read its token ids as other tokens; restore the data{pinned}, or start a new run"
+            f" directory ({NEW_RUN_DIR})"
+        )
+
+
+def record_dataset(work: Workload, run_dir: Path) -> None:
+    """The data checked out: this run reads this dataset, and its vocabulary, from now on (check_same_sources,
+    check_same_vocabulary)."""
+    plan = work.data
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
+    record["vocabularySha256"] = vocabulary_hash(work.tokenizer)
     text = json.dumps(record, indent=1) + "\n"
     store = open_store(plan.spec.checkpoint.dir, run_dir)
     with contextlib.suppress(FileNotFoundError):
