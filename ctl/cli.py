@@ -125,7 +125,9 @@ def main() -> None:
         exc.show()
         code = exc.exit_code
     except click.UsageError as exc:
-        command = exc.ctx.command_path if exc.ctx else "ctl"
+        # An option that lacks its value fails before its command has a context: the command is the first word.
+        named = sys.argv[1:2] if sys.argv[1:2] and sys.argv[1] in COMMANDS else []
+        command = exc.ctx.command_path if exc.ctx else " ".join(["ctl", *named])
         typer.echo(f"error: {command}: {exc.format_message().rstrip('.')} (see '{command} --help')", err=True)
         code = EXIT_BAD_INPUT
     except click.ClickException as exc:

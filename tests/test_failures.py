@@ -126,6 +126,16 @@ def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, c
     assert f"ctl {command} --help" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args", [["render", "spec.yaml", "-o"], ["submit", "spec.yaml", "--dry-run"], ["logs", "x", "--tail"]]
+)
+def test_an_option_without_its_value_names_its_command(tmp_path: Path, args: list[str]) -> None:
+    """Click fails such an option before the command has a context: the line named `ctl` and its --help."""
+    result = run_ctl(*args, cwd=tmp_path)
+    assert_one_line(result, EXIT_BAD_INPUT, f"ctl {args[0]}: Option '{args[-1]}' requires an argument")
+    assert f"(see 'ctl {args[0]} --help')" in result.stderr
+
+
 def test_a_timeout_is_seconds_or_a_duration_as_kubectl_takes(tmp_path: Path) -> None:
     written = ("90", "1.5", "1e3", "90s", "30m", "1h30m", "1.5h", "500ms", ".5m", "1m0.5s")
     assert [seconds(text) for text in written] == [90, 1.5, 1000, 90, 1800, 5400, 5400, 0.5, 30, 60.5]
