@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,7 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise KubeconfigError(f"kubeconfig {where}: not valid YAML: {problem}") from None
     except config.ConfigException as exc:
-        raise KubeconfigError(f"kubeconfig: {exc}") from None
+        raise KubeconfigError(client_problem(str(exc))) from None
     # What the client's loader raises on a file of the wrong shape (a list, a string, base64 that is not).
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise KubeconfigError(
@@ -181,6 +182,20 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         ) from None
     except OSError as exc:
         raise KubeconfigError(f"kubeconfig: {exc}") from None
+
+
+# The client's words for a kubeconfig without the context it makes current, in kubectl's.
+NO_SUCH_CURRENT = re.compile(r"Invalid kube-config file\. Expected object with name (.+) in (.+)/contexts list$")
+NO_CURRENT = re.compile(r"Invalid kube-config file\. Expected key current-context in (.+)$")
+
+
+def client_problem(problem: str) -> str:
+    """The client's ConfigException as ctl's line."""
+    if found := NO_SUCH_CURRENT.match(problem):
+        return f"kubeconfig {found[2]}: its current-context {found[1]!r} is none of its contexts (--context names one)"
+    if found := NO_CURRENT.match(problem):
+        return f"kubeconfig {found[1]}: no current-context (--context names one)"
+    return f"kubeconfig: {problem}"
 
 
 def plugin_failed(user: str | None, errors: list[str]) -> KubeconfigError:

@@ -231,6 +231,16 @@ KUBECONFIG_CASES = {
         "error: kubeconfig broken.yaml, line 2: not valid YAML: expected the node content, but found '<stream end>'",
     ),
     "not-a-kubeconfig": (["--kubeconfig", "list.yaml"], {}, "error: kubeconfig list.yaml: not a kubeconfig (TypeError"),
+    "no-such-current-context": (
+        ["--kubeconfig", "elsewhere.yaml"],
+        {},
+        "error: kubeconfig elsewhere.yaml: its current-context 'there' is none of its contexts (--context names one)",
+    ),
+    "no-current-context": (
+        ["--kubeconfig", "unset.yaml"],
+        {},
+        "error: kubeconfig unset.yaml: no current-context (--context names one)",
+    ),
     "no-such-context": (
         ["--kubeconfig", "config.yaml", "--context", "there"],
         {},
@@ -275,6 +285,8 @@ def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case
     (tmp_path / "broken.yaml").write_text("clusters: [\n")
     (tmp_path / "list.yaml").write_text("- a\n")
     (tmp_path / "config.yaml").write_text(KUBECONFIG)
+    (tmp_path / "elsewhere.yaml").write_text(KUBECONFIG.replace("current-context: here", "current-context: there"))
+    (tmp_path / "unset.yaml").write_text(KUBECONFIG.replace("current-context: here\n", ""))
     (tmp_path / "expired.sh").write_text("#!/bin/sh\necho 'the login expired:' >&2\necho 'run sso login' >&2\nexit 1\n")
     (tmp_path / "expiring.sh").write_text(EXPIRING)
     for plugin in ("expired.sh", "expiring.sh"):
