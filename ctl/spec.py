@@ -69,6 +69,7 @@ PROMETHEUS_DURATION = pattern(r"^([0-9]+(ms|s|m|h|d|w|y))+$", "a Prometheus dura
 PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name: letters, digits, _; no digit first")
 # A Kubernetes quantity of bytes as the chart's `ddpjob.mebibytes` helper reads it: a number, an optional suffix.
 BYTES_QUANTITY = pattern(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", "a size in bytes, e.g. 512Mi, 4Gi or 1.5T")
+ZERO_BYTES = r"^0+(\.0+)?[A-Za-z]*$"  # a BYTES_QUANTITY of nothing, which a claim may not ask for
 CPU_QUANTITY = pattern(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$", "a number of CPUs, e.g. 4, 0.5 or 500m")
 MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoints")
 # The pods' own mounts, with or without a trailing /: the run volume cannot be mounted there too (refused by
@@ -207,7 +208,12 @@ class StorageSpec(SpecModel):
     )
 
     existing_claim: ObjectName = Field("", description="Use this PVC instead of creating one.")
-    size: str = Field("10Gi", pattern=BYTES_QUANTITY, description="Size of the created PVC.")
+    size: str = Field(
+        "10Gi",
+        pattern=BYTES_QUANTITY,
+        json_schema_extra={"not": {"pattern": ZERO_BYTES}},
+        description="Size of the created PVC (more than 0).",
+    )
     storage_class_name: ObjectName = Field("", description="StorageClass of the created PVC; empty: cluster default.")
     access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]] = Field(
         default_factory=list,
@@ -220,6 +226,14 @@ class StorageSpec(SpecModel):
         json_schema_extra={"not": {"pattern": POD_MOUNT_PATH}},
         description="Where the volume is mounted in every pod.",
     )
+
+    @field_validator("size")
+    @classmethod
+    def _more_than_nothing(cls, size: str) -> str:
+        """The API server refuses a claim of no bytes (values.schema.json's `not` refuses it for helm)."""
+        if re.match(ZERO_BYTES, size):
+            raise ValueError(f"{size!r} is no bytes: a claim must ask for more")
+        return size
 
     @field_validator("mount_path")
     @classmethod

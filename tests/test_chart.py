@@ -934,6 +934,7 @@ BAD = [
     ("resources.gpu=1", "resources.gpu: 1 GPU(s) per pod for procsPerNode 2: each process needs a GPU of its own"),
     ("resources.memory=lots", "resources.memory: 'lots' is not a size in bytes, e.g. 512Mi, 4Gi or 1.5T"),
     ("storage.size=10GB", "storage.size: '10GB' is not a size in bytes"),
+    ("storage.size=0Gi", "storage.size: '0Gi' is no bytes: a claim must ask for more"),
     ("prepare.cpu=all", "prepare.cpu: 'all' is not a number of CPUs, e.g. 4, 0.5 or 500m"),
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
     ("image.tag=1.0+build.5", "image.tag: '1.0+build.5' is not an image tag: letters, digits, '_', '.' and '-'"),
@@ -985,6 +986,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"training": {**TRAIN, "data": {"train": ""}}}, "at '/training/data/train'"),
         ({"training": {**TRAIN, "data": {"train": ["a.txt", ""]}}}, "at '/training/data/train'"),
         ({"storage": {"size": "10GB"}}, "at '/storage/size'"),
+        ({"storage": {"size": "0"}}, "at '/storage/size'"),
         ({"storage": {"existingClaim": "Shared_Runs"}}, "at '/storage/existingClaim'"),
         ({"podLabels": {"team ml": "x"}}, "invalid propertyName 'team ml'"),  # Helm names no key here
         ({"podLabels": {"team": "ML team"}}, "at '/podLabels/team'"),

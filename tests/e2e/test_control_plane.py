@@ -352,6 +352,7 @@ NAMES = ["runs", "shared.runs-1", "0", "true", "Shared_Runs", " runs", "runs-", 
 LABEL_VALUES = ["ml", "ML_team.1", "0", "", "a b", "-ml", "ml.", "x" * 63, "x" * 64]
 # The spec refuses more mount paths than the API server: a relative one (the kubelet mounts `runs` at /runs, and the
 # run directory would be runs/<name> under the working directory), / and a pod's own mount with a trailing /.
+SIZES = ["1Gi", "1", "1.5Gi", "0", "0Gi", "0.0Mi"]  # a claim's: more than nothing
 MOUNT_PATHS = ["/checkpoints", "/tmp/runs", "/tmp", "/dev/shm", "/home/ddpjob"]
 KEYS = ["team", "example.com/team", "a.b/c_d", "Example.com/team", "example.com/", "/team", "a/b/c", "x" * 64, "a b"]
 KEYS += [f"{'a' * 253}/team", f"{'a' * 254}/team"]  # the longest prefix, and one character more
@@ -421,8 +422,8 @@ def in_pod(pod: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     return pod
 
 
-def claim(name: str, storage_class: str = "standard") -> dict[str, Any]:
-    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+def claim(name: str, storage_class: str = "standard", size: str = "1Gi") -> dict[str, Any]:
+    spec = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
     spec["storageClassName"] = storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name}, "spec": spec}
 
@@ -438,10 +439,10 @@ Make = Callable[[dict[str, Any]], dict[str, Any]]  # the chart's pod -> the obje
 
 def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
     """(the value, the spec's keys setting it, the object the API server checks it in) for every value of NAMES,
-    MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim, ServiceAccount and PriorityClass of each name
-    and a claim of each storage class (a pod may name any claim, and waits for ever for one no claim can be), the
-    pod naming each as its Secret and its scheduler, mounting the run volume at each path, carrying each label,
-    annotation and node selector, and taking each value in Kubernetes form (IN_KUBERNETES_FORM)."""
+    SIZES, MOUNT_PATHS, KEYS and LABEL_VALUES where the spec has it: a claim, ServiceAccount and PriorityClass of each
+    name, a claim of each storage class and size (a pod may name any claim, and waits for ever for one no claim can
+    be), the pod naming each as its Secret and its scheduler, mounting the run volume at each path, carrying each
+    label, annotation and node selector, and taking each value in Kubernetes form (IN_KUBERNETES_FORM)."""
     for name in NAMES:
         yield f"existingClaim {name!r}", {"storage": {"existingClaim": name}}, lambda pod, n=name: claim(n)
         # The objects of these names must exist before a pod may name them (the admission looks them up).
@@ -457,6 +458,8 @@ def placed_values() -> Iterator[tuple[str, dict[str, Any], Make]]:
         # The pods' schedulerName: the API server takes any name (the scheduler of that name never comes).
         coscheduled = {"apiKind": "TrainJob", "queue": {"coscheduling": name}}
         yield f"queue.coscheduling {name!r}", coscheduled, lambda pod, n=name: in_pod(pod, "schedulerName", n)
+    for size in SIZES:
+        yield f"storage.size {size!r}", {"storage": {"size": size}}, lambda pod, s=size: claim("runs", size=s)
     for path in MOUNT_PATHS:
         yield f"mountPath {path!r}", {"storage": {"mountPath": path}}, lambda pod, p=path: with_run_volume_at(pod, p)
     for key, value in IN_KUBERNETES_FORM:
