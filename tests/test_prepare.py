@@ -464,6 +464,8 @@ def parquet(rows: dict[str, list]) -> Callable[[Path], None]:
 
 BAD = {
     "missing": ("absent.txt", None, "training.data.train: no file matches"),
+    "link-to-nothing": ("link.txt", lambda p: p.symlink_to(p.with_name("gone.txt")), "link.txt' is a link to '"),
+    "fifo": ("pipe.txt", os.mkfifo, "pipe.txt' is not a regular file (a FIFO, a socket or a device)"),
     "empty": ("empty.txt", lambda p: p.write_text("  \n"), "training.data.train: no text in"),
     "undecodable": ("latin1.txt", lambda p: p.write_bytes("caf\xe9".encode("latin-1")), "latin1.txt is not UTF-8 text"),
     "jsonl-row": (
@@ -603,7 +605,7 @@ def test_bad_inputs_name_key_file_and_row_and_leave_nothing(tmp_path, case) -> N
     assert not (tmp_path / "cache").exists(), "no dataset, no staging: nothing a later run would trust"
 
     skipping = training("char-gpt", [str(good), str(tmp_path / name)], tmp_path, onBadFile="skip", prepareWorkers=1)
-    if case in ("missing", "empty"):  # a mistake in the spec, or no text at all: not a bad file among good ones
+    if case in ("missing", "link-to-nothing", "fifo", "empty"):  # a mistake in the spec, or no text at all
         return
     logged: list[str] = []
     entry = prepare_spec(skipping, tmp_path / "run", logged.append).entry

@@ -49,9 +49,20 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
         found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
         matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
-            raise SpecError(f"{key}: no file {'in the directory' if folder else 'matches'} {expanded!r}")
+            raise SpecError(f"{key}: {no_match(expanded, folder)}")
         files.update(matches)
     return sorted(files)
+
+
+def no_match(expanded: str, folder: bool) -> str:
+    """Why a path names no file: an empty folder, a link to nothing, a FIFO or device, or nothing there."""
+    if folder:
+        return f"no file in the directory {expanded!r}"
+    if os.path.islink(expanded) and not os.path.exists(expanded):
+        return f"{expanded!r} is a link to {os.readlink(expanded)!r}, which does not exist"
+    if os.path.exists(expanded):
+        return f"{expanded!r} is not a regular file (a FIFO, a socket or a device)"
+    return f"no file matches {expanded!r}"
 
 
 def saved_dataset_files(
