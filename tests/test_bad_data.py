@@ -55,6 +55,11 @@ CASES = {
         "floats.jsonl:1) are the same number written two ways, which would be two classes: write each label one way"
         " (or, if they are two classes, list them in training.data.labels)",
     ),
+    # A CSV's `text, odd`: " odd" beside "odd", two classes printed alike.
+    "a-label-with-blanks-at-an-end": (
+        lambda d: {"train": jsonl(d / "t.jsonl", [*ROWS, {"text": "x", "label": " odd"}])},
+        "t.jsonl:2) are the same label but for blanks at an end, written two ways, which would be two classes",
+    ),
     "unseen-label-in-val-written-another-way": (
         lambda d: {
             "train": jsonl(d / "t.jsonl", [row | {"label": i % 2} for i, row in enumerate(ROWS)]),

@@ -81,12 +81,21 @@ def as_number(label: str) -> float | None:
     return None if math.isnan(number) else number
 
 
-def same_number(label: str, labels: list[str]) -> str | None:
-    """The first of `labels` that is `label`'s number written another way ("1" for "1.0"), if any: files exported
-    by different tools (an integer column, a float column with gaps) write the same class so."""
-    if (number := as_number(label)) is None:
-        return None
-    return next((other for other in labels if other != label and as_number(other) == number), None)
+def meant(label: str) -> float | str:
+    """What a label means: its number ("1" and "1.0" are one), else its text without blanks at its ends (" pos", a
+    CSV's `neg, pos`, is "pos")."""
+    number = as_number(label)
+    return label.strip() if number is None else number
+
+
+def written_as(twin: float | str) -> str:
+    return "number" if isinstance(twin, float) else "label but for blanks at an end,"
+
+
+def same_label(label: str, labels: list[str]) -> str | None:
+    """The first of `labels` that is `label` written another way ("1" for "1.0", "pos" for " pos"), if any: files
+    exported by different tools (an integer column, a float column with gaps) write the same class so."""
+    return next((other for other in labels if other != label and meant(other) == meant(label)), None)
 
 
 @dataclass
@@ -111,15 +120,16 @@ class Labels:
         """The label set (the spec's, else the training labels sorted) and the files' ids rewritten to it."""
         labels = self.data.labels or label_order(self.seen["train"])
         if not self.data.labels:
-            self.refuse_a_number_written_two_ways(labels)
+            self.refuse_a_label_written_two_ways(labels)
         known = set(labels)
         for split, split_labels in self.seen.items():
             unseen = sorted(split_labels - known)
             if unseen:
                 where = "training.data.labels" if self.data.labels else "training data"
                 more = f"{len(unseen)} such label(s)"
-                if twin := same_number(unseen[0], labels):
-                    more += f"; it has {twin!r}, the same number written another way: write each label one way"
+                if twin := same_label(unseen[0], labels):
+                    what = written_as(meant(twin))
+                    more += f"; it has {twin!r}, the same {what} written another way: write each label one way"
                 row = find_label(self.files[split], self.data.label_field, unseen[0], f"training.data.{split}")
                 raise SpecError(f"training.data.{split}: {row}: label {unseen[0]!r} is not in the {where} ({more})")
         if len(labels) < 2:
@@ -134,21 +144,19 @@ class Labels:
             remap[ids].tofile(path)  # one int32 per document: small next to the tokens
         return labels
 
-    def refuse_a_number_written_two_ways(self, labels: list[str]) -> None:
-        """Two training labels that are one number ("1" and "1.0") would be two classes, silently."""
-        first: dict[float, str] = {}
+    def refuse_a_label_written_two_ways(self, labels: list[str]) -> None:
+        """Two training labels that mean one ("1" and "1.0", "pos" and " pos") would be two classes, silently."""
+        first: dict[float | str, str] = {}
         for label in labels:
-            if (number := as_number(label)) is None:
-                continue
-            if number in first:
-                twins = (first[number], label)
+            if (key := meant(label)) in first:
+                twins = (first[key], label)
                 rows = [find_label(self.files["train"], self.data.label_field, x, "training.data.train") for x in twins]
                 raise SpecError(
                     f"training.data.train: labels {twins[0]!r} ({rows[0]}) and {twins[1]!r} ({rows[1]}) are the same"
-                    " number written two ways, which would be two classes: write each label one way (or, if they are"
-                    " two classes, list them in training.data.labels)"
+                    f" {written_as(key)} written two ways, which would be two classes: write each label one way (or,"
+                    " if they are two classes, list them in training.data.labels)"
                 )
-            first[number] = label
+            first[key] = label
 
 
 OWNER_TOUCH_SECONDS = 10.0  # how often the process writing a staging directory touches its owner file (locked too)
