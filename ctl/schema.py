@@ -219,6 +219,7 @@ CONSTRAINTS = (
     ("minLength", "at least {} characters"),
     ("maxLength", "at most {} characters"),
     ("minItems", "at least {} items"),
+    ("maxItems", "at most {} items"),
     ("pattern", "matching `{}`"),
 )
 
@@ -250,7 +251,10 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
         return f"`{node['const']}`"
     kind = node.get("type", "any")
     if kind == "array":
-        text = f"list of {_type(node.get('items', {}), defs)}"
+        # A tuple of one type (training.optimizer.betas) is a list of it.
+        prefix = node.get("prefixItems") or [{}]
+        items = node.get("items", prefix[0] if all(item == prefix[0] for item in prefix) else {})
+        text = f"list of {_type(items, defs)}"
     elif kind == "object" and "properties" not in node:
         values = node.get("additionalProperties")
         text = f"map of {_type(values, defs)}" if isinstance(values, dict) and values else "object"
@@ -260,7 +264,12 @@ def _type(node: dict[str, Any], defs: dict[str, Any]) -> str:
         text = kind
     # Every integer's int32 range is said once, above the tables: a row shows its own bounds.
     shown = {key: node[key] for key, _ in CONSTRAINTS if key in node and (key, node[key]) not in INT_RANGE}
+    exactly = "minItems" in shown and shown["minItems"] == shown.get("maxItems")
+    if exactly:
+        items = f"exactly {shown.pop('minItems')} items"
+        del shown["maxItems"]
     limits = [_limit(key, shown[key], template) for key, template in CONSTRAINTS if key in shown]
+    limits += [items] if exactly else []
     return text + (f" ({', '.join(limits)})" if limits else "")
 
 

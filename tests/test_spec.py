@@ -13,6 +13,7 @@ import yaml
 from conftest import REPO, run_ctl, tiny_spec
 from pydantic import BaseModel
 
+from ctl.schema import spec_reference
 from ctl.spec import JobSpec, apply_overrides, load_spec, merge_values, read_overrides
 from trainer.names import RENDERED_BY_ENV
 from trainer.spec import OptimizerSpec, SpecError, load_training_spec, nested_types
@@ -371,3 +372,9 @@ def test_a_trainer_names_both_versions_when_another_ddpjobs_chart_rendered_its_s
     monkeypatch.setenv(RENDERED_BY_ENV, own)
     with pytest.raises(SpecError, match=r"training\.newerKey: unknown key$"):
         load_training_spec(config)
+
+
+def test_the_spec_reference_gives_a_tuple_s_item_type_and_length() -> None:
+    """docs/spec.md said `list of any (at least 2 items)` of the betas, which take exactly two numbers."""
+    row = next(line for line in spec_reference().splitlines() if line.startswith("| `training.optimizer.betas` |"))
+    assert "| list of number (≥ 0.0, < 1.0) (exactly 2 items) |" in row
