@@ -80,7 +80,7 @@ IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. r
 # An image reference's tag (and digest) as the kubelet parses it (distribution's reference grammar): another one is
 # InvalidImageName on every node, which the API server takes (semver's `1.0+build` among them).
 IMAGE_TAG = pattern(
-    r"^(\w[\w.-]{0,127}(@sha256:[0-9a-f]{64})?)?$",
+    r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127}(@sha256:[0-9a-f]{64})?)?$",  # ASCII: Python's \w has every letter
     "an image tag: letters, digits, '_', '.' and '-', at most 128, then an optional @sha256:digest, e.g. 0.1.0",
 )
 # An object's name; empty where the spec says what empty means.

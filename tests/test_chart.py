@@ -939,6 +939,7 @@ BAD = [
     ("image.tag=latest", "image.tag: 'latest' is not a version: pin one (e.g. the chart's appVersion) or a digest"),
     ("image.tag=1.0+build.5", "image.tag: '1.0+build.5' is not an image tag: letters, digits, '_', '.' and '-'"),
     ("image.tag=.1", "image.tag: '.1' is not an image tag"),
+    ("image.tag=v1-été", "image.tag: 'v1-été' is not an image tag"),
     (f"image.tag=1.0@sha256:{'a' * 63}", "image.tag: '1.0@sha256:aaaa"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
