@@ -93,13 +93,7 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
 
     `sources`: the data files as they are now, stated only when the run resumes.
     """
-    if spec.checkpoint.allow_config_change:
-        return
-    store = open_store(spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
-    try:
-        store.read_bytes(LATEST_CHECKPOINT)
-        before = json.loads(store.read_bytes(RUN_DATASET))
-    except (FileNotFoundError, NotADirectoryError):  # no checkpoint yet, none that recorded its data, no run dir
+    if spec.checkpoint.allow_config_change or (before := resumed_dataset(spec, run_dir)) is None:
         return
     for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
@@ -123,6 +117,17 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
         gone = sorted(set(old) - {s.path for s in now})
         if gone:
             raise SpecError(f"training.data.{split}: {gone[0]} is gone since this run's checkpoints were written")
+
+
+def resumed_dataset(spec: TrainingSpec, run_dir: Path) -> dict[str, Any] | None:
+    """The dataset record (record_dataset) of a run that resumes from a checkpoint; None when there is nothing to
+    resume: no checkpoint yet, none that recorded its data, no run directory."""
+    store = open_store(spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
+    try:
+        store.read_bytes(LATEST_CHECKPOINT)
+        return json.loads(store.read_bytes(RUN_DATASET))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def modified(mtime_ns: int) -> str:
@@ -279,12 +284,9 @@ def check_same_vocabulary(work: Workload, run_dir: Path) -> None:
     """A run resuming from checkpoints must read its tokens as they were trained: another vocabulary (a tokenizer
     trained anew on changed data under allowConfigChange, a pinned tokenizer's files changed, new characters) would
     give the model's embeddings other tokens, silently. Every rank checks it, before anything is resumed."""
-    store = open_store(work.data.spec.checkpoint.dir, run_dir)
-    try:
-        store.read_bytes(LATEST_CHECKPOINT)
-        trained = json.loads(store.read_bytes(RUN_DATASET)).get("vocabularySha256")
-    except (FileNotFoundError, NotADirectoryError):  # nothing to resume
+    if (record := resumed_dataset(work.data.spec, run_dir)) is None:
         return
+    trained = record.get("vocabularySha256")  # None: recorded before the vocabulary was
     if trained is not None and trained != vocabulary_hash(work.tokenizer):
         pinned = "" if isinstance(work.tokenizer, CharVocab) else " (or set training.tokenizer.path to it)"
         raise SpecError(
