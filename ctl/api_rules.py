@@ -114,24 +114,24 @@ def env_from_source(value: dict[str, Any]) -> Problems:
         yield (), problem
 
 
-def key_selector(what: str) -> Callable[[dict[str, Any]], Problems]:
-    """A secretKeyRef's or configMapKeyRef's rule."""
+def env_source(what: str) -> Callable[[dict[str, Any]], Problems]:
+    """An envFrom's secretRef's or configMapRef's rule: the object's name."""
 
     def rule(value: dict[str, Any]) -> Problems:
         if problem := object_name_problem(value.get("name"), what):
             yield ("name",), problem
-        if problem := mismatch(value.get("key"), DATA_KEY):
-            yield ("key",), problem
 
     return rule
 
 
-def env_source(what: str) -> Callable[[dict[str, Any]], Problems]:
-    """An envFrom's secretRef's or configMapRef's rule."""
+def key_selector(what: str) -> Callable[[dict[str, Any]], Problems]:
+    """A secretKeyRef's or configMapKeyRef's rule: the object's name, as an envFrom's, and one of its keys."""
+    named = env_source(what)
 
     def rule(value: dict[str, Any]) -> Problems:
-        if problem := object_name_problem(value.get("name"), what):
-            yield ("name",), problem
+        yield from named(value)
+        if problem := mismatch(value.get("key"), DATA_KEY):
+            yield ("key",), problem
 
     return rule
 
