@@ -1,4 +1,4 @@
-"""The classification report: accuracy, per-class precision/recall/F1, averages, confusion matrix.
+"""The classification report: accuracy, per-class precision/recall/F1, averages, confusion matrix (its nonzero cells).
 
 Pure Python over integer counts, so the same predictions give bit-identical floats
 however many processes produced them.
@@ -6,6 +6,7 @@ however many processes produced them.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 
@@ -14,31 +15,38 @@ def _ratio(numerator: float, denominator: int) -> float:
 
 
 def classification_report(labels: list[str], truth: list[int], predicted: list[int]) -> dict[str, Any]:
-    """Metrics of `predicted` against `truth` (label ids), sklearn's definitions (zero when undefined)."""
-    size = len(labels)
-    confusion = [[0] * size for _ in range(size)]
-    for t, p in zip(truth, predicted, strict=True):
-        confusion[t][p] += 1
+    """Metrics of `predicted` against `truth` (label ids), sklearn's definitions (zero when undefined). The confusion
+    matrix is its cells that are not zero, so the report grows with the examples and the classes, not with the
+    classes squared (a matrix of 30,000 classes is 900 million cells)."""
+    cells = Counter(zip(truth, predicted, strict=True))
+    supports, predicted_as = Counter(truth), Counter(predicted)
     per_class = {}
     for i, label in enumerate(labels):
-        true_positive = confusion[i][i]
-        support = sum(confusion[i])
-        predicted_as = sum(row[i] for row in confusion)
-        precision = _ratio(true_positive, predicted_as)
+        true_positive, support = cells[i, i], supports[i]
+        precision = _ratio(true_positive, predicted_as[i])
         recall = _ratio(true_positive, support)
-        f1 = _ratio(2 * true_positive, support + predicted_as)
+        f1 = _ratio(2 * true_positive, support + predicted_as[i])
         per_class[label] = {"precision": precision, "recall": recall, "f1": f1, "support": support}
     total = len(truth)
     metrics = ("precision", "recall", "f1")
     return {
-        "accuracy": _ratio(sum(confusion[i][i] for i in range(size)), total),
+        "accuracy": _ratio(sum(count for (t, p), count in cells.items() if t == p), total),
         "support": total,
         "per_class": per_class,
-        "macro_avg": {m: sum(c[m] for c in per_class.values()) / size for m in metrics},
+        "macro_avg": {m: sum(c[m] for c in per_class.values()) / len(labels) for m in metrics},
         "weighted_avg": {m: _ratio(sum(c[m] * c["support"] for c in per_class.values()), total) for m in metrics},
         "labels": labels,
-        "confusion_matrix": confusion,
+        "confusion": [{"true": labels[t], "predicted": labels[p], "count": n} for (t, p), n in sorted(cells.items())],
     }
+
+
+def confusion_matrix(report: dict[str, Any]) -> list[list[int]]:
+    """The report's whole confusion matrix (rows: true labels, columns: predicted, in the labels' order)."""
+    index = {label: i for i, label in enumerate(report["labels"])}
+    matrix = [[0] * len(index) for _ in index]
+    for cell in report["confusion"]:
+        matrix[index[cell["true"]]][index[cell["predicted"]]] = cell["count"]
+    return matrix
 
 
 # Classes the printed report shows: beyond this many, its rows are the best supported, and its matrix is left to
@@ -80,8 +88,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"confusion matrix: {len(labels)} x {len(labels)} classes, in report.json")
         return "\n".join(lines)
     lines.append("confusion matrix (rows: true, columns: predicted)")
-    cell = max(5, *(len(str(n)) for row in report["confusion_matrix"] for n in row))
+    matrix = confusion_matrix(report)
+    cell = max(5, *(len(str(n)) for row in matrix for n in row))
     lines.append(f"{'':>{width}} " + " ".join(f"{label[:cell]:>{cell}}" for label in labels))
-    for label, row in zip(labels, report["confusion_matrix"], strict=True):
+    for label, row in zip(labels, matrix, strict=True):
         lines.append(f"{label:>{width}} " + " ".join(f"{n:>{cell}d}" for n in row))
     return "\n".join(lines)
