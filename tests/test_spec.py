@@ -131,6 +131,19 @@ BAD_SPECS = [
     ("wrong-type", {"nodes": "two"}, [], "nodes: expected a whole number, not the text 'two'"),
     ("section-not-a-mapping", {}, ["--set", "training=5"], "training: expected a mapping of keys, not the number 5"),
     ("labels-as-a-list", {"podLabels": ["team"]}, [], "podLabels: expected a mapping of keys, not a list"),
+    # A tuple's missing item was `betas.1: required key is missing`; one too many, pydantic's "Tuple should have...".
+    (
+        "one-beta",
+        {"training": {"optimizer": {"betas": [0.9]}}},
+        [],
+        "training.optimizer.betas: expected a list of exactly 2 items, not 1",
+    ),
+    (
+        "three-betas",
+        {},
+        ["--set", "training.optimizer.betas={0.9,0.9,0.9}"],
+        "training.optimizer.betas: expected a list of exactly 2 items, not 3",
+    ),
     ("text-as-a-list", {"nodeSelector": {"pool": ["a"]}}, [], "nodeSelector.pool: expected text, not a list"),
     # YAML's own kinds, as values.schema.json asks for them: pydantic's lax mode took all of these.
     ("quoted-integer", {"nodes": "2"}, [], "spec.yaml: nodes: expected a whole number, but '2' is quoted"),

@@ -383,8 +383,14 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
     if first["type"] == "extra_forbidden":
         *within, unknown = first["loc"]
         problem = "unknown key" + did_you_mean(str(unknown), known_keys(model, within))
+    elif first["type"] == "missing" and isinstance(loc[-1], int):  # an item of a fixed-length list (betas)
+        key = key.rpartition(".")[0]
+        wanted = items_wanted(model, loc[:-1])
+        problem = f"expected a list of exactly {wanted} items, not {len(first['input'])}"
     elif first["type"] == "missing":
         problem = "required key is missing"
+    elif first["type"] == "too_long" and first["ctx"]["field_type"] == "Tuple":
+        problem = f"expected a list of exactly {items_wanted(model, loc)} items, not {first['ctx']['actual_length']}"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
         problem = not_text(read)
     elif first["type"] in WANTED:
@@ -461,12 +467,28 @@ def known_keys(model: type[BaseModel], loc: Sequence[str | int]) -> list[str]:
         if isinstance(part, int):  # an item of a list of models
             continue
         field = next((f for name, f in model.model_fields.items() if (f.alias or name) == part), None)
-        types = nested_types(field.annotation) if field is not None else []
-        inner = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
+        inner = [t for t in nested_types(field.annotation) if is_model(t)] if field is not None else []
         if not inner:
             return []
         model = inner[0]
     return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def items_wanted(model: type[BaseModel], loc: Sequence[str | int]) -> int:
+    """How many items the fixed-length list (a tuple) at `loc` within `model` takes."""
+    field = None
+    for part in loc:
+        if isinstance(part, int):  # an item of a list of models
+            continue
+        if field is not None:  # the model the last key holds
+            model = next(t for t in nested_types(field.annotation) if is_model(t))
+        field = next(f for name, f in model.model_fields.items() if (f.alias or name) == part)
+    assert field is not None
+    return len(get_args(field.annotation))
 
 
 def nested_types(annotation: Any) -> list[Any]:
