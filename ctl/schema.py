@@ -184,11 +184,14 @@ as `kubectl apply -f -`), then, in helm's order:
 - `--set-file dotted.key=path`, a key set to a file's text (`--set-file storage.caBundle=ca.crt`).
 
 A bad spec gets one line naming the key and the problem, and exit code 2; `helm install` refuses the same
-(values.schema.json):
+(values.schema.json). The line begins with where the key was given: its `--set` or `--set-file` flag, else the file
+and line that wrote it (the last of the spec and its `--values` files that does; for a missing key, its mapping's):
 
 ```
 $ ctl run examples/quickstart.yaml --set training.batchSize=0
 error: --set 'training.batchSize=0': training.batchSize: Input should be greater than or equal to 1
+$ ctl run examples/quickstart.yaml --values cluster.yaml
+error: cluster.yaml:4: nodes: Input should be greater than or equal to 1
 ```
 
 Keys in Kubernetes form (`affinity`, `env`, `envFrom`, `tolerations`, the NetworkPolicy's selectors) are checked at

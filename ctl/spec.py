@@ -42,6 +42,7 @@ from trainer.names import EXIT_HUNG
 from trainer.spec import (
     Flag,
     Int,
+    KeyProblem,
     SpecError,
     SpecModel,
     TrainingSpec,
@@ -51,7 +52,7 @@ from trainer.spec import (
     known_keys,
     parse_yaml_mapping,
     pattern,
-    read_yaml_mapping,
+    read_spec_text,
 )
 
 LIST_INDEX = re.compile(r"\[\d*\]$")  # helm's --set a.list[0]=value
@@ -573,35 +574,38 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        self.kind.refuse(self)
+        if refused := self.kind.refusal(self):
+            raise KeyProblem(*refused)
         if self.elastic.enabled and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
-            raise ValueError(
-                f"elastic: nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes})"
-                f" and maxNodes ({self.elastic.max_nodes})"
+            raise KeyProblem(
+                "elastic",
+                f"nodes ({self.nodes}) must lie within minNodes ({self.elastic.min_nodes}) and maxNodes"
+                f" ({self.elastic.max_nodes})",
             )
         gang = self.run_policy.scheduling_policy.min_available or 0
         if gang > (pods := self.elastic.max_nodes if self.elastic.enabled else self.nodes):
-            raise ValueError(
-                f"runPolicy.schedulingPolicy.minAvailable: {gang} pods, and the job has at most {pods}: the gang"
-                " would never be scheduled"
+            raise KeyProblem(
+                "runPolicy.schedulingPolicy.minAvailable",
+                f"{gang} pods, and the job has at most {pods}: the gang would never be scheduled",
             )
         if 0 < self.resources.gpu < self.procs_per_node:
-            raise ValueError(GPUS_BELOW_PROCESSES % (self.resources.gpu, self.procs_per_node))
+            raise stated(GPUS_BELOW_PROCESSES % (self.resources.gpu, self.procs_per_node))
         if self.storage.uri and self.storage.existing_claim:
-            raise ValueError(
-                "storage.existingClaim: no claim is mounted with storage.uri (runs in the bucket); set one"
+            raise KeyProblem(
+                "storage.existingClaim", "no claim is mounted with storage.uri (runs in the bucket); set one"
             )
         if self.storage.uri and self.prepare.enabled:
-            raise ValueError(
-                "prepare.enabled: the prepare Job hands its dataset to the pods through the shared volume, which"
-                " storage.uri replaces; leave it off (each pod then prepares its data into its node's cache)"
+            raise KeyProblem(
+                "prepare.enabled",
+                "the prepare Job hands its dataset to the pods through the shared volume, which storage.uri replaces;"
+                " leave it off (each pod then prepares its data into its node's cache)",
             )
         if self.metrics.port == self.rendezvous_port:
             port = self.kind.rendezvous_port_name
-            raise ValueError(f"metrics.port: {self.metrics.port} is already {port}, the rendezvous port")
+            raise KeyProblem("metrics.port", f"{self.metrics.port} is already {port}, the rendezvous port")
         longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:
-            raise ValueError(POD_NAME_TOO_LONG % (longest, len(longest), DNS_LABEL_MAX))
+            raise stated(POD_NAME_TOO_LONG % (longest, len(longest), DNS_LABEL_MAX))
         return self
 
     @property
@@ -620,6 +624,12 @@ class JobSpec(SpecModel):
 
 
 TOP_LEVEL_KEYS = frozenset(field.alias or name for name, field in JobSpec.model_fields.items())
+
+
+def stated(line: str) -> KeyProblem:
+    """A problem the chart states too, as `key: problem` (ctl.names), as that key's problem."""
+    key, _, problem = line.partition(": ")
+    return KeyProblem(key, problem)
 
 
 def helm_pairs(assignment: str) -> list[str]:
@@ -735,7 +745,7 @@ def null_paths(layer: dict[str, Any], within: tuple[str, ...] = ()) -> Iterator[
             yield from null_paths(value, (*within, str(key)))
 
 
-def refuse_unknown_nulls(paths: Iterable[list[str]], name: str) -> None:
+def refuse_unknown_nulls(paths: Iterable[list[str]], sources: Sources) -> None:
     """A null takes its key back to the default, so validation never sees the key: a mistyped one would do nothing,
     silently. Each must be a key of the spec, or any key within a mapping of free keys (podLabels, affinity)."""
     for path in paths:
@@ -744,7 +754,8 @@ def refuse_unknown_nulls(paths: Iterable[list[str]], name: str) -> None:
             if not keys:
                 break
             if part not in keys:
-                raise SpecError(f"{name}: {'.'.join(path[: depth + 1])}: unknown key{did_you_mean(part, keys)}")
+                where = sources.of(path)
+                raise SpecError(f"{where}: {'.'.join(path[: depth + 1])}: unknown key{did_you_mean(part, keys)}")
 
 
 def spec_name(path: Path) -> str:
@@ -752,36 +763,70 @@ def spec_name(path: Path) -> str:
     return STDIN if str(path) == "-" else str(path)
 
 
+class Sources(NamedTuple):
+    """Where a spec's keys come from: its files (the spec, then the --values files, each as its name and text), and
+    the --set and --set-file flags."""
+
+    files: list[tuple[str, str]]
+    overrides: Sequence[Override]
+
+    def of(self, path: Sequence[str]) -> str:
+        """Where the key at `path` was given: the last --set or --set-file of it (or of a mapping around it); else
+        `file:line` in the last file that writes it, or that writes most of the mappings around it (a key that is
+        missing: the line of its mapping); the files' names when none writes any of it."""
+        given = [o for o in self.overrides if tuple(path[: len(o.path)]) == tuple(o.path)]
+        if given:
+            return f"{given[-1].flag} {given[-1].assignment!r}"
+        found = [(*written_at(text, path), name) for name, text in self.files]
+        depth = max(depth for depth, _, _ in found)
+        if not depth:
+            return " + ".join(name for name, _ in self.files)
+        _, line, name = [place for place in found if place[0] == depth][-1]  # a later file overrides
+        return f"{name}:{line}"
+
+
+def written_at(text: str, path: Sequence[str]) -> tuple[int, int]:
+    """How many keys of `path` the YAML `text` writes, from the top, and the line of the last of them (a list's item
+    by its index)."""
+    node, depth, line = yaml.compose(text, Loader=yaml.SafeLoader), 0, 0
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            pair = next((pair for pair in node.value if pair[0].value == part), None)
+            if pair is None:
+                break
+            line, node = pair[0].start_mark.line + 1, pair[1]
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+            line = node.start_mark.line + 1
+        else:
+            break
+        depth += 1
+    return depth, line
+
+
 def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), layers: Sequence[Path] = ()) -> JobSpec:
     """Read (`-`: standard input, as `kubectl apply -f -`), layer (--values files, in order), override (--set, then
-    --set-file) and validate a job spec, in helm's order; every problem is one SpecError line."""
+    --set-file) and validate a job spec, in helm's order; every problem is one SpecError line, which names the flag,
+    or the file and line, that gave the key."""
     name = spec_name(path)
-    values = parse_yaml_mapping(read_stdin(), STDIN) if name == STDIN else read_yaml_mapping(path)
-    layered = [read_yaml_mapping(layer) for layer in layers]
+    texts = [(name, read_stdin() if name == STDIN else read_spec_text(path))]
+    texts += [(str(layer), read_spec_text(layer)) for layer in layers]
+    values, *layered = [parse_yaml_mapping(text, file) for file, text in texts]
     for layer in layered:
         values = merge_values(values, layer)
-    name = " + ".join([name, *map(str, layers)])  # where a key may come from
-    overrides = read_overrides(sets, files)
+    sources = Sources(texts, read_overrides(sets, files))
     nulls = [path for layer in layered for path in null_paths(layer)]
-    refuse_unknown_nulls(nulls + [o.path for o in overrides if o.value is None], name)
-    values = apply_overrides(values, overrides)
+    refuse_unknown_nulls(nulls + [o.path for o in sources.overrides if o.value is None], sources)
+    values = apply_overrides(values, sources.overrides)
     try:
         try:
             return JobSpec.model_validate(values)
         except ValidationError as exc:
-            if not keep_text(values, overrides, exc):
+            if not keep_text(values, sources.overrides, exc):
                 raise
             return JobSpec.model_validate(values)
     except ValidationError as exc:
-        raise SpecError(f"{given_by(exc, overrides, name)}: {describe_validation_error(exc, JobSpec)}") from None
-
-
-def given_by(error: ValidationError, overrides: Sequence[Override], files: str) -> str:
-    """Where the key of the first problem was given: the last --set or --set-file of it (or of a mapping around
-    it), else the spec's `files`."""
-    path = error_path(error)
-    given = [o for o in overrides if path[: len(o.path)] == tuple(o.path)]
-    return f"{given[-1].flag} {given[-1].assignment!r}" if given else files
+        raise SpecError(f"{sources.of(error_path(exc))}: {describe_validation_error(exc, JobSpec)}") from None
 
 
 def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:

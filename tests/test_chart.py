@@ -495,20 +495,20 @@ def test_s3_data_for_a_run_on_the_volume_gets_the_s3_variables_too() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"storage": {"uri": "s3://Bad_Bucket/x"}}, "spec.yaml: storage.uri: 's3://Bad_Bucket/x' is not an S3 URI"),
-        ({"storage": {"uri": "gs://b/x"}}, "spec.yaml: storage.uri: 'gs://b/x' is not an S3 URI"),
+        ({"storage": {"uri": "s3://Bad_Bucket/x"}}, "spec.yaml:3: storage.uri: 's3://Bad_Bucket/x' is not an S3 URI"),
+        ({"storage": {"uri": "gs://b/x"}}, "spec.yaml:3: storage.uri: 'gs://b/x' is not an S3 URI"),
         (
             {"storage": {"uri": "s3://runs", "existingClaim": "x"}},
-            "spec.yaml: storage.existingClaim: no claim is mounted",
+            "spec.yaml:3: storage.existingClaim: no claim is mounted",
         ),
-        ({"storage": {"uri": "s3://runs"}, "prepare": {"enabled": True}}, "spec.yaml: prepare.enabled: the prepare"),
+        ({"storage": {"uri": "s3://runs"}, "prepare": {"enabled": True}}, "spec.yaml:3: prepare.enabled: the prepare"),
         (
             {"storage": {"uri": "s3://runs", "caBundle": "ca.crt"}},
-            "spec.yaml: storage.caBundle: holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            "spec.yaml:3: storage.caBundle: holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
         ),
         (
             {"training": TRAIN | {"checkpoint": {"dir": "s3://x/y"}}},
-            "spec.yaml: training.checkpoint.dir: 's3://x/y' is not an S3 URI",
+            "spec.yaml:4: training.checkpoint.dir: 's3://x/y' is not an S3 URI",
         ),
     ],
 )
@@ -1125,7 +1125,7 @@ def test_ctl_render_reads_a_spec_from_stdin_as_kubectl_apply_f_dash(tmp_path: Pa
     assert piped.returncode == 0 and piped.stdout == from_file.stdout and "kind: PyTorchJob" in piped.stdout
     bad = run_ctl("render", "-", cwd=tmp_path, stdin=example.read_text().replace("name: quickstart", "name: Quick"))
     assert bad.returncode == 2 and bad.stdout == "", bad.stderr
-    assert bad.stderr.startswith("error: <stdin>: name: 'Quick' is not a DNS-1035 label"), bad.stderr
+    assert bad.stderr.startswith("error: <stdin>:5: name: 'Quick' is not a DNS-1035 label"), bad.stderr
     primary, secondary = pty.openpty()
     try:
         terminal = subprocess.run(

@@ -78,7 +78,7 @@ def test_a_set_value_is_its_text_where_the_spec_wants_text(tmp_path: Path, corpu
 
 def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, corpus_file: Path) -> None:
     """helm's -f: `--values` files merged over the spec in order (mappings key by key, lists and scalars replaced,
-    null back to the default), then --set; a problem names every file a key may come from."""
+    null back to the default), then --set; a problem names the file and line that gave its key."""
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, sample={"prompt": "a"})))
     cluster = {"image": {"repository": "registry.example/ddpjob"}, "nodes": 3, "training": {"sample": None}}
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
@@ -92,10 +92,7 @@ def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, co
     flags = ["--values", "cluster.yaml", "--values", "bad.yaml"]
     result = run_ctl("render", "spec.yaml", *flags, cwd=tmp_path)
     assert (result.returncode, result.stdout) == (2, "")
-    assert (
-        result.stderr
-        == "error: spec.yaml + cluster.yaml + bad.yaml: nodes: Input should be greater than or equal to 1\n"
-    )
+    assert result.stderr == "error: bad.yaml:1: nodes: Input should be greater than or equal to 1\n"
     rendered = run_ctl("render", "spec.yaml", "--values", "cluster.yaml", cwd=tmp_path)
     assert rendered.returncode == 0 and 'image: "registry.example/ddpjob:' in rendered.stdout, rendered.stderr
     # A null in a values file is checked as a key too; any key goes within a mapping of free keys.
@@ -103,7 +100,7 @@ def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, co
     typo = run_ctl("render", "spec.yaml", "--values", "typo.yaml", cwd=tmp_path)
     assert (typo.returncode, typo.stderr) == (
         2,
-        "error: spec.yaml + typo.yaml: training.sampel: unknown key (did you mean sample?)\n",
+        "error: typo.yaml:2: training.sampel: unknown key (did you mean sample?)\n",
     )
     assert (
         load_spec(tmp_path / "spec.yaml", ["podLabels.team=null"], layers=[tmp_path / "cluster.yaml"]).pod_labels == {}
@@ -146,7 +143,7 @@ BAD_SPECS = [
     ),
     ("text-as-a-list", {"nodeSelector": {"pool": ["a"]}}, [], "nodeSelector.pool: expected text, not a list"),
     # YAML's own kinds, as values.schema.json asks for them: pydantic's lax mode took all of these.
-    ("quoted-integer", {"nodes": "2"}, [], "spec.yaml: nodes: expected a whole number, but '2' is quoted"),
+    ("quoted-integer", {"nodes": "2"}, [], "spec.yaml:2: nodes: expected a whole number, but '2' is quoted"),
     (
         "boolean-integer",
         {},
@@ -164,7 +161,7 @@ BAD_SPECS = [
         "--set 'terminationGracePeriodSeconds=99999999999999999999': terminationGracePeriodSeconds:"
         " 99999999999999999999 is beyond an int32's range (-2147483648 to 2147483647)",
     ),
-    ("below-int32", {"training": {"seed": -(2**31) - 1}}, [], "spec.yaml: training.seed: -2147483649 is beyond"),
+    ("below-int32", {"training": {"seed": -(2**31) - 1}}, [], "spec.yaml:18: training.seed: -2147483649 is beyond"),
     ("nodes-zero", {"nodes": 0}, [], "nodes: Input should be greater than or equal to 1"),
     (
         "tokenizer-for-char-gpt",  # it was ignored, silently
@@ -213,9 +210,9 @@ BAD_SPECS = [
         "labels-outside-classification",
         {"training": {"data": {"labels": ["a", "b"]}}},
         [],
-        "spec.yaml: training.data.labels: only for task classification",
+        "spec.yaml:7: training.data.labels: only for task classification",
     ),
-    ("char-gpt-pretrained", {"training": {"model": {"size": "gpt2"}}}, [], "spec.yaml: training.model: char-gpt"),
+    ("char-gpt-pretrained", {"training": {"model": {"size": "gpt2"}}}, [], "spec.yaml:11: training.model: char-gpt"),
     ("heads", {"training": {"model": {"nEmbd": 30, "nHead": 4}}}, [], "must be a multiple of nHead"),
     ("elastic-range", {"nodes": 5, "elastic": {"enabled": True, "maxNodes": 4}}, [], "elastic: nodes (5)"),
     (
@@ -244,7 +241,7 @@ BAD_SPECS = [
         "set-null-unknown-key",
         {},
         ["--set", "training.optimizer.lrr=null"],
-        "spec.yaml: training.optimizer.lrr: unknown key (did you mean lr?)",
+        "error: --set 'training.optimizer.lrr=null': training.optimizer.lrr: unknown key (did you mean lr?)",
     ),
     (
         "set-helm-pairs",
@@ -304,11 +301,14 @@ def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patc
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("name: [unclosed\n", "invalid YAML at line"),
+        ("name: [unclosed\n", "spec.yaml:2: invalid YAML: expected ',' or ']'"),
         ("- just\n- a list\n", "expected a mapping"),
         # PyYAML would keep the second silently, dropping the first's keys; helm and kubectl refuse the file.
-        ("name: a\ntraining: {}\nnodes: 1\ntraining: {}\n", "at line 4: duplicate key 'training' (first at line 2)"),
-        ("name: a\n---\nname: b\n", "at line 2: a second document (---): a spec is one mapping"),
+        (
+            "name: a\ntraining: {}\nnodes: 1\ntraining: {}\n",
+            "spec.yaml:4: invalid YAML: duplicate key 'training' (first at line 2)",
+        ),
+        ("name: a\n---\nname: b\n", "spec.yaml:2: invalid YAML: a second document (---): a spec is one mapping"),
     ],
     ids=["invalid-yaml", "not-a-mapping", "duplicate-key", "two-documents"],
 )
@@ -319,6 +319,31 @@ def test_unreadable_spec_file(tmp_path: Path, content: str, message: str) -> Non
         load_spec(spec)
     result = run_ctl("run", str(spec), cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_a_problem_names_the_file_and_line_that_gave_its_key(tmp_path: Path) -> None:
+    """As a data file's problems do (`file:line:`); a missing key, the line of the mapping that misses it; a --values
+    file over the spec, the file whose value holds (its line, though the spec's is later); a --set, the flag."""
+    spec = tmp_path / "spec.yaml"
+    text = "# a job\nname: job\nnodes: 1\n\ntraining:\n  task: causal-lm\n  data: {train: [a.txt]}\n  batchSize: 0\n"
+    spec.write_text(text)
+    with pytest.raises(SpecError, match=re.escape("spec.yaml:8: training.batchSize: Input should be greater")):
+        load_spec(spec)
+    spec.write_text(text + "env:\n  - name: A\n    value: x\n  - name: B\n    value: 1\n")
+    with pytest.raises(SpecError, match=re.escape("spec.yaml:13: env.1.value: expected text, but YAML read 1")):
+        load_spec(spec, ["training.batchSize=2"])
+    spec.write_text("name: job\ntraining:\n  task: causal-lm\n  maxSteps: 3\n")
+    with pytest.raises(SpecError, match=re.escape("spec.yaml:2: training.data: required key is missing")):
+        load_spec(spec)
+    (tmp_path / "steps.yaml").write_text("training: {maxSteps: 0}\n")
+    with pytest.raises(SpecError, match=re.escape("steps.yaml:1: training.maxSteps: Input should be greater")):
+        load_spec(spec, ["training.data.train=[a.txt]"], layers=[tmp_path / "steps.yaml"])
+    with pytest.raises(SpecError, match=re.escape("--set 'training.maxSteps=-1': training.maxSteps: Input should")):
+        load_spec(spec, ["training.data.train=[a.txt]", "training.maxSteps=-1"], layers=[tmp_path / "steps.yaml"])
+    # A rule across keys names the key it refuses, in the file that wrote it.
+    spec.write_text("name: job\napiKind: TrainJob\ntraining: {data: {train: [a.txt]}}\nrestartPolicy: Always\n")
+    with pytest.raises(SpecError, match=re.escape("spec.yaml:4: restartPolicy: Always is not allowed")):
+        load_spec(spec)
 
 
 def test_missing_spec_file(tmp_path: Path) -> None:

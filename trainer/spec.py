@@ -389,6 +389,8 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel], pr
         problem = f"expected a list of exactly {wanted} items, not {len(first['input'])}"
     elif first["type"] == "missing":
         problem = "required key is missing"
+    elif first["type"] == "too_short" and first["ctx"]["field_type"] == "List":
+        problem = f"expected a list of at least {first['ctx']['min_length']} items, not {first['ctx']['actual_length']}"
     elif first["type"] == "too_long" and first["ctx"]["field_type"] == "Tuple":
         problem = f"expected a list of exactly {items_wanted(model, loc)} items, not {first['ctx']['actual_length']}"
     elif first["type"] == "string_type" and isinstance(read := first["input"], int | float):  # bool too
@@ -498,13 +500,17 @@ def nested_types(annotation: Any) -> list[Any]:
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """Parse a YAML file that must hold a mapping; every failure is a SpecError."""
+    return parse_yaml_mapping(read_spec_text(path), str(path))
+
+
+def read_spec_text(path: Path) -> str:
+    """A spec file's text; every failure is a SpecError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
-    return parse_yaml_mapping(text, str(path))
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -532,11 +538,11 @@ def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
         data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
+        where = f":{mark.line + 1}" if mark else ""
         problem = getattr(exc, "problem", exc)
         if problem == "but found another document":  # PyYAML's sentence begins in its context
             problem = "a second document (---): a spec is one mapping"
-        raise SpecError(f"{name}: invalid YAML{where}: {problem}") from None
+        raise SpecError(f"{name}{where}: invalid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{name}: expected a mapping of keys at the top level")
     return data

@@ -133,8 +133,8 @@ class JobKind(ABC):
         for the master (or rendezvous) Service and port when the pods run locally."""
 
     @abstractmethod
-    def refuse(self, spec: JobShape) -> None:
-        """Raise ValueError, naming the key, for a setting this kind cannot express."""
+    def refusal(self, spec: JobShape) -> tuple[str, str] | None:
+        """The key of a setting this kind cannot express, and why; None when it can express them all."""
 
     @abstractmethod
     def replica_pods(self, objects: dict[str, dict[str, Any]], spec: JobShape) -> dict[Replica, dict[str, Any]]:

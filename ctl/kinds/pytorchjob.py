@@ -75,11 +75,10 @@ class PyTorchJob(JobKind):
             "PET_NNODES": str(spec.nodes),
         }
 
-    def refuse(self, spec: JobShape) -> None:
+    def refusal(self, spec: JobShape) -> tuple[str, str] | None:
         if spec.queue.coscheduling:
-            raise ValueError(
-                "queue.coscheduling: TrainJob only (the training operator v1 chooses its gang scheduler itself)"
-            )
+            return "queue.coscheduling", "TrainJob only (the training operator v1 chooses its gang scheduler itself)"
+        return None
 
     def replica_pods(self, objects: dict[str, dict[str, Any]], spec: JobShape) -> dict[Replica, dict[str, Any]]:
         replica_specs = objects[self.kind]["spec"]["pytorchReplicaSpecs"]

@@ -69,15 +69,15 @@ class TrainJob(JobKind):
             "PET_MASTER_PORT": str(port or MASTER_PORT),
         }
 
-    def refuse(self, spec: JobShape) -> None:
+    def refusal(self, spec: JobShape) -> tuple[str, str] | None:
         """What Trainer v2.3 cannot express, one key at a time."""
         if spec.elastic.enabled:
-            raise ValueError(
-                "elastic.enabled: Kubeflow Trainer v2.3 has no elastic training (apiKind TrainJob);"
-                " use apiKind PyTorchJob for elastic jobs"
+            return "elastic.enabled", (
+                "Kubeflow Trainer v2.3 has no elastic training (apiKind TrainJob); use apiKind PyTorchJob for elastic"
+                " jobs"
             )
         if spec.restart_policy == "Always":
-            raise ValueError("restartPolicy: Always is not allowed for the Job pods of a TrainJob")
+            return "restartPolicy", "Always is not allowed for the Job pods of a TrainJob"
         policy = spec.run_policy
         pytorchjob_only = {
             "masterPort": spec.master_port != DEFAULT_MASTER_PORT,  # a TrainJob's is MASTER_PORT, fixed
@@ -86,9 +86,8 @@ class TrainJob(JobKind):
             "runPolicy.schedulingPolicy.minAvailable": policy.scheduling_policy.min_available is not None,
             "runPolicy.schedulingPolicy.priorityClass": bool(policy.scheduling_policy.priority_class),
         }
-        for key, is_set in pytorchjob_only.items():
-            if is_set:
-                raise ValueError(f"{key}: PyTorchJob only; a TrainJob has no such setting (apiKind TrainJob)")
+        key = next((key for key, is_set in pytorchjob_only.items() if is_set), None)
+        return (key, "PyTorchJob only; a TrainJob has no such setting (apiKind TrainJob)") if key else None
 
     def replica_pods(self, objects: dict[str, dict[str, Any]], spec: JobShape) -> dict[Replica, dict[str, Any]]:
         pod = trainer_pod(objects["TrainingRuntime"], objects[self.kind])
