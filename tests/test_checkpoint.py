@@ -9,6 +9,7 @@ final weights equal those of one uninterrupted run with the same spec.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from trainer.checkpoint import MARKER, Checkpointer, CheckpointError, TrainerSta
 from trainer.data import TrainBatches
 from trainer.dist import Dist
 from trainer.spec import CheckpointSpec
+from trainer.storage import StorageError, StorageUnreachable
 from trainer.totals import Sums
 
 STEPS = 24
@@ -340,6 +342,47 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path: Path, asy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
     assert [step for step, _ in checkpoints.committed()] == [1]
+
+
+def test_a_checkpoint_the_store_cannot_read_is_not_taken_for_a_torn_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket's 503 (or a volume's I/O error) on a checkpoint's marker made it incomplete: rank 0 deleted it, and
+    the run trained again from step 1, silently. It is an error now, and the checkpoint stays. A save that meets a
+    store that does not answer says so at once, not after asking the store again which checkpoint stays (minutes
+    more of retries)."""
+    model = torch.nn.Linear(4, 4)
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    checkpoints = Checkpointer(tmp_path, CheckpointSpec(keepLast=2, keepBest=True), dist, {"maxSteps": 10})
+    state = TrainerState(step=1)
+    checkpoints.attach(model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False), state)
+    checkpoints.save()
+    read, asked = checkpoints.store.read_bytes, []
+
+    def slow_down(path: str) -> bytes:
+        if path.endswith(MARKER):
+            raise StorageError(errno.EIO, f"GET {path}: SlowDown: Please reduce your request rate.")
+        return read(path)
+
+    monkeypatch.setattr(checkpoints.store, "read_bytes", slow_down)
+    for reader in (checkpoints.clean, checkpoints.load_latest, checkpoints.committed):
+        with pytest.raises(StorageError, match="SlowDown"):
+            reader()
+    assert committed_steps(tmp_path) == [1]
+
+    def unanswered(path: str) -> bytes:
+        asked.append(path)
+        raise StorageUnreachable(errno.EIO, f"GET {path}: no answer, timed out (after 5 retries in 180.0 s)")
+
+    monkeypatch.setattr(checkpoints.store, "read_bytes", unanswered)
+    state.step = 2
+    with pytest.raises(CheckpointError) as failure:
+        checkpoints.save()
+    assert str(failure.value).endswith(
+        "cannot save step-00000002 in " + str(tmp_path) + ": GET step-00000002/COMMITTED: no answer, timed out (after 5"
+        " retries in 180.0 s); the checkpoints saved before it stay as they were"
+    )
+    assert asked == [f"step-00000002/{MARKER}"] and committed_steps(tmp_path) == [1]
 
 
 def test_a_save_on_a_volume_lists_no_event_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

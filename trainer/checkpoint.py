@@ -38,7 +38,7 @@ from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT, NEW_RUN_DIR
 from trainer.rundir import RUN_RECORDS, event_files, publish
 from trainer.spec import CheckpointSpec, SpecError
-from trainer.storage import open_store
+from trainer.storage import StorageUnreachable, open_store
 from trainer.totals import Sums
 
 MARKER = "COMMITTED"
@@ -235,12 +235,15 @@ class Checkpointer:
         return sorted(found)
 
     def is_complete(self, name: str) -> bool:
+        """Whether `name` is a checkpoint: its marker, and every file it lists at its size. One that is not is
+        deleted (`clean`), so a failure to read it (a volume's I/O error, a bucket's 503 or timeout) is raised, not
+        taken for an incomplete checkpoint."""
         try:
             files = json.loads(self.store.read_bytes(f"{name}/{MARKER}"))["files"]
-            sizes = self.store.sizes(name)
-            return all(sizes.get(file) == size for file, size in files.items())
-        except (OSError, ValueError, KeyError, TypeError):
+        except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError):  # no marker, or a torn one
             return False
+        sizes = self.store.sizes(name)
+        return all(sizes.get(file) == size for file, size in files.items())
 
     def clean(self) -> None:
         """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
@@ -350,10 +353,10 @@ class Checkpointer:
         """Write, commit and publish one checkpoint, then prune; the run directory is never left invalid."""
         started = time.perf_counter()
         name = step_name(snapshot.step)
-        if self.is_complete(name):  # e.g. preempted again right after resuming from it
-            return name
         staging = self.store.staging(name)
         try:
+            if self.is_complete(name):  # e.g. preempted again right after resuming from it
+                return name
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             safetensors.torch.save_file(snapshot.model, staging / MODEL, metadata={"step": str(snapshot.step)})
@@ -368,16 +371,26 @@ class Checkpointer:
             self.store.write_text(LATEST_CHECKPOINT, name + "\n")
         except (OSError, safetensors.SafetensorError) as exc:  # disk full, quota, permissions, I/O errors
             shutil.rmtree(staging, ignore_errors=True)
-            previous = [name for _, name in self.committed()]
-            kept = f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise CheckpointError(
-                f"training.checkpoint.dir: cannot save {name} in {self.store.describe()}: {reason}; {kept}"
+                f"training.checkpoint.dir: cannot save {name} in {self.store.describe()}: {reason}; {self.kept(exc)}"
             ) from None
         self.prune()
         size = sum(self.store.sizes(name).values())
         self.last_save = SaveStats(snapshot.step, time.perf_counter() - started, size, time.time())
         return name
+
+    def kept(self, failure: BaseException) -> str:
+        """Which checkpoint stays the latest after a save that failed; not asked of a store that did not answer, which
+        would wait out its retries again (minutes) to tell."""
+        unknown = "the checkpoints saved before it stay as they were"
+        if isinstance(failure, StorageUnreachable):
+            return unknown
+        try:
+            previous = [name for _, name in self.committed()]
+        except OSError:
+            return unknown
+        return f"{previous[-1]} stays the latest checkpoint" if previous else "no earlier checkpoint exists"
 
     def prune(self) -> None:
         """Keep the newest `keepLast` and, with `keepBest`, the lowest validation loss; remove the rest."""
@@ -392,8 +405,9 @@ class Checkpointer:
                 self.store.delete(name, MARKER)
 
     def val_loss(self, name: str) -> float:
-        """The validation loss saved with a checkpoint; NaN when it was not evaluated."""
-        with contextlib.suppress(OSError, ValueError, KeyError):
+        """The validation loss saved with a checkpoint; NaN when it was not evaluated. A failure to read it is raised:
+        taken for NaN, it would prune the best checkpoint."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
             loss = json.loads(self.store.read_bytes(f"{name}/{STATE}"))["trainer"]["val_loss"]
             return math.nan if loss is None else float(loss)
         return math.nan
