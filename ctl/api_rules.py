@@ -70,6 +70,20 @@ def object_name_problem(name: Any, what: str) -> str | None:
     return mismatch(name, OBJECT_NAME)
 
 
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MAX = 63
+
+
+def namespace_problem(name: str) -> str | None:
+    """A namespace's name is a DNS-1123 label: that, or None."""
+    if len(name) <= DNS_LABEL_MAX and DNS_LABEL.fullmatch(name):
+        return None
+    return (
+        f"{name!r} is not a namespace's name: at most {DNS_LABEL_MAX} lower-case letters, digits and '-', a letter or"
+        " digit at each end"
+    )
+
+
 def exactly_one(given: list[str], of: str) -> str | None:
     """The problem with an object that takes exactly one of its keys (`of`, in words): `given` are those set."""
     if len(given) == 1:

@@ -136,6 +136,24 @@ def test_an_option_without_its_value_names_its_command(tmp_path: Path, args: lis
     assert f"(see 'ctl {args[0]} --help')" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["status", "Foo_Bad"], "ctl status: Invalid value for 'name': 'Foo_Bad' is not a Kubernetes object name"),
+        (["submit", "spec.yaml", "-n", "Team"], "ctl submit: Invalid value for '--namespace' / '-n': 'Team' is not a"),
+        (["list", "-n", "a" * 64], "ctl list: Invalid value for '--namespace' / '-n': '" + "a" * 64 + "' is not a"),
+    ],
+    ids=["job-name", "capitals", "too-long"],
+)
+def test_a_name_or_namespace_nothing_can_have_is_refused_before_the_cluster_is_asked(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    """The cluster answered not found (exit 102), or `PATCH /api/v1/namespaces/Team/...: not found` (exit 1). With
+    no kubeconfig at all, the line is the flag's, not the kubeconfig's: nothing was read before it."""
+    env = os.environ | {"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "absent.yaml")}
+    assert_one_line(run_ctl(*args, cwd=tmp_path, env=env), EXIT_BAD_INPUT, expected)
+
+
 def test_a_timeout_is_seconds_or_a_duration_as_kubectl_takes(tmp_path: Path) -> None:
     written = ("90", "1.5", "1e3", "90s", "30m", "1h30m", "1.5h", "500ms", ".5m", "1m0.5s")
     assert [seconds(text) for text in written] == [90, 1.5, 1000, 90, 1800, 5400, 5400, 0.5, 30, 60.5]

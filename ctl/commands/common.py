@@ -37,6 +37,24 @@ def given_file(text: str) -> str:
     return str(given_path(text))
 
 
+def namespace_name(text: str) -> str:
+    """-n: a namespace's name, checked before the cluster is asked (which would answer not found)."""
+    from ctl.api_rules import namespace_problem
+
+    if problem := namespace_problem(text):
+        raise typer.BadParameter(problem)
+    return text
+
+
+def object_name(text: str) -> str:
+    """A job's name: a name an object can have, checked before the cluster is asked (which would answer not found)."""
+    from ctl.api_rules import object_name_problem
+
+    if problem := object_name_problem(text, "job"):
+        raise typer.BadParameter(problem)
+    return text
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     """A flag's parser that takes only `choices`: checked as the command line is read, before anything runs."""
 
@@ -151,7 +169,10 @@ KubeconfigOpt = Annotated[
 ]
 ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: the current one).")]
 NamespaceOpt = Annotated[
-    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the context's).", show_default=False)
+    str | None,
+    typer.Option(
+        "--namespace", "-n", help="Namespace (default: the context's).", show_default=False, parser=namespace_name
+    ),
 ]
 # Every cluster command's targeting options, as kubectl's, in this order after the command's own.
 CLUSTER_OPTIONS = [

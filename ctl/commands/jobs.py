@@ -20,6 +20,7 @@ from ctl.commands.common import (
     fail,
     load_job,
     note,
+    object_name,
     one_of,
     timeout_option,
 )
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 WATCH_INTERVAL_S = 2.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 
-NameArg = Annotated[str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False)]
+NameArg = Annotated[
+    str, typer.Argument(help="The job's name (the spec's `name`).", show_default=False, parser=object_name)
+]
 OutputOpt = Annotated[
     str, typer.Option("--output", "-o", help="table, yaml or json.", parser=one_of("table", "yaml", "json"))
 ]
