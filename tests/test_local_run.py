@@ -71,6 +71,14 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
     assert [step for step, _ in scalars["eval/loss"]] == [5]  # keepBest evaluates at the final checkpoint
     assert processes_with_marker(marker) == []
 
+    # The same command again resumes the finished run: no step to take, and the report keeps the training loss of
+    # its last interval, which the checkpoint holds (it was NaN, which is not JSON).
+    again = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "[rank 0] resuming from step-00000005" in again.stdout, again.stderr
+    rewritten = json.loads((run_dir / "report.json").read_text(), parse_constant=lambda word: pytest.fail(word))
+    assert rewritten["train_loss"] == report["train_loss"] == pytest.approx(logged[-1], abs=6e-5)
+    assert rewritten["steps"] == 5 and rewritten["perplexity"] == report["perplexity"]
+
 
 def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_spec, corpus_file, marked_env) -> None:
     env, marker = marked_env

@@ -69,6 +69,8 @@ class TrainerState:
     val_loss: float | None = None  # at this step, when evaluated for the save
     best_val_loss: float | None = None
     best_step: int | None = None
+    # The mean training loss of the last log interval: the report's, when a start has no step left to take.
+    train_loss: float | None = None
     # Sums since the last log line and since the epoch began, over all ranks.
     interval_totals: Sums = field(default_factory=Sums)
     epoch_totals: Sums = field(default_factory=Sums)

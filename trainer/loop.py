@@ -56,7 +56,7 @@ class TrainResult:
     epochs: float
     samples: int
     tokens: int
-    train_loss: float
+    train_loss: float | None  # of the last log interval; None before the first
     seconds: float
     # The final model over the whole validation split, the final report's too; None when stopped by SIGTERM after
     # saving a checkpoint (preempted): the run is not finished.
@@ -292,7 +292,6 @@ class Trainer:
         self.interval = Totals(self.device, self.state.interval_totals if carried else None)  # since the last log
         self.epoch_totals = Totals(self.device, self.state.epoch_totals if carried else None)  # since the epoch began
         self.stream = self.metrics.timed(iter(self.batches))  # measures the data wait
-        self.train_loss = math.nan
         self.started = self.interval_start = 0.0
 
     def plan(self, resumed: TrainerState | None) -> None:
@@ -413,7 +412,7 @@ class Trainer:
         """The steps since the last log step, summed over ranks, to every output; returns the ranks' stop votes."""
         # The stop flags ride along: no reduction of their own at log steps.
         logged, votes = self.interval.summed(stop_request.vote(stats.seconds, self.device))
-        self.train_loss = logged.loss
+        self.state.train_loss = logged.loss
         now = time.perf_counter()
         self.state.tokens += int(logged.tokens)
         tokens_per_second = logged.tokens / (now - self.interval_start)
@@ -519,7 +518,7 @@ class Trainer:
             epochs=self.batches.epochs_done,
             samples=self.state.samples,
             tokens=self.state.tokens,
-            train_loss=self.train_loss,
+            train_loss=self.state.train_loss,
             seconds=time.perf_counter() - self.started,
             final_eval=final_eval,
         )
