@@ -510,6 +510,17 @@ def test_s3_data_for_a_run_on_the_volume_gets_the_s3_variables_too() -> None:
             {"training": TRAIN | {"checkpoint": {"dir": "s3://x/y"}}},
             "spec.yaml:4: training.checkpoint.dir: 's3://x/y' is not an S3 URI",
         ),
+        # Data URIs too (every rank refused them, after the job was created), any case of the scheme (a local path
+        # named `S3:/runs/x` was made), and '.' or '..' folders (the S3 client failed on them with a traceback).
+        (
+            {"training": TRAIN | {"data": {"train": ["s3://Bad_Bucket/x/*.txt"]}}},
+            "training.data.train.0: 's3://Bad_Bucket/x/*.txt' is not an S3 URI",
+        ),
+        ({"training": TRAIN | {"checkpoint": {"dir": "S3://runs/x"}}}, "training.checkpoint.dir: 'S3://runs/x' is not"),
+        (
+            {"training": TRAIN | {"data": {"train": ["s3://runs/x/../y.txt"]}}},
+            "training.data.train.0: 's3://runs/x/../y.txt': an S3 key has no '.' or '..' folders",
+        ),
     ],
 )
 def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path, values: dict, message: str) -> None:

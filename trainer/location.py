@@ -42,6 +42,8 @@ class S3Location:
         bucket, _, prefix = uri.removeprefix(S3_SCHEME).partition("/")
         if not uri.startswith(S3_SCHEME) or not BUCKET.fullmatch(bucket) or "//" in prefix:
             raise ValueError(f"{uri!r} is not an S3 URI of the form s3://bucket/prefix (with a valid bucket name)")
+        if {".", ".."} & set(prefix.split("/")):  # a key's own name in S3, which the client refuses
+            raise ValueError(f"{uri!r}: an S3 key has no '.' or '..' folders")
         return cls(bucket, prefix.strip("/"))
 
     def __str__(self) -> str:

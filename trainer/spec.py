@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,7 +30,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from trainer.location import S3Location, is_s3
+from trainer.location import S3Location
 from trainer.names import EXIT_HUNG, GPT2_POSITIONS, RENDERED_BY_ENV
 
 
@@ -84,9 +85,19 @@ def pattern(regex: str, meaning: str) -> str:
     return regex
 
 
+def s3_checked(value: str | None) -> str | None:
+    """A value written as an S3 URI (`s3:` in any case) must be a valid one: `S3://b/x` or `s3:/b/x` would be a local
+    path of that name, and a bad bucket name a failure of every rank, not a spec's."""
+    if value and value[:3].lower() == "s3:":
+        S3Location.parse(value)
+    return value
+
+
 # A path, directory, glob or s3:// URI: never empty or blank, which match nothing (or a file of that name in
 # the current directory: one nobody means).
-Source = Annotated[str, Field(pattern=pattern(r"\S", "a file, directory, glob or s3:// URI"))]
+Source = Annotated[
+    str, Field(pattern=pattern(r"\S", "a file, directory, glob or s3:// URI")), AfterValidator(s3_checked)
+]
 # A path of the trainer's own; empty is the default.
 PathText = Annotated[str, Field(pattern=pattern(r"^$|\S", "a path, or empty for the default"))]
 
@@ -258,13 +269,7 @@ class CheckpointSpec(SpecModel):
         False, description="Resume even when training settings differ from the checkpoint's (otherwise an error)."
     )
 
-    @field_validator("dir")
-    @classmethod
-    def s3_uri(cls, value: str | None) -> str | None:
-        """A malformed s3:// URI is refused with the spec, before any process starts."""
-        if is_s3(value):
-            S3Location.parse(str(value))
-        return value
+    _s3_uri = field_validator("dir")(s3_checked)
 
 
 class TimeoutsSpec(SpecModel):
