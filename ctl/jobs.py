@@ -71,6 +71,11 @@ def submit(
     if (message := check_claim(target, objects)) and note:
         note(message)
     name = job["metadata"]["name"]
+    if other := next((kind for kind in KINDS.values() if kind is not api and other_job(target, kind, name)), None):
+        raise ClusterError(
+            f"{other.kind.lower()} {name} already exists in namespace {target.namespace}, and this spec is a"
+            f" {api.kind}: the two would share its config and run directory; delete it first (ctl delete {name})"
+        )
     existing = exists(target, api.path(target.namespace, name))
     if existing and not replace:
         raise ClusterError(
@@ -94,6 +99,15 @@ def submit(
         if obj is not job:
             apply(target, obj)
     apply_job(target, job)
+
+
+def other_job(target: Target, kind: JobKind, name: str) -> bool:
+    """Whether a job of another kind has the name: the cluster serves that kind, and this user may read it (a Role
+    for one kind alone cannot tell)."""
+    try:
+        return exists(target, kind.path(target.namespace, name))
+    except ClusterError:  # forbidden
+        return False
 
 
 def dry_run_all(

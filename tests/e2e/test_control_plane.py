@@ -1217,6 +1217,17 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert again.returncode == 1 and f"{kind.api.kind.lower()} {name} already exists in namespace {namespace}" in (
         again.stderr
     )
+    # Nor as the other kind: both would run at once on one run directory, and the first one's config be replaced.
+    other = TRAINJOB if kind is PYTORCHJOB else PYTORCHJOB
+    (tmp_path / "other").mkdir()
+    crossed = ctl("submit", str(spec_file(tmp_path / "other", job_spec(marker, name=name, apiKind=other.api.kind))))
+    assert crossed.returncode == 1 and crossed.stderr == (
+        f"error: {kind.api.kind.lower()} {name} already exists in namespace {namespace}, and this spec is a"
+        f" {other.api.kind}: the two would share its config and run directory; delete it first (ctl delete {name})\n"
+    )
+    assert [row["kind"] for row in json.loads(ctl("list", "-o", "json").stdout) if row["name"] == name] == [
+        kind.api.kind
+    ]
     assert ctl("wait", name, "--timeout", "500ms").returncode == EXIT_NOT_FINISHED
 
     progress = progress_while_running(ctl, name)
