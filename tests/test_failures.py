@@ -496,6 +496,21 @@ def test_race_read_only_run_dir(workdir, corpus_file: Path, read_only_dir: Path)
     run_bad_input(workdir, spec, ["--run-dir", str(read_only_dir)], expected, times=2)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a full tmpfs (the suite runs as root)")
+def test_a_full_disk_is_one_line_and_leaves_nothing_on_it(workdir, corpus_file: Path, tmp_path: Path) -> None:
+    """The write test's file was left behind, and the run directory it was written in (rank 0 alone: a race of one)."""
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={full / 'filler'}", "bs=4k"], capture_output=True)
+        expected = f"error: training.checkpoint.dir: {full / 'runs' / 'x'} is not writable: No space left on device"
+        run_bad_input(workdir, tiny_spec(corpus_file), ["--run-dir", str(full / "runs" / "x")], expected, times=1)
+        assert [path.name for path in full.iterdir()] == ["filler"]
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+
+
 def test_changed_setting_on_resume_is_one_line_and_writes_nothing(workdir, corpus_file: Path) -> None:
     path, env = workdir
     (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0})))

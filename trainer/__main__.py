@@ -69,14 +69,14 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     checkpoints.check_settings()
     check_resumed_data(spec, run_dir)
     created = [path for path in (run_dir, *run_dir.parents) if not path.exists()] if dist.is_main else []
-    if dist.is_main:
-        prepare_run_dir(run_dir)
-        restore_run_ids(run_dir, checkpoints.store)
     try:
+        if dist.is_main:
+            prepare_run_dir(run_dir)
+            restore_run_ids(run_dir, checkpoints.store)
         torch.manual_seed(spec.seed)
         task, work = load(spec, dist, run_dir)
     except SpecError:
-        remove_if_empty(created)  # bad data: leave nothing behind
+        remove_if_empty(created)  # a full disk, bad data: leave nothing behind
         raise
     checkpoints.clean()
     params = sum(p.numel() for p in work.model.parameters())

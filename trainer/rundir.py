@@ -82,6 +82,8 @@ def prepare_run_dir(path: Path) -> Path:
             os.fsync(file.fileno())
         probe.unlink()
     except OSError as exc:
+        with contextlib.suppress(OSError):  # created, and then no room for its two bytes
+            probe.unlink()
         raise SpecError(f"training.checkpoint.dir: {path} is not writable: {exc.strerror}") from None
     return path.resolve()
 
