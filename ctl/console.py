@@ -24,23 +24,34 @@ class Console:
         self.out, self.err = out, err
         self.held: list[str] = []
         self.lock = threading.Lock()
+        self.gone = False  # the terminal closed: lines are dropped, and the agents' pipes still read
 
     def release(self) -> None:
         """Print the held notes (once)."""
         with self.lock:
             for note in self.held:
-                print(note, file=self.err, flush=True)
+                self.write(self.err, note + "\n")
             self.held = []
 
     def trainer_line(self, line: str, stream: TextIO | None = None) -> None:
         self.release()
         with self.lock:
-            (stream or self.out).write(line)
-            (stream or self.out).flush()
+            self.write(stream or self.out, line)
 
     def note(self, message: str) -> None:
         with self.lock:
-            print(message, file=self.err, flush=True)
+            self.write(self.err, message + "\n")
+
+    def write(self, stream: TextIO, text: str) -> None:
+        """Write and flush, under the lock; once a write fails (a closed terminal: EIO, a closed pipe), no more: the
+        pumps go on reading the agents' output, or the trainers would block on a full pipe while they save."""
+        if self.gone:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except OSError:
+            self.gone = True
 
 
 def pump_stdout(process: subprocess.Popen, console: Console) -> None:

@@ -70,11 +70,15 @@ LAUNCHER_VARIABLES = (
 
 
 class Terminated(Exception):
-    """ctl got SIGTERM: the run stops as on Ctrl-C."""
+    """ctl got SIGTERM, or SIGHUP (its terminal closed): the run stops as on Ctrl-C."""
 
 
 def terminate(signum: int, frame: object) -> None:
-    raise Terminated
+    raise Terminated(signal.Signals(signum).name)
+
+
+# Stop the run as SIGTERM does; left as they are where ignored (`nohup ctl run` ignores SIGHUP, and the run goes on).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -282,7 +286,10 @@ def run_local(
     logs = Path(tempfile.mkdtemp(prefix=LOGS_PREFIX))
     console = Console(out, err)
     agents: list[Agent] = []
-    previous_handler = signal.signal(signal.SIGTERM, terminate)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, terminate)
     pumps: list[threading.Thread] = []
     try:
         for node_index in range(len(job.nodes)):
@@ -299,17 +306,18 @@ def run_local(
         failed = supervise(agents)
     except (KeyboardInterrupt, Terminated) as exc:
         # Every node saves at one agreed step and exits; a second signal must not cut that short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGINT, *STOP_SIGNALS):
+            signal.signal(sig, signal.SIG_IGN)
         stop([agent.process for agent in agents])
         join(pumps)
         kept = keep_logs(logs, run_dir, started)
         interrupted = isinstance(exc, KeyboardInterrupt)
-        console.note(stopped(job, "interrupted (SIGINT)" if interrupted else "terminated (SIGTERM)"))
+        console.note(stopped(job, "interrupted (SIGINT)" if interrupted else f"terminated ({exc})"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     join(pumps)
     return outcome(spec, failed, console, logs, job, started)
 

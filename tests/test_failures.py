@@ -804,11 +804,11 @@ def start_long_run(path: Path, env: dict[str, str], corpus: Path) -> tuple[subpr
     raise AssertionError(f"the run ended before its first step: {ctl.communicate()}")
 
 
-def assert_stopped(ctl: subprocess.Popen, run_dir: Path) -> int:
-    """ctl exited 143 and said where the run resumes: that step, the newest checkpoint's."""
+def assert_stopped(ctl: subprocess.Popen, run_dir: Path, how: str) -> int:
+    """ctl exited 143 and said `how` the run stopped, and where it resumes: that step, the newest checkpoint's."""
     _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == EXIT_PREEMPTED, stderr
-    assert "error" not in stderr and "failed" not in stderr, stderr
+    assert "error" not in stderr and "failed" not in stderr and f"ctl: {how}: stopped" in stderr, stderr
     stopped = STOPPED.search(stderr)
     assert stopped, stderr
     assert (run_dir / LATEST_CHECKPOINT).read_text().strip() == f"step-{int(stopped.group(1)):08d}"
@@ -829,13 +829,20 @@ def test_sigterm_to_the_nodes_or_to_ctl_stops_at_a_saved_step_and_resumes(workdi
         assert len(agents) == 2, agents
         for agent in agents:
             os.killpg(int(agent), signal.SIGTERM)
-        preempted = assert_stopped(ctl, run_dir)
+        preempted = assert_stopped(ctl, run_dir, "the nodes got SIGTERM")
 
         ctl, started = start_long_run(path, env, corpus_file)
         assert f"resuming from step-{preempted:08d}" in started
         time.sleep(1)
         ctl.send_signal(signal.SIGTERM)
-        assert assert_stopped(ctl, run_dir) > preempted
+        terminated = assert_stopped(ctl, run_dir, "terminated (SIGTERM)")
+        assert terminated > preempted
+
+        # SIGHUP (its terminal closed, an ssh session lost) too: the nodes, in sessions of their own, trained on.
+        ctl, started = start_long_run(path, env, corpus_file)
+        time.sleep(1)
+        ctl.send_signal(signal.SIGHUP)
+        assert assert_stopped(ctl, run_dir, "terminated (SIGHUP)") > terminated
     finally:
         if ctl.poll() is None:
             ctl.kill()
