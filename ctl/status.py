@@ -71,6 +71,26 @@ class JobStatus:
     pods: list[PodStatus]
     events: list[dict[str, Any]]
 
+    def failure(self) -> str:
+        """Why the job failed, in one line: the root cause of its first failed pod by node rank (its termination
+        message's last line), else of its prepare Job's, else its Failed condition."""
+        pods = [*self.pods, *([self.prepare.pod] if self.prepare and self.prepare.pod else [])]
+        failed = (pod for pod in pods if pod.exit_code and pod.message)
+        if cause := next((f"{pod.name}: {pod.message.removeprefix('error: ')}" for pod in failed), None):
+            return cause
+        condition = next((c for c in self.conditions if c["type"] == "Failed" and c["status"] == "True"), None)
+        if condition:
+            return f"{condition['reason']}: {condition['message']}"
+        return "no pod says why (ctl status and ctl logs show what there is)"
+
+
+@dataclass(frozen=True)
+class Waited:
+    """How `wait` ended: the exit code, and the line that says why when the awaited state was not reached."""
+
+    code: int
+    problem: str | None = None
+
 
 @dataclass(frozen=True)
 class JobRow:
@@ -108,27 +128,31 @@ def finished(job: dict[str, Any]) -> bool:
     return kind_of(job).state(job).terminal
 
 
-def wait(target: Target, name: str, state: str, timeout: float, progress: Callable[[str], None] | None = None) -> int:
-    """Block until the job reaches `state` (succeeded, failed or running); the exit code for `ctl wait`."""
+def wait(
+    target: Target, name: str, state: str, timeout: float, progress: Callable[[str], None] | None = None
+) -> Waited:
+    """Block until the job reaches `state` (succeeded, failed or running); the exit code for `ctl wait`, with why
+    when it is not 0."""
     deadline = time.monotonic() + timeout
     last: State | None = None
     while True:
         try:
             job = find_job(target, name)
-        except JobNotFound:
-            return EXIT_NOT_FOUND
+        except JobNotFound as missing:
+            gone = f"{name} was deleted while it was {last.value}" if last else str(missing)
+            return Waited(EXIT_NOT_FOUND, gone)
         current = kind_of(job).state(job)
         if current != last and progress:
             progress(current.value)
         last = current
         if current in AWAITED[state]:
-            return 0
+            return Waited(0)
         if current == State.FAILED:
-            return EXIT_JOB_FAILED
+            return Waited(EXIT_JOB_FAILED, f"{name} failed: {status(target, name).failure()}")
         if current.terminal:  # finished otherwise than awaited (--for failed): it never will be
-            return EXIT_NOT_FINISHED
+            return Waited(EXIT_NOT_FINISHED, f"{name} {current.value.lower()}: it will never be {state}")
         if time.monotonic() >= deadline:
-            return EXIT_NOT_FINISHED
+            return Waited(EXIT_NOT_FINISHED, f"{name} is still {current.value} after {timeout:g} s (--timeout)")
         time.sleep(1)
 
 

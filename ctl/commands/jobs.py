@@ -103,10 +103,12 @@ def outcome(target: Target, name: str, follow: bool, timeout: float) -> int:
     if follow:  # the log in the background; the job's outcome (and --timeout) decides when ctl returns
         printer = threading.Thread(target=follow_log, args=(target, name, LogOptions(follow=True)), daemon=True)
         printer.start()
-    code = wait(target, name, "succeeded", timeout, progress=note)
+    waited = wait(target, name, "succeeded", timeout, progress=note)
     if printer is not None:
         printer.join(LOG_DRAIN_S)
-    return code
+    if waited.problem:
+        note(f"error: {waited.problem}")
+    return waited.code
 
 
 def served_kind(target: Target, job: JobSpec, spec: Path) -> JobSpec:
@@ -142,8 +144,8 @@ def wait_command(
         raise fail(f"--for {state!r}: expected succeeded, failed or running")
     from ctl.status import wait
 
-    code = wait(cluster.connect(), name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
-    raise typer.Exit(code)
+    waited = wait(cluster.connect(), name, state, timeout, progress=lambda s: typer.echo(f"{name}: {s}", err=True))
+    raise fail(waited.problem, waited.code) if waited.problem else typer.Exit(waited.code)
 
 
 @command(cluster=True)

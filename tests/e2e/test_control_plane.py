@@ -1409,14 +1409,22 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     followed = ctl("submit", str(spec), "--follow", "--timeout", str(JOB_TIMEOUT_S))
     assert followed.returncode == EXIT_JOB_FAILED, followed.stderr
     assert "/nonexistent/ddpjob-e2e/train.txt" in followed.stdout, followed.stdout + followed.stderr
+    # Its last line is the root cause, as `ctl wait`'s: a failed pod's (the first by node rank).
+    cause = re.compile(rf"error: {name} failed: {name}-\S+: training\.data\.train: no file matches '/nonexistent/")
+    assert cause.match(followed.stderr.splitlines()[-1]), followed.stderr
     assert ctl("wait", name, "--for", "failed").returncode == 0
-    assert ctl("wait", name, "--for", "succeeded").returncode == EXIT_JOB_FAILED
+    failed = ctl("wait", name, "--for", "succeeded")
+    assert failed.returncode == EXIT_JOB_FAILED and cause.match(failed.stderr.splitlines()[-1]), failed.stderr
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     # The job fails with its first failed pod (the other may still be ending).
     assert status["state"] == "Failed" and EXIT_BAD_INPUT in {p["exitCode"] for p in status["pods"]}
     table = ctl("status", name).stdout
     assert table.startswith(f"{name} ({namespace}): Failed\n") and re.search(r" Failed +0 +2  Error\n", table), table
-    assert ctl("wait", "no-such-job").returncode == EXIT_NOT_FOUND
+    missing = ctl("wait", "no-such-job")
+    assert (missing.returncode, missing.stderr) == (
+        EXIT_NOT_FOUND,
+        f"error: job no-such-job not found in namespace {namespace} (neither PyTorchJob nor TrainJob)\n",
+    )
 
     # --replace: the job is deleted and created anew (and fails again, on its own).
     first = kind.get(cluster, namespace, name)["metadata"]["uid"]
