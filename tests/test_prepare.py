@@ -34,7 +34,7 @@ import pyarrow.parquet
 import pytest
 import torch
 import yaml
-from conftest import rank_log, run_ctl, sigterm_as_pid_1, tiny_spec
+from conftest import processes_with_marker, rank_log, run_ctl, sigterm_as_pid_1, start_ctl, tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -682,6 +682,32 @@ def test_the_prepare_jobs_command_as_pid_1_stops_at_sigterm_and_leaves_nothing(t
         "trainer.prepare: stopped by SIGTERM, nothing kept; the next start prepares again (exit 143)"
     ), stderr
     assert [path.name for path in cache.rglob("*")] == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_ctl_prepare_stopped_by_a_signal_says_so_and_leaves_nothing(
+    tmp_path, temporary, tokenizer_dir, marked_env, sig
+) -> None:
+    """SIGTERM ended `ctl prepare` at once: its pool's BrokenPipeError tracebacks (about 50 lines), a half-written
+    dataset (50 MB) and its pods' config folder were left. Ctrl-C cleaned up, and said nothing."""
+    env, marker = marked_env
+    cache = tmp_path / "cache"
+    data = {"train": [str(STDLIB / "*.py"), str(STDLIB / "*" / "*.py")], "prepareWorkers": 2, "cacheDir": str(cache)}
+    training = {"task": "causal-lm", "tokenizer": {"path": str(tokenizer_dir)}, "data": data}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"name": "tiny", "training": training}))
+    ctl = start_ctl("prepare", "spec.yaml", cwd=tmp_path, env=env | {"TMPDIR": str(temporary)}, merge_stderr=False)
+    deadline = time.monotonic() + 60
+    while not any(cache.glob(".*.tmp-*/*")):  # tokenizing, its pool started
+        assert ctl.poll() is None and time.monotonic() < deadline, ctl.communicate()
+        time.sleep(0.02)
+    ctl.send_signal(sig)
+    out, err = ctl.communicate(timeout=60)
+    how = "interrupted (SIGINT)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    line = f"ctl: {how}: the preparation stopped, nothing kept; the same command prepares again"
+    assert (ctl.returncode, out, err.splitlines()[-1]) == (128 + sig, "", line), err
+    assert "Traceback" not in err and "leaked" not in err, err
+    assert [path.name for path in cache.rglob("*")] == [] and list(temporary.iterdir()) == []
+    assert processes_with_marker(marker) == []
 
 
 def test_a_staging_directory_left_by_a_killed_process_of_the_same_pod_and_pid_is_replaced(tmp_path) -> None:

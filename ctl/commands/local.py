@@ -122,9 +122,35 @@ def prepare(
     """
     job = load_job(spec, values, set_values, set_files)
     require_trainer("prepare")
-    with local_pods(job, run_dir) as pods:  # the run directory is the one the rendered training config names
+    with stoppable(), local_pods(job, run_dir) as pods:  # the run directory the rendered training config names
         plan = prepare_data(job, pods)
     typer.echo(str(plan.entry))
+
+
+@contextlib.contextmanager
+def stoppable() -> Iterator[None]:
+    """SIGTERM and SIGHUP (where not ignored) stop a preparation as Ctrl-C does: its staging folder and worker pool
+    are cleaned up, and one line says so. By default the signal ended ctl at once, leaving both behind."""
+    import signal
+
+    from ctl.local import STOP_SIGNALS
+    from trainer.names import EXIT_INTERRUPTED, EXIT_PREEMPTED
+    from trainer.prepare import Stopped, stop
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, stop)
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as exc:
+        by = signal.Signals(exc.args[0]).name if isinstance(exc, Stopped) else "SIGINT"
+        how = "interrupted" if by == "SIGINT" else "terminated"
+        note(f"ctl: {how} ({by}): the preparation stopped, nothing kept; the same command prepares again")
+        raise typer.Exit(EXIT_INTERRUPTED if by == "SIGINT" else EXIT_PREEMPTED) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @command()
