@@ -31,7 +31,17 @@ import torch
 import yaml
 from conftest import REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec, trainer_pids
 
-from trainer.checkpoint import MARKER, Checkpointer, CheckpointError, TrainerState, step_name
+from trainer.checkpoint import (
+    MARKER,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    Checkpointer,
+    CheckpointError,
+    TrainerState,
+    step_name,
+)
 from trainer.data import TrainBatches
 from trainer.dist import Dist
 from trainer.spec import CheckpointSpec
@@ -383,6 +393,27 @@ def test_a_checkpoint_the_store_cannot_read_is_not_taken_for_a_torn_one(
         " retries in 180.0 s); the checkpoints saved before it stay as they were"
     )
     assert asked == [f"step-00000002/{MARKER}"] and committed_steps(tmp_path) == [1]
+
+
+@pytest.mark.parametrize("file", [MODEL, OPTIMIZER, RNG, STATE])
+def test_a_damaged_checkpoint_file_is_one_line_naming_it(tmp_path: Path, file: str) -> None:
+    """A committed file whose bytes changed since, at the same size: the line was the library's own
+    (`SafetensorError: header too large`, or torch's advice to load it with weights_only=False), naming no file."""
+    model = torch.nn.Linear(4, 4)
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    checkpoints = Checkpointer(tmp_path, CheckpointSpec(keepLast=2), dist, {"maxSteps": 10})
+    optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+    checkpoints.attach(model, optimizer, scaler, TrainerState(step=1))
+    checkpoints.save()
+    damaged = tmp_path / "step-00000001" / file
+    damaged.write_bytes(random.Random(0).randbytes(damaged.stat().st_size))
+    checkpoints.attach(model, optimizer, scaler, TrainerState())
+    with pytest.raises(CheckpointError) as failure:
+        checkpoints.load_latest()
+    line = str(failure.value)
+    assert line.startswith(f"training.checkpoint.dir: step-00000001/{file} is damaged (") and "\n" not in line, line
+    assert line.endswith("); move step-00000001 away to resume from the checkpoint before it"), line
+    assert "weights_only" not in line, line
 
 
 def test_a_save_on_a_volume_lists_no_event_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,16 +17,19 @@ renamed away before they are deleted, so a half-deleted one is never mistaken fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
+import pickle
 import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import safetensors
@@ -93,6 +96,28 @@ class Stateful:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     state: TrainerState
+
+
+T = TypeVar("T")
+
+
+# What torch.load raises for a file that is no zip archive or pickle it can read.
+UNREADABLE = (pickle.UnpicklingError, RuntimeError, EOFError)
+
+
+def read(name: str, file: str, load: Callable[[], T], unreadable: tuple[type[Exception], ...] = UNREADABLE) -> T:
+    """`load()` of a committed checkpoint's file, whose size is right: one it cannot read (`unreadable`) was changed
+    since (a disk's error, a hand's edit), which the libraries' errors neither name nor tell what to do about."""
+    try:
+        return load()
+    except unreadable as exc:
+        # torch's weights-only unpickler begins with advice to load the file unsafely; its cause comes after this.
+        text = str(exc).rpartition("WeightsUnpickler error:")[2]
+        cause = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        raise CheckpointError(
+            f"training.checkpoint.dir: {name}/{file} is damaged ({type(exc).__name__}: {cause}); move {name} away to"
+            " resume from the checkpoint before it"
+        ) from None
 
 
 def step_name(step: int) -> str:
@@ -267,7 +292,7 @@ class Checkpointer:
 
     def saved_state(self, name: str) -> dict[str, Any]:
         """Checkpoint `name`'s state.json, once it is clear that this run may resume from it."""
-        saved = json.loads(self.store.read_bytes(f"{name}/{STATE}"))
+        saved = read(name, STATE, lambda: json.loads(self.store.read_bytes(f"{name}/{STATE}")), (ValueError,))
         if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
             keys = changed_keys(config_values(saved["config"]), config_values(self.config), "training.")
             raise SpecError(
@@ -287,14 +312,17 @@ class Checkpointer:
         checkpoints = self.committed()
         if not checkpoints:
             return None
-        saved = self.saved_state(checkpoints[-1][1])
-        path = self.store.local(checkpoints[-1][1])
+        name = checkpoints[-1][1]
+        saved = self.saved_state(name)
+        path = self.store.local(name)
         objects = self.attached()
-        safetensors.torch.load_model(objects.model, path / MODEL, strict=True, device=str(self.dist.device))
-        trainer = torch.load(path / OPTIMIZER, map_location=self.dist.device, weights_only=True)
+        device = self.dist.device
+        model = functools.partial(safetensors.torch.load_model, objects.model, path / MODEL, device=str(device))
+        read(name, MODEL, lambda: model(strict=True), (safetensors.SafetensorError,))  # not a shape's RuntimeError
+        trainer = read(name, OPTIMIZER, lambda: torch.load(path / OPTIMIZER, map_location=device, weights_only=True))
         objects.optimizer.load_state_dict(trainer["optimizer"])
         objects.scaler.load_state_dict(trainer["scaler"])
-        rng = torch.load(path / RNG, weights_only=True)
+        rng = read(name, RNG, lambda: torch.load(path / RNG, weights_only=True))
         state = TrainerState(**saved["trainer"])
         objects.state.load(state)
         return state, rng[self.dist.rank] if self.dist.rank < len(rng) else None
