@@ -20,7 +20,7 @@ import urllib3
 
 from ctl.cluster import ClusterError, Target, get_job
 from ctl.kinds import JobKind, kind_of
-from ctl.status import finished, job_pods, trainer_status
+from ctl.status import finished, job_pods, not_starting, trainer_status
 
 POLL_S = 1.0
 CHUNK_BYTES = 64 * 1024
@@ -42,7 +42,7 @@ def node_lines(
     api = kind_of(job)
     job_name = job["metadata"]["name"]
     streamed: tuple[str, int] | None = None  # the container run read last: (pod uid, restart count)
-    waited = False
+    waited, told = False, {}
     while True:
         job = get_job(target, job_name, api)
         pod = next((p for p in reversed(job_pods(target, job)) if api.pod_label(p) == label), None)
@@ -62,6 +62,9 @@ def node_lines(
         if not waited:
             note(f"waiting for {label} of {job_name} to start")
             waited = True
+        if pod is not None and (why := not_starting(pod)) and why != told:  # a pod may wait for ever: say why
+            note(f"{label} of {job_name} is not starting: {why['reason']}: {why['message']}")
+            told = why
         time.sleep(POLL_S)
 
 

@@ -42,8 +42,8 @@ class PodStatus:
     phase: str
     restarts: int
     exit_code: int | None
-    reason: str | None
-    message: str | None  # the root cause of a failure (termination_cause)
+    reason: str | None  # how its container last ended; else why it has not started (ErrImagePull, Unschedulable)
+    message: str | None  # the root cause of a failure (termination_cause); else the not starting's message
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,7 @@ def pod_status(pod: dict[str, Any], kind: JobKind, container: str) -> PodStatus:
     """A pod of a job of `kind` (or of its prepare Job); `container` is the one it reports."""
     trainer = trainer_status(pod, container)
     terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+    waiting = {} if terminated else not_starting(pod)
     return PodStatus(
         name=pod["metadata"]["name"],
         node=kind.pod_label(pod),
@@ -193,9 +194,28 @@ def pod_status(pod: dict[str, Any], kind: JobKind, container: str) -> PodStatus:
         phase=pod.get("status", {}).get("phase", "Unknown"),
         restarts=trainer.get("restartCount", 0),
         exit_code=terminated.get("exitCode") if terminated else None,
-        reason=(terminated or {}).get("reason") or pod.get("status", {}).get("reason"),
-        message=termination_cause(terminated),
+        reason=(terminated or waiting).get("reason") or pod.get("status", {}).get("reason"),
+        message=termination_cause(terminated) if terminated else waiting.get("message"),
     )
+
+
+# A container's waiting reasons on its way to start, which say nothing is wrong.
+STARTING = {"ContainerCreating", "PodInitializing"}
+
+
+def not_starting(pod: dict[str, Any]) -> dict[str, str]:
+    """Why the pod has not started, as `reason` and `message`: a container's waiting state other than being created
+    (ErrImagePull, ImagePullBackOff, CreateContainerConfigError: a Secret or key it names is missing), or the
+    scheduler's refusal (Unschedulable); empty while it is on its way."""
+    status = pod.get("status") or {}
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") and waiting["reason"] not in STARTING:
+            return {"reason": waiting["reason"], "message": waiting.get("message") or ""}
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return {"reason": condition.get("reason") or "", "message": condition.get("message") or ""}
+    return {}
 
 
 def termination_cause(terminated: dict[str, Any] | None) -> str | None:

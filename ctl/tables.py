@@ -26,9 +26,16 @@ def status_table(status: JobStatus) -> str:
         f"  {p.reason or ''}"
         for p in status.pods
     ]
-    lines += [f"  {p.name}: {p.message}" for p in status.pods if p.exit_code and p.message]
-    lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {e['message']}" for e in status.events]
+    lines += [f"  {p.name}: {one_line(p.message)}" for p in status.pods if p.message]
+    lines += [f"  event: {e['object']} {e['type']} {e['reason']}: {one_line(e['message'])}" for e in status.events]
     return "\n".join(lines)
+
+
+def one_line(text: str | None) -> str:
+    """A message of several lines (an operator's event quotes a container's termination message whole) as its first
+    and last: one line of the table each."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
 
 
 def status_line(status: JobStatus) -> str:

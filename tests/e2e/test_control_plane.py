@@ -1420,6 +1420,8 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     assert status["state"] == "Failed" and EXIT_BAD_INPUT in {p["exitCode"] for p in status["pods"]}
     table = ctl("status", name).stdout
     assert table.startswith(f"{name} ({namespace}): Failed\n") and re.search(r" Failed +0 +2  Error\n", table), table
+    # One line per pod, condition and event: an operator's event quotes the pod's termination message, lines and all.
+    assert all(line.startswith("  ") for line in table.splitlines()[1:]), table
     missing = ctl("wait", "no-such-job")
     assert (missing.returncode, missing.stderr) == (
         EXIT_NOT_FOUND,
@@ -1432,6 +1434,29 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     assert replaced.returncode == EXIT_JOB_FAILED, replaced.stderr
     assert kind.get(cluster, namespace, name)["metadata"]["uid"] != first
     assert_no_process_left(cluster, marker)
+
+
+def test_a_pod_that_cannot_start_says_why(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """An image no node can pull (a registry that refuses connections, at once): its pods wait for ever, and
+    `submit --follow` (as `ctl logs`) said only "waiting for master-0 to start", `ctl status` gave no reason, and
+    the timeout ended it with the state alone."""
+    marker = uuid.uuid4().hex
+    name = f"nostart-{marker[:6]}"
+    image = {"repository": "localhost:1/ddpjob", "tag": "0.0.0"}
+    spec = spec_file(tmp_path, job_spec(marker, name=name, image=image))
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    followed = ctl("submit", str(spec), "--follow", "--timeout", "45")
+    assert followed.returncode == EXIT_NOT_FINISHED, followed.stderr
+    told = rf"^master-0 of {name} is not starting: (ErrImagePull|ImagePullBackOff): \S"
+    assert re.search(told, followed.stderr, re.M), followed.stderr
+    assert re.search(rf"error: {name} is still \w+ after 45 s \(--timeout\)\n$", followed.stderr), followed.stderr
+    table = ctl("status", name).stdout
+    assert re.search(rf"  {name}-master-0 +Pending +0 +(ErrImagePull|ImagePullBackOff)\n", table), table
+    assert re.search(rf"^  {name}-master-0: \S", table, re.M), table  # the runtime's message, one line
+    assert ctl("delete", name, "-y").returncode == 0
 
 
 def test_an_object_the_cluster_refuses_leaves_nothing_created(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
