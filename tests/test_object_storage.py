@@ -49,7 +49,7 @@ from test_tracking import mlflow_env  # noqa: F401 (a fixture: MLflow's file sto
 from ctl.processes import LOCAL_ADDRESS, free_port
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
-from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV
+from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.preparation.readers import read_texts
 from trainer.rundir import publish
@@ -290,6 +290,22 @@ def test_aws_ca_bundle_names_the_private_ca_that_signed_the_endpoint(
     monkeypatch.setenv(S3_CA_BUNDLE_ENV, str(broken))
     with pytest.raises(SpecError, match=r"^AWS_CA_BUNDLE: '.*broken\.crt': a certificate it holds is invalid \(\w+\)$"):
         checkpointer("s3://private/run", tmp_path)
+    # Not base64 between the PEM lines: the client's `builder error`, with a traceback, at its first request.
+    broken.write_text("-----BEGIN CERTIFICATE-----\nnot*base64!\n-----END CERTIFICATE-----\n")
+    not_pem = r"^AWS_CA_BUNDLE: '.*broken\.crt': a certificate it holds is not PEM \(base64\)$"
+    with pytest.raises(SpecError, match=not_pem):
+        checkpointer("s3://private/run", tmp_path)
+
+
+def test_one_key_without_the_other_is_bad_input_naming_the_missing_one(
+    monkeypatch: pytest.MonkeyPatch, s3: S3Server, tmp_path: Path
+) -> None:
+    """The client said `Missing SecretAccessKey`, with a traceback, at its first request: exit 1."""
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(S3_SECRET_KEY_ENV)
+    with pytest.raises(SpecError, match=r"^AWS_SECRET_ACCESS_KEY: not set, and AWS_ACCESS_KEY_ID is: the two keys go"):
+        checkpointer("s3://runs/one-key", tmp_path)
 
 
 def keys_exported_only(s3: S3Server, cache: Path) -> dict[str, str]:

@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from trainer.location import (
     PEM_CERTIFICATE,
+    S3_ACCESS_KEY_ENV,
     S3_CA_BUNDLE_ENV,
     S3_ENDPOINT_ENV,
+    S3_SECRET_KEY_ENV,
     S3Location,
     is_s3,
     node_cache,
@@ -256,6 +258,10 @@ def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
 
     endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
     options: dict[str, str | bool] = {"allow_http": endpoint.startswith("http://")}
+    keys = [name for name in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV) if os.environ.get(name)]
+    if len(keys) == 1:  # the client's `Missing SecretAccessKey` came with a traceback, at the first request
+        missing = ({S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV} - set(keys)).pop()
+        raise SpecError(f"{missing}: not set, and {keys[0]} is: the two keys go together (storage.secretName's Secret)")
     bundle = os.environ.get(S3_CA_BUNDLE_ENV)
     if bundle:
         options["root_certificate"] = ca_certificates(bundle)
@@ -264,6 +270,8 @@ def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
     except obstore.exceptions.BaseError as exc:  # the client is built at once: the certificates are parsed here
         if bundle and (tls := tls_error(str(exc))):
             raise SpecError(f"{S3_CA_BUNDLE_ENV}: {bundle!r}: a certificate it holds is invalid ({tls[1]})") from None
+        if bundle and "invalid certificate encoding" in str(exc):  # not base64 between the PEM lines
+            raise SpecError(f"{S3_CA_BUNDLE_ENV}: {bundle!r}: a certificate it holds is not PEM (base64)") from None
         raise
 
 
