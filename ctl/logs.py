@@ -47,6 +47,8 @@ def node_lines(
         job = get_job(target, job_name, api)
         pod = next((p for p in reversed(job_pods(target, job)) if api.pod_label(p) == label), None)
         run = container_run(pod, api) if pod else None
+        if run is not None and options.previous and run[1] == 0:  # else the kubelet's 400, in its words
+            raise ClusterError(f"{label} of {job_name} has no previous log: its container has not restarted")
         if run is not None and run != streamed:
             if streamed is not None:
                 note(f"{label}: container restarted (restart {run[1]})")

@@ -88,5 +88,6 @@ def node_of_rank(rank: int, nodes: int, procs: int | None) -> int:
     if procs is None:
         raise fail(f"--rank {rank}: the job leaves processes per node to each node; use --all")
     if not 0 <= rank < nodes * procs:
-        raise fail(f"--rank {rank}: the job has {nodes * procs} ranks (0-{nodes * procs - 1})")
+        ranks = nodes * procs
+        raise fail(f"--rank {rank}: the job has {'1 rank (0)' if ranks == 1 else f'{ranks} ranks (0-{ranks - 1})'}")
     return rank // procs
