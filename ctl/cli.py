@@ -2,7 +2,8 @@
 shell completion, and Click's usage errors as one line.
 
 Exit codes: 0 ok, 1 error, 2 usage or bad input; for a job's outcome (`wait`, `submit --wait/--follow`)
-100 failed, 101 not finished (timeout), 102 not found; `run` stopped after saving: 130 Ctrl-C, 143 SIGTERM.
+100 failed, 101 not finished (timeout); 102 no such job (any command that names one); `run` stopped after
+saving: 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from trainer.names import EXIT_BAD_INPUT
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait/--follow):"
-    " 100 failed, 101 not finished, 102 not found; run stopped after saving: 130 Ctrl-C, 143 SIGTERM."
+    " 100 failed, 101 not finished; 102 no such job (status, logs, delete too); run stopped after saving:"
+    " 130 Ctrl-C, 143 SIGTERM."
 )
 
 app = typer.Typer(
