@@ -15,6 +15,8 @@ run directory's `logs/` at the end; `--verbose` also streams them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import importlib.metadata
 import os
 import queue
@@ -39,7 +41,7 @@ from ctl.pod import expand_references, image_path
 from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
-from trainer.location import S3_VARIABLES, is_s3
+from trainer.location import S3_VARIABLES, is_s3, node_cache
 from trainer.names import (
     CHECKPOINT_NAME,
     EXIT_BAD_INPUT,
@@ -50,6 +52,7 @@ from trainer.names import (
     LATEST_CHECKPOINT,
     METRICS_HOST_ENV,
     METRICS_PORT_ENV,
+    NEW_RUN_DIR,
 )
 
 # After one node fails, how long the others may take to fail by themselves: their own error may be the
@@ -67,6 +70,35 @@ LAUNCHER_VARIABLES = (
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
 )
+
+
+class RunDirInUse(RuntimeError):
+    """Another `ctl run` on this machine trains into the same run directory: both would write its checkpoints."""
+
+
+@contextlib.contextmanager
+def run_dir_claimed(location: str) -> Iterator[int]:
+    """An exclusive lock on the run directory `location` for this run's life, held by a file in this machine's node
+    cache (none is created in the run directory: a refused run leaves it as it was); its descriptor, which the
+    nodes' agents inherit, so that the lock holds while they live, ctl killed or not."""
+    locks = node_cache() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    path = locks / f"{hashlib.sha256(location.encode()).hexdigest()[:32]}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise RunDirInUse(
+                f"{location}: another ctl run trains there (process {holder}): wait for it to end, or choose another"
+                f" run directory ({NEW_RUN_DIR})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 class Terminated(Exception):
@@ -143,7 +175,7 @@ def agent_env(
 
 
 def start_agent(
-    spec: JobSpec, job: LocalJob, node_index: int, port: int, logs: Path, console: Console, verbose: bool
+    spec: JobSpec, job: LocalJob, node_index: int, port: int, logs: Path, console: Console, verbose: bool, lock: int
 ) -> tuple[Agent, list[threading.Thread]]:
     """Start one node's torchrun agent; its output threads, not started yet."""
     node = job.nodes[node_index]
@@ -163,6 +195,7 @@ def start_agent(
         text=True,
         bufsize=1,
         start_new_session=True,  # its own process group, so stop() reaches its workers too
+        pass_fds=(lock,),  # the run directory's lock (run_dir_claimed), held while any agent lives
     )
     if METRICS_PORT_ENV in node.container.env:
         console.held.append(f"ctl: metrics of node {node_index} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics")
@@ -279,7 +312,13 @@ def failure_line(cause: Failure, agent: Agent, job: str, logs: Path, kept: Path)
 def run_local(
     spec: JobSpec, job: LocalJob, verbose: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr
 ) -> int:
-    """Run the job's materialised pods on this machine; returns the exit code for `ctl run`."""
+    """Run the job's materialised pods on this machine, alone in its run directory; returns the exit code for
+    `ctl run`."""
+    with run_dir_claimed(job.location) as lock:
+        return run_claimed(spec, job, lock, verbose, out, err)
+
+
+def run_claimed(spec: JobSpec, job: LocalJob, lock: int, verbose: bool, out: TextIO, err: TextIO) -> int:
     run_dir = job.run_dir
     port = free_port()
     started = time.strftime("%Y%m%d-%H%M%S")
@@ -293,7 +332,7 @@ def run_local(
     pumps: list[threading.Thread] = []
     try:
         for node_index in range(len(job.nodes)):
-            agent, threads = start_agent(spec, job, node_index, port, logs, console, verbose)
+            agent, threads = start_agent(spec, job, node_index, port, logs, console, verbose, lock)
             agents.append(agent)
             pumps += threads
         console.held.append(

@@ -815,6 +815,31 @@ def assert_stopped(ctl: subprocess.Popen, run_dir: Path, how: str) -> int:
     return int(stopped.group(1))
 
 
+def test_a_second_run_into_a_run_directory_in_use_is_refused(workdir, corpus_file, marked_env) -> None:
+    """Both runs trained, wrote checkpoints, final/ and report.json, and exited 0. The first run's nodes hold the run
+    directory while they live: with ctl itself killed (SIGKILL) too, when they train on by themselves."""
+    path, env = workdir
+    marker = marked_env[1]
+    env |= {"DDPJOB_TEST_MARKER": marker}
+    ctl, _ = start_long_run(path, env, corpus_file)
+    in_use = f"error: {path / 'runs' / 'tiny'}: another ctl run trains there (process {ctl.pid}): wait for it"
+    try:
+        assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_ERROR, in_use)
+        ctl.kill()
+        ctl.communicate()
+        assert processes_with_marker(marker)  # its nodes, training on
+        assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_ERROR, in_use)
+    finally:
+        ctl.kill()
+        for pid in processes_with_marker(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_marker(marker) == []
+
+
 @pytest.mark.timeout(400)
 def test_sigterm_to_the_nodes_or_to_ctl_stops_at_a_saved_step_and_resumes(workdir, corpus_file, marked_env) -> None:
     """Preemption (SIGTERM to every agent, as pods get it), then SIGTERM to ctl itself (a CI runner's cancel,

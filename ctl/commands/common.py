@@ -139,6 +139,7 @@ ERROR_EXITS = (
     ("trainer.storage", "StorageUnreachable", EXIT_ERROR),  # ctl run/prepare reading s3:// data: no server answered
     ("ctl.render", "RenderError", EXIT_ERROR),
     ("ctl.pod", "PodSetupError", EXIT_ERROR),  # a pod ctl run cannot start here
+    ("ctl.local", "RunDirInUse", EXIT_ERROR),  # another ctl run trains into the run directory
 )
 
 
