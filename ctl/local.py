@@ -77,14 +77,18 @@ class RunDirInUse(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_dir_claimed(location: str) -> Iterator[int]:
+def run_dir_claimed(location: str) -> Iterator[int | None]:
     """An exclusive lock on the run directory `location` for this run's life, held by a file in this machine's node
     cache (none is created in the run directory: a refused run leaves it as it was); its descriptor, which the
-    nodes' agents inherit, so that the lock holds while they live, ctl killed or not."""
-    locks = node_cache() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    path = locks / f"{hashlib.sha256(location.encode()).hexdigest()[:32]}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    nodes' agents inherit, so that the lock holds while they live, ctl killed or not. None where the node cache
+    cannot be written (a read-only home): the run goes on unguarded."""
+    path = node_cache() / "locks" / f"{hashlib.sha256(location.encode()).hexdigest()[:32]}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield None
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -175,7 +179,14 @@ def agent_env(
 
 
 def start_agent(
-    spec: JobSpec, job: LocalJob, node_index: int, port: int, logs: Path, console: Console, verbose: bool, lock: int
+    spec: JobSpec,
+    job: LocalJob,
+    node_index: int,
+    port: int,
+    logs: Path,
+    console: Console,
+    verbose: bool,
+    lock: int | None,
 ) -> tuple[Agent, list[threading.Thread]]:
     """Start one node's torchrun agent; its output threads, not started yet."""
     node = job.nodes[node_index]
@@ -195,7 +206,7 @@ def start_agent(
         text=True,
         bufsize=1,
         start_new_session=True,  # its own process group, so stop() reaches its workers too
-        pass_fds=(lock,),  # the run directory's lock (run_dir_claimed), held while any agent lives
+        pass_fds=() if lock is None else (lock,),  # the run directory's lock (run_dir_claimed), while any agent lives
     )
     if METRICS_PORT_ENV in node.container.env:
         console.held.append(f"ctl: metrics of node {node_index} at http://{LOCAL_ADDRESS}:{metrics_port}/metrics")
@@ -318,7 +329,7 @@ def run_local(
         return run_claimed(spec, job, lock, verbose, out, err)
 
 
-def run_claimed(spec: JobSpec, job: LocalJob, lock: int, verbose: bool, out: TextIO, err: TextIO) -> int:
+def run_claimed(spec: JobSpec, job: LocalJob, lock: int | None, verbose: bool, out: TextIO, err: TextIO) -> int:
     run_dir = job.run_dir
     port = free_port()
     started = time.strftime("%Y%m%d-%H%M%S")
