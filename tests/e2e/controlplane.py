@@ -797,6 +797,7 @@ def main(argv: list[str]) -> int:
         pass
     finally:
         plane.stop()
+        print(f"# stopped; logs, volumes and keys stay in {plane.work_dir}", file=sys.stderr, flush=True)
     return 0
 
 
