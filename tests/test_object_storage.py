@@ -297,6 +297,21 @@ def test_aws_ca_bundle_names_the_private_ca_that_signed_the_endpoint(
         checkpointer("s3://private/run", tmp_path)
 
 
+def test_no_keys_and_no_cloud_identity_is_said_so_not_blamed_on_the_endpoint() -> None:
+    """Without keys the client asks the node's cloud identity (AWS's instance metadata service), whose refusal was
+    `PUT http://169.254.169.254/...: 403 Forbidden, an answer that is no S3 error (is the endpoint an S3 server?)`.
+    The client's own words (a machine whose proxy refuses that address), not a server of the test's."""
+    refused = RuntimeError(
+        "Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token in 1.457108ms - Server"
+        " returned non-2xx status code: 403 Forbidden: resolve_deny: denied destination\n\nDebug source:\nGeneric"
+        ' {\n    store: "S3",\n    source: RetryError(\n        RetryErrorImpl {\n            method: PUT,\n'
+    )
+    assert reason(refused) == (
+        "no S3 keys: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set (storage.secretName names a Secret of"
+        " them), and the node's cloud identity gave none (PUT http://169.254.169.254/latest/api/token: 403 Forbidden)"
+    )
+
+
 def test_one_key_without_the_other_is_bad_input_naming_the_missing_one(
     monkeypatch: pytest.MonkeyPatch, s3: S3Server, tmp_path: Path
 ) -> None:

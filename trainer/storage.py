@@ -196,6 +196,10 @@ def s3_errors(method: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+# AWS's instance metadata service, where the client asks for credentials when no keys are set.
+INSTANCE_METADATA = "169.254.169.254"
+
+
 def reason(exc: BaseException) -> str:
     """The S3 error's code and message (`NoSuchBucket: The specified bucket does not exist`) when the server sent
     one; else the request and its root cause (`GET https://s3.example/runs: Connection refused (after 10 retries in
@@ -212,6 +216,12 @@ def reason(exc: BaseException) -> str:
     method, url, elapsed, unit, retries = request.groups()
     seconds = float(elapsed) / (1000 if unit == "ms" else 1)
     tries = f"after {retries} retries in {seconds:.1f} s" if retries else f"in {seconds:.1f} s"
+    if INSTANCE_METADATA in url:  # no keys set: the client asked the node's cloud identity, not the endpoint
+        answer = status[1] if (status := HTTP_STATUS.search(text)) else cause
+        return (
+            f"no S3 keys: {S3_ACCESS_KEY_ENV} and {S3_SECRET_KEY_ENV} are not set (storage.secretName names a Secret"
+            f" of them), and the node's cloud identity gave none ({method} {url}: {answer})"
+        )
     return f"{method} {url}: {cause} ({tries})"
 
 
