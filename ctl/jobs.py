@@ -68,8 +68,6 @@ def submit(
     (job,) = [obj for obj in objects if obj["kind"] in KINDS]
     api = kind_of(job)
     require_operator(target, api)
-    if (message := check_claim(target, objects)) and note:
-        note(message)
     name = job["metadata"]["name"]
     if other := next((kind for kind in KINDS.values() if kind is not api and other_job(target, kind, name)), None):
         raise ClusterError(
@@ -82,6 +80,8 @@ def submit(
             f"{api.kind.lower()} {name} already exists in namespace {target.namespace}:"
             " --replace deletes and recreates it (the run directory and its checkpoints stay)"
         )
+    if (message := check_claim(target, objects)) and note:
+        note(message)
     # Objects deleted before they are applied: their dry run checks a creation (`stand_in`).
     stale = stale_prepare_jobs(target, name, replace) if any(obj["kind"] == "Job" for obj in objects) else []
     old = {("Job", obj["metadata"]["name"]) for obj in stale} | ({(job["kind"], name)} if existing else set())
