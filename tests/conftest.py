@@ -157,9 +157,11 @@ def start_ctl(*args: str, cwd: Path, env: dict[str, str], merge_stderr: bool = T
 
 
 def ctrl_c_reaches() -> None:
-    """preexec_fn: SIGINT acts as in a terminal's foreground job. A test run started in the background
-    (`make test &`) ignores SIGINT, and children inherit that: a test's Ctrl-C would never reach ctl."""
+    """preexec_fn: SIGINT and SIGHUP act as in a terminal's foreground job. A test run started in the background
+    (`make test &`) ignores SIGINT, and one under `nohup` SIGHUP, and children inherit that: a test's Ctrl-C or
+    hangup would never reach ctl."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def processes_with_marker(marker: str) -> list[int]:

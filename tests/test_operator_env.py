@@ -144,7 +144,9 @@ def test_local_commands_expand_variable_references_as_the_kubelet_does(
         (node,) = pods.nodes
         node = dataclasses.replace(node, container=dataclasses.replace(node.container, command=argv))
         console = Console(io.StringIO(), io.StringIO())
-        agent, _ = start_agent(spec, dataclasses.replace(pods, nodes=[node]), 0, free_port(), tmp_path, console, False)
+        agent, _ = start_agent(
+            spec, dataclasses.replace(pods, nodes=[node]), 0, free_port(), tmp_path, console, False, None
+        )
         out, _ = agent.process.communicate(timeout=60)
     assert out.strip() == str(["news-0", "$(DDPJOB_JOB_NAME)", "$(ONLY_ON_THIS_MACHINE)"])
 
