@@ -40,6 +40,7 @@ from ctl.names import (
 from trainer.location import PEM_CERTIFICATE, S3Location
 from trainer.names import EXIT_HUNG
 from trainer.spec import (
+    ENDPOINT_URL,
     Flag,
     Int,
     KeyProblem,
@@ -76,7 +77,6 @@ MOUNT_PATH = pattern(r"^/.*[^/]", "an absolute path other than /, e.g. /checkpoi
 # The pods' own mounts, with or without a trailing /: the run volume cannot be mounted there too (refused by
 # values.schema.json beside MOUNT_PATH, by ctl in a validator that names the mount).
 POD_MOUNT_PATH = f"^({'|'.join(map(re.escape, POD_MOUNTS.values()))})/*$"
-ENDPOINT_URL = pattern(r"^(https?://[^\s/?#]+(/\S*)?)?$", "an http:// or https:// URL, e.g. https://s3.example.com")
 IMAGE_REPOSITORY = pattern(r"^\S+$", "an image repository without blanks, e.g. registry.example.com/ml/ddpjob")
 # An image reference's tag (and digest) as the kubelet parses it (distribution's reference grammar): another one is
 # InvalidImageName on every node, which the API server takes (semver's `1.0+build` among them).

@@ -973,6 +973,7 @@ BAD = [
     ("storage.mountPath=runs", "storage.mountPath: 'runs' is not an absolute path other than /"),
     ("storage.mountPath=/tmp/", "storage.mountPath: '/tmp/' is where every pod mounts its tmp volume"),
     ("storage.endpoint=s3.example.com", "storage.endpoint: 's3.example.com' is not an http:// or https:// URL"),
+    ("storage.endpoint=http://127.0.0.1:99999", "storage.endpoint: 'http://127.0.0.1:99999' is not an http://"),
 ]
 
 
@@ -1006,6 +1007,7 @@ def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_pat
         ({"metrics": {"dashboard": {"labelKey": f"{'a' * 254}/x"}}}, "at '/metrics/dashboard/labelKey'"),
         ({"storage": {"mountPath": "/dev/shm"}}, "at '/storage/mountPath'"),
         ({"storage": {"mountPath": "/tmp/"}}, "at '/storage/mountPath'"),
+        ({"storage": {"endpoint": "http://s3.example.com:65536"}}, "at '/storage/endpoint'"),
         ({"terminationGracePeriodSeconds": 2**31}, "at '/terminationGracePeriodSeconds': maximum"),
         ({"training": {**TRAIN, "seed": -(2**31) - 1}}, "at '/training/seed': minimum"),
         ({"nodes": "2"}, "at '/nodes': got string, want integer"),  # as ctl refuses them (test_spec.py)

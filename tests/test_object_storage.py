@@ -323,6 +323,19 @@ def test_one_key_without_the_other_is_bad_input_naming_the_missing_one(
         checkpointer("s3://runs/one-key", tmp_path)
 
 
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:99999", "http://:9000", "s3.example.com", "http://a b"])
+def test_an_endpoint_the_client_cannot_use_is_bad_input_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, s3: S3Server, tmp_path: Path, endpoint: str
+) -> None:
+    """One the user exported for `ctl run` (the spec's is checked by ctl and the chart): the client panicked
+    (`InvalidPort`, `EmptyHost`, `InvalidUri`) with a Rust backtrace, at its first request."""
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(S3_ENDPOINT_ENV, endpoint)
+    with pytest.raises(SpecError, match=rf"^AWS_ENDPOINT_URL: {re.escape(repr(endpoint))} is not an http:// or https"):
+        checkpointer("s3://runs/bad-endpoint", tmp_path)
+
+
 def keys_exported_only(s3: S3Server, cache: Path) -> dict[str, str]:
     """This process's environment with the server's keys exported, and neither its endpoint nor a CA file: what the
     spec names must reach the ranks by itself. The node cache is `cache`."""

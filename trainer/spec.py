@@ -85,6 +85,15 @@ def pattern(regex: str, meaning: str) -> str:
     return regex
 
 
+# An S3 endpoint URL (AWS_ENDPOINT_URL, storage.endpoint) the client can use: it panicked on a port beyond 65535,
+# an empty host or a blank, rather than failing a request.
+PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+ENDPOINT_URL = pattern(
+    rf"^(https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#:@\[\]]+)(:{PORT})?(/\S*)?)?$",
+    "an http:// or https:// URL with a host and an optional port from 1 to 65535, e.g. https://s3.example.com",
+)
+
+
 def s3_checked(value: str | None) -> str | None:
     """A value written as an S3 URI (`s3:` in any case) must be a valid one: `S3://b/x` or `s3:/b/x` would be a local
     path of that name, and a bad bucket name a failure of every rank, not a spec's."""

@@ -43,7 +43,7 @@ from trainer.location import (
     node_cache,
     run_cache,
 )
-from trainer.spec import CheckpointSpec, SpecError
+from trainer.spec import ENDPOINT_URL, PATTERN_MEANINGS, CheckpointSpec, SpecError
 
 if TYPE_CHECKING:
     import obstore.store
@@ -267,6 +267,8 @@ def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
     import obstore.store
 
     endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
+    if not re.match(ENDPOINT_URL, endpoint):  # set by hand (ctl run passes the user's own): the chart's is checked
+        raise SpecError(f"{S3_ENDPOINT_ENV}: {endpoint!r} is not {PATTERN_MEANINGS[ENDPOINT_URL]}")
     options: dict[str, str | bool] = {"allow_http": endpoint.startswith("http://")}
     keys = [name for name in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV) if os.environ.get(name)]
     if len(keys) == 1:  # the client's `Missing SecretAccessKey` came with a traceback, at the first request
