@@ -49,7 +49,7 @@ from test_tracking import mlflow_env  # noqa: F401 (a fixture: MLflow's file sto
 from ctl.processes import LOCAL_ADDRESS, free_port
 from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
-from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV, S3_SECRET_KEY_ENV
+from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.preparation.readers import read_texts
 from trainer.rundir import publish
@@ -173,6 +173,10 @@ def test_a_missing_bucket_and_refused_credentials_are_one_line_naming_the_key(
         SpecError, match=r"^training\.checkpoint\.dir: cannot use s3://no-such-bucket/run: NoSuchBucket: "
     ):
         checkpointer("s3://no-such-bucket/run", tmp_path).store.check(writable=True)
+    monkeypatch.setenv(S3_REGION_ENV, "eu-west-1")  # the server's message quotes it, escaped in its XML (&#34;)
+    with pytest.raises(SpecError, match=r': AuthorizationHeaderMalformed: .*"eu-west-1"') as wrong_region:
+        checkpointer(f"s3://{bucket}/run", tmp_path).store.check(writable=True)
+    assert "&" not in str(wrong_region.value)
 
 
 def test_a_server_that_is_not_there_is_its_root_cause_in_one_line(

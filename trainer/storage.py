@@ -24,6 +24,7 @@ import fcntl
 import fnmatch
 import functools
 import hashlib
+import html
 import json
 import os
 import re
@@ -207,7 +208,7 @@ def reason(exc: BaseException) -> str:
     text = str(exc)
     code, message = S3_CODE.search(text), S3_MESSAGE.search(text)
     if code:
-        return f"{code[1]}: {message[1]}" if message else code[1]
+        return f"{code[1]}: {html.unescape(message[1])}" if message else code[1]  # XML's &#34; is a quote
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     request = REQUEST.search(first)
     cause = root_cause(text)
