@@ -51,9 +51,9 @@ from trainer.checkpoint import MARKER, Checkpointer, TrainerState
 from trainer.dist import Dist
 from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT
-from trainer.preparation.readers import read_texts
+from trainer.preparation.readers import Skipped, documents, read_texts
 from trainer.rundir import publish
-from trainer.spec import CheckpointSpec, SpecError, TrainingSpec
+from trainer.spec import CheckpointSpec, DataSpec, SpecError, TrainingSpec
 from trainer.storage import StorageUnreachable, matching_objects, reason, s3_client, s3_sources
 from trainer.text import expand_paths
 from trainer.tracking import Tracker
@@ -672,6 +672,23 @@ def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket:
     dataset_dict = f"training.data.train: s3://{bucket}/splits is a saved DatasetDict: name one split's folder"
     with pytest.raises(SpecError, match=re.escape(f"{dataset_dict} (s3://{bucket}/splits/train)")):
         expand_paths([f"s3://{bucket}/splits"], "training.data.train")
+
+
+def test_bad_data_in_a_bucket_is_named_by_its_uri_not_by_this_nodes_copy(s3_env: S3Server, bucket: str) -> None:
+    """The line named the copy in the node's cache (`~/.cache/ddpjob/sources/<bucket>/...`), which the user never
+    wrote; so did `onBadFile: skip`'s warning."""
+    corpus = s3_env.bucket(bucket) / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("good text")
+    (corpus / "b.txt").write_bytes(b"ab\xffcd")
+    files = expand_paths([f"s3://{bucket}/corpus/"], "training.data.train")
+    bad = f"s3://{bucket}/corpus/b.txt"
+    with pytest.raises(SpecError, match=rf"^training\.data\.train: {re.escape(bad)} is not UTF-8 text \(byte 2\)$"):
+        list(read_texts(files, "text", "training.data.train"))
+    skipped = Skipped()
+    data = DataSpec.model_validate({"train": [f"s3://{bucket}/corpus/"], "onBadFile": "skip"})
+    assert [doc.text for doc in documents(files, data, False, "training.data.train", skipped)] == ["good text"]
+    assert skipped.files == [bad] and skipped.reasons[0].startswith(f"training.data.train: {bad} is not UTF-8")
 
 
 def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(

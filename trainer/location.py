@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -52,6 +53,18 @@ class S3Location:
 
 def node_cache() -> Path:
     return Path(os.environ.get(NODE_CACHE_ENV, Path.home() / ".cache" / "ddpjob"))
+
+
+def sources_cache() -> Path:
+    """Where this node keeps the data files it downloaded: sources/<bucket>/<key>."""
+    return node_cache() / "sources"
+
+
+def source_name(path: Path | str) -> str:
+    """A data file as the user named it: the s3:// URI of a copy in this node's cache, else the path itself."""
+    with contextlib.suppress(ValueError):
+        return f"{S3_SCHEME}{Path(path).relative_to(sources_cache())}"
+    return str(path)
 
 
 def run_cache(location: S3Location) -> Path:

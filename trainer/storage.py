@@ -41,8 +41,8 @@ from trainer.location import (
     S3_SECRET_KEY_ENV,
     S3Location,
     is_s3,
-    node_cache,
     run_cache,
+    sources_cache,
 )
 from trainer.spec import ENDPOINT_URL, PATTERN_MEANINGS, CheckpointSpec, SpecError
 
@@ -526,7 +526,7 @@ def download(store: obstore.store.S3Store, meta: ObjectMeta, target: Path) -> Pa
 
 def s3_source(bucket: str, prefix: str = "") -> Path:
     """Where this node's cache keeps the objects of `bucket` under `prefix` (a folder's mirror)."""
-    return node_cache() / "sources" / bucket / prefix
+    return sources_cache() / bucket / prefix
 
 
 def s3_sources(uri: str, key: str) -> list[Path]:

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from trainer.data import CharVocab, Collate
 from trainer.dist import Dist, barrier
-from trainer.location import S3Location, is_s3
+from trainer.location import S3Location, is_s3, source_name
 from trainer.metrics import metrics_endpoint
 from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
 from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources, tokenizer_hash
@@ -98,11 +98,9 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
     for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
         for source in (s.to_json() for s in now):
-            previous = old.get(source["path"])
+            previous, name = old.get(source["path"]), source_name(source["path"])
             if previous is None:
-                raise SpecError(
-                    f"training.data.{split}: {source['path']} is new since this run's checkpoints were written"
-                )
+                raise SpecError(f"training.data.{split}: {name} is new since this run's checkpoints were written")
             if previous != source:
                 now_at, then_at = modified(source["mtimeNs"]), modified(previous["mtimeNs"])
                 how = (
@@ -111,12 +109,12 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
                     else f"the same size, modified at {now_at}, not {then_at}"
                 )
                 raise SpecError(
-                    f"training.data.{split}: {source['path']} changed since this run's checkpoints were written"
+                    f"training.data.{split}: {name} changed since this run's checkpoints were written"
                     f" ({how}); restore it, or start a new run directory ({NEW_RUN_DIR})"
                 )
-        gone = sorted(set(old) - {s.path for s in now})
-        if gone:
-            raise SpecError(f"training.data.{split}: {gone[0]} is gone since this run's checkpoints were written")
+        if gone := sorted(set(old) - {s.path for s in now}):
+            name = source_name(gone[0])
+            raise SpecError(f"training.data.{split}: {name} is gone since this run's checkpoints were written")
 
 
 def resumed_dataset(spec: TrainingSpec, run_dir: Path) -> dict[str, Any] | None:

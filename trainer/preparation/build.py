@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.location import source_name
 from trainer.owned import OWNER, remove, remove_if_abandoned
 from trainer.preparation.encode import (
     ENCODE_BATCH_BYTES,
@@ -257,7 +258,8 @@ def check_unchanged(plan: Plan) -> None:
         for path, before in zip(paths, plan.sources[split], strict=True):
             now = stat_sources([path], f"training.data.{split}")[0]
             if (now.size, now.mtime_ns) != (before.size, before.mtime_ns):
-                raise SpecError(f"training.data.{split}: {path} changed while it was being prepared; prepare again")
+                changed = source_name(path)
+                raise SpecError(f"training.data.{split}: {changed} changed while it was being prepared; prepare again")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.location import source_name
 from trainer.spec import SpecError, TrainingSpec
 from trainer.text import expand_paths
 
@@ -51,7 +52,7 @@ def stat_sources(paths: list[Path], key: str) -> list[Source]:
         try:
             info = path.stat()
         except OSError as exc:
-            raise SpecError(f"{key}: cannot read {path}: {exc.strerror}") from None
+            raise SpecError(f"{key}: cannot read {source_name(path)}: {exc.strerror}") from None
         sources.append(Source(str(path.absolute()), info.st_size, info.st_mtime_ns))
     return sources
 

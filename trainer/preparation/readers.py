@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainer.location import source_name
 from trainer.spec import DataSpec, SpecError
 
 # Files of columns, read with pyarrow, by their suffix: the format's name.
@@ -384,11 +385,20 @@ def find_label(paths: list[Path], label_field: str, label: str, key: str) -> str
     for path in paths:
         for where, record, _ in _records(path, [label_field], key):
             if str(record.get(label_field)) == label:
-                return where
-    return ", ".join(map(str, paths))
+                return where.replace(str(path), source_name(path), 1)
+    return ", ".join(map(source_name, paths))
 
 
 def _file_documents(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
+    """The documents of one file; a problem names it as the spec did (an object of a bucket by its URI, not by this
+    node's copy of it)."""
+    try:
+        yield from _documents_of(path, data, labelled, key)
+    except SpecError as exc:
+        raise SpecError(str(exc).replace(str(path), source_name(path), 1)) from None
+
+
+def _documents_of(path: Path, data: DataSpec, labelled: bool, key: str) -> Iterator[Document]:
     if data_format(path) not in RECORD_SUFFIXES:
         if labelled:
             raise SpecError(
@@ -439,8 +449,8 @@ def documents(paths: list[Path], data: DataSpec, labelled: bool, key: str, skipp
                     yield from list(_file_documents(path, data, labelled, key))
                     continue
             except SpecError as exc:
-                if str(path) not in skipped.files:  # each pass over the data meets it again
-                    skipped.files.append(str(path))
+                if source_name(path) not in skipped.files:  # each pass over the data meets it again
+                    skipped.files.append(source_name(path))
                     skipped.reasons.append(str(exc))
                 continue
         yield from _file_documents(path, data, labelled, key)
