@@ -212,6 +212,10 @@ def test_a_flag_s_value_is_checked_before_the_cluster_is_asked(tmp_path: Path) -
         (["status", "tiny", "-o", "wide"], "'wide': expected table, yaml or json"),
         (["submit", "spec.yaml", "--dry-run", "true"], "'true': expected none, client or server"),
         (["logs", "tiny", "--rank", "-1"], "greater than or equal to 0"),
+        # Ignored before: the objects were printed, or checked, and nothing was waited for.
+        (["submit", "spec.yaml", "--dry-run", "client", "-f"], "follow': a dry run (--dry-run client) creates no job"),
+        (["submit", "spec.yaml", "--dry-run", "server", "--wait"], "wait': a dry run (--dry-run server) creates no"),
+        (["submit", "spec.yaml", "--dry-run", "client", "--replace"], "replace': --dry-run client only prints"),
     ):
         result = run_ctl(*args, "--kubeconfig", "config.yaml", cwd=tmp_path)
         assert_one_line(result, EXIT_BAD_INPUT, f"ctl {args[0]}: Invalid value for '--")

@@ -67,6 +67,12 @@ def submit(
     cluster: Cluster,
 ) -> None:
     """Create the job on the cluster: every rendered object by server-side apply (field manager `ctl`)."""
+    if dry_run != "none" and (wait_for or follow):
+        flag, verb = ("'--follow'", "follow") if follow else ("'--wait'", "wait for")
+        raise typer.BadParameter(f"a dry run (--dry-run {dry_run}) creates no job to {verb}", param_hint=flag)
+    if dry_run == "client" and replace:
+        why = "--dry-run client only prints the objects (--dry-run server checks a replacement)"
+        raise typer.BadParameter(why, param_hint="'--replace'")
     job = load_job(spec, values, set_values, set_files)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
