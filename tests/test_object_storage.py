@@ -551,13 +551,17 @@ def test_refused_credentials_and_a_missing_bucket_stop_ctl_run_with_one_line(
     secret: str | None,
     reason: str,
 ) -> None:
+    """`ctl prepare` too, before it prepares: it told of neither, and the run that followed found them."""
     bucket = bucket_name or bucket
     env = os.environ | s3.env(**({"secret": secret} if secret else {})) | {NODE_CACHE_ENV: str(tmp_path / "cache")}
-    result = run_ctl("run", str(write_spec(object_storage_spec(corpus_file, s3, bucket))), cwd=tmp_path, env=env)
-    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
-    (line,) = result.stderr.splitlines()
-    assert line.startswith(f"error: training.checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
-    assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written
+    spec = write_spec(object_storage_spec(corpus_file, s3, bucket))
+    for command in ("run", "prepare"):
+        result = run_ctl(command, str(spec), cwd=tmp_path, env=env)
+        assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"error: training.checkpoint.dir: cannot use s3://{bucket}/team/tiny: {reason}"), line
+        assert not (s3.root / bucket).exists() or not any((s3.root / bucket).iterdir())  # nothing written
+    assert not (tmp_path / "cache" / "runs" / bucket / "team" / "_datasets").exists()
 
 
 def test_sigterm_waits_for_the_upload_and_the_saved_step_is_committed_in_the_bucket(

@@ -95,15 +95,20 @@ def require_trainer(command: str) -> None:
 
 def prepare_data(job: JobSpec, pods: LocalJob):  # -> trainer.prepare.Plan
     """The job's dataset in its cache, prepared here unless it is there already (a SpecError on bad data), with the
-    pods' S3 variables (s3:// data from storage.endpoint's server)."""
+    pods' S3 variables (s3:// data from storage.endpoint's server). A run directory in a bucket is checked first, as
+    the ranks check it: a missing bucket or refused keys would otherwise show only after the preparation."""
     try:
         # Imported here: tokenizers, numpy and pyarrow are the trainer's dependencies, not the client's.
         from trainer.prepare import prepare_spec
     except ImportError as exc:
         raise fail(f"ctl prepare needs the trainer's dependencies: {exc}", code=1) from None
     from ctl.local import pod_variables
+    from trainer.location import S3Location, is_s3
+    from trainer.storage import S3Store
 
     with pod_variables(pods.nodes[0]):
+        if is_s3(pods.location):
+            S3Store(S3Location.parse(pods.location), pods.run_dir).check(writable=True)
         return prepare_spec(job.training, pods.run_dir, note)
 
 
