@@ -130,8 +130,10 @@ class Agent:
     def failure(self) -> Failure:
         """Its node's root cause, as trainer.launch (or torchrun) recorded it."""
         code = self.process.returncode
+        # Killed itself (the OOM killer, a node's loss), it recorded nothing: the signal is its cause.
+        reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         code = code if code >= 0 else 128 - code
-        return read_record(self.error_file, code) or Failure(code, f"exited with code {code}", self.ended)
+        return read_record(self.error_file, code) or Failure(code, reason, self.ended)
 
 
 def missing_trainer_requirements() -> list[str]:

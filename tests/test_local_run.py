@@ -127,6 +127,22 @@ def test_a_crashed_node_stops_the_whole_run(tmp_path, write_spec, corpus_file, m
     assert processes_with_marker(marker) == []
 
 
+@pytest.mark.timeout(300)
+def test_a_killed_node_is_said_to_be_killed_by_its_signal(tmp_path, write_spec, corpus_file, marked_env) -> None:
+    """The node itself (its launcher, torchrun's agent) killed, as the OOM killer or a node's loss would: no record of
+    its own, so ctl names the signal. It said `exited with code 137`."""
+    env, marker = marked_env
+    with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
+        launcher = int(Path(f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        os.kill(launcher, signal.SIGKILL)
+        _, stderr = ctl.communicate(timeout=120)
+    assert ctl.returncode == 1
+    assert re.search(
+        r"^error: node 1 \(tiny-worker-0\) failed: killed by SIGKILL \(logs of every rank in ", stderr, re.M
+    ), stderr
+    assert processes_with_marker(marker) == []
+
+
 # Rank 1's Trainer.train raises an exception nothing in the trainer expects (a bug, a library's error), from a
 # sitecustomize module every Python process of the run imports.
 RAISE_IN_RANK_1 = """
