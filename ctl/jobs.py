@@ -13,6 +13,7 @@ from typing import Any
 from ctl import storage
 from ctl.cluster import (
     ClusterError,
+    JobNotFound,
     NotFound,
     Target,
     apply,
@@ -250,27 +251,43 @@ def check_claim(target: Target, objects: list[dict[str, Any]]) -> str | None:
     return None
 
 
+CLAIMS = ("/api/v1", "persistentvolumeclaims")
+
+
 def delete(target: Target, name: str, purge: bool) -> list[str]:
     """The job, and the objects rendered with it (config, monitoring, a TrainJob's runtime); its claim only with
-    `purge`."""
-    api = kind_of(find_job(target, name))
+    `purge`, which also deletes the claim that a deletion without it left (the job then gone: JobNotFound only when
+    no such claim is left either)."""
+    try:
+        api = kind_of(find_job(target, name))
+    except JobNotFound:
+        if purge and (removed := delete_labelled(target, name, [CLAIMS])):
+            return removed
+        raise
     delete_job(target, name, api=api)
-    removed = [f"{api.kind.lower()}/{name}"]
-    selector = f"{INSTANCE_LABEL}={name}"
     kinds = [("/api/v1", "configmaps"), ("/api/v1", "serviceaccounts")]
     kinds += [("/apis/monitoring.coreos.com/v1", "podmonitors"), ("/apis/monitoring.coreos.com/v1", "prometheusrules")]
     kinds.append(("/apis/networking.k8s.io/v1", "networkpolicies"))
     kinds.append(("/apis/batch/v1", "jobs"))  # prepare.enabled: the prepare Job
     kinds.append(TRAINING_RUNTIMES)
     if purge:
-        kinds.append(("/api/v1", "persistentvolumeclaims"))
+        kinds.append(CLAIMS)
+    return [f"{api.kind.lower()}/{name}", *delete_labelled(target, name, kinds)]
+
+
+def delete_labelled(target: Target, name: str, kinds: list[tuple[str, str]]) -> list[str]:
+    """Delete the objects of `kinds` (API base, plural) that the chart labelled as the job `name`'s; what was deleted,
+    as `kind/name`."""
+    removed = []
     for base, plural in kinds:
         collection = f"{base}/namespaces/{target.namespace}/{plural}"
         try:
-            items = target.call(collection, query_params=[("labelSelector", selector)])["items"]
+            items = target.call(collection, query_params=[("labelSelector", f"{INSTANCE_LABEL}={name}")])["items"]
         except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
             continue
         for item in items:
+            if item["metadata"].get("deletionTimestamp"):  # being deleted already (a claim a pod still mounts)
+                continue
             target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
             singular = plural.removesuffix("ies") + "y" if plural.endswith("ies") else plural.removesuffix("s")
             removed.append(f"{singular}/{item['metadata']['name']}")

@@ -255,16 +255,22 @@ def delete(
     *,
     cluster: Cluster,
 ) -> None:
-    """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge."""
-    from ctl.cluster import find_job
+    """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge (which
+    also deletes the claim a deletion without it left)."""
+    from ctl.cluster import JobNotFound, find_job
     from ctl.jobs import delete as delete_objects
 
     target = cluster.connect()
     if not yes:
         if not sys.stdin.isatty():
             raise fail("delete: confirm with --yes (stdin is not a terminal)")
-        kind = find_job(target, name)["kind"].lower()
-        if not typer.confirm(f"delete {kind} {name} in namespace {target.namespace}?", err=True):
+        try:
+            what = f"{find_job(target, name)['kind'].lower()} {name}"
+        except JobNotFound:
+            if not purge:
+                raise
+            what = f"what is left of job {name} (its volume claim)"
+        if not typer.confirm(f"delete {what} in namespace {target.namespace}?", err=True):
             raise typer.Exit(1)
     removed = delete_objects(target, name, purge)
     for item in removed:

@@ -1337,6 +1337,10 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     # The run directory's claim (the checkpoints) outlives the job unless --purge.
     claims = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_persistent_volume_claim(namespace).items
     assert f"{name}-checkpoints" in {claim.metadata.name for claim in claims}
+    # --purge after a deletion without it deletes the claim left (it said not found), once.
+    purged = ctl("delete", name, "-y", "--purge")
+    assert (purged.returncode, purged.stdout) == (0, f"persistentvolumeclaim/{name}-checkpoints deleted\n"), purged
+    assert ctl("delete", name, "-y", "--purge").returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
 
 
