@@ -294,7 +294,8 @@ def _reference_rows(node: dict[str, Any], defs: dict[str, Any], defaults: dict[s
         resolved = _resolve(prop, defs)
         description = _cell(prop.get("description") or resolved.get("description", ""))
         if resolved is not prop and "properties" in resolved:
-            rows.append(f"| **`{path}`** | section | | {description} |")
+            required = " required " if key in node.get("required", []) else " "
+            rows.append(f"| **`{path}`** | section |{required}| {description} |")
             rows += _reference_rows(resolved, defs, defaults, path + ".")
             continue
         default = f"`{json.dumps(defaults[path])}`" if path in defaults else "required"
