@@ -38,7 +38,7 @@ from ctl.kinds import Replica
 from ctl.local_pods import LocalJob, LocalNode
 from ctl.operator_env import operator_env
 from ctl.pod import expand_references, image_path
-from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
+from ctl.processes import LOCAL_ADDRESS, Hurried, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
 from trainer.location import S3_VARIABLES, is_s3, node_cache
@@ -111,6 +111,14 @@ class Terminated(Exception):
 
 def terminate(signum: int, frame: object) -> None:
     raise Terminated(signal.Signals(signum).name)
+
+
+def hurry(signum: int, frame: object) -> None:
+    """A signal while the nodes stop: once; any after it is ignored, so that the kill it asks for is not cut short."""
+    for sig in (signal.SIGINT, *STOP_SIGNALS):
+        if signal.getsignal(sig) is hurry:
+            signal.signal(sig, signal.SIG_IGN)
+    raise Hurried(signal.Signals(signum).name)
 
 
 # Stop the run as SIGTERM does; left as they are where ignored (`nohup ctl run` ignores SIGHUP, and the run goes on).
@@ -357,13 +365,26 @@ def run_claimed(spec: JobSpec, job: LocalJob, lock: int | None, verbose: bool, o
             thread.start()
         failed = supervise(agents)
     except (KeyboardInterrupt, Terminated) as exc:
-        # Every node saves at one agreed step and exits; a second signal must not cut that short.
+        # Every node saves at one agreed step and exits, within the grace period a pod has; a second signal kills
+        # them at once, as its sender asks (what was not saved is lost).
         for sig in (signal.SIGINT, *STOP_SIGNALS):
-            signal.signal(sig, signal.SIG_IGN)
-        stop([agent.process for agent in agents])
+            if sig == signal.SIGINT or previous[sig] is not signal.SIG_IGN:
+                signal.signal(sig, hurry)
+        grace = spec.termination_grace_period_seconds
+        try:
+            console.note(
+                f"ctl: stopping: the nodes save and exit within {grace} s (terminationGracePeriodSeconds);"
+                " a second Ctrl-C or SIGTERM kills them now"
+            )
+            hurried = stop([agent.process for agent in agents], grace)
+        except Hurried:  # the second signal came before the wait began
+            stop([agent.process for agent in agents], 0)
+            hurried = True
         join(pumps)
         kept = keep_logs(logs, run_dir, started)
         interrupted = isinstance(exc, KeyboardInterrupt)
+        if hurried:
+            console.note("ctl: killed the nodes at a second signal, before they had all saved and exited")
         console.note(stopped(job, "interrupted (SIGINT)" if interrupted else f"terminated ({exc})"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED

@@ -17,7 +17,7 @@ from trainer.frozen import parent_pid
 
 LOCAL_ADDRESS = "127.0.0.1"
 PORTS_FROM = 20000  # free_port's lowest: above the ports services are usually configured on
-STOP_GRACE_SECONDS = 15
+STOP_GRACE_SECONDS = 15  # after a node failed: the others have nothing to save
 # The ports free_port has given: free until their servers bind them (a run's rendezvous, then its metrics), so never
 # given twice by one process.
 GIVEN_PORTS: set[int] = set()
@@ -65,11 +65,16 @@ def descendants(pids: list[int]) -> set[int]:
     return found
 
 
-def stop(processes: list[subprocess.Popen]) -> None:
+class Hurried(Exception):
+    """Raised by a signal handler while `stop` waits out the grace period: kill the processes now."""
+
+
+def stop(processes: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> bool:
     """SIGTERM every process's group (torchrun passes it on to its workers, which save and exit), then SIGKILL
-    what is left after the grace period: the groups and their workers, which torchrun starts in sessions of their
-    own (killing an agent alone would orphan them)."""
+    what is left after `grace` seconds, or at once when Hurried: the groups and their workers, which torchrun starts
+    in sessions of their own (killing an agent alone would orphan them). Whether it was hurried."""
     workers: set[int] = set()
+    hurried = False
     for sig in (signal.SIGTERM, signal.SIGKILL):
         workers |= descendants([process.pid for process in processes])
         for process in processes:
@@ -79,10 +84,14 @@ def stop(processes: list[subprocess.Popen]) -> None:
             for pid in workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else STOP_GRACE_SECONDS)
+        try:
+            for process in processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except Hurried:
+            hurried = True
+    return hurried
 
 
 def join(threads: list[threading.Thread]) -> None:

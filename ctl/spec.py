@@ -517,7 +517,7 @@ class JobSpec(SpecModel):
         120,
         ge=0,
         description="Seconds between SIGTERM and SIGKILL: time for the trainer to save a checkpoint"
-        " (torchrun gives its workers all but the last 5 s).",
+        " (torchrun gives its workers all but the last 5 s); ctl run's nodes get it too on Ctrl-C or SIGTERM.",
     )
     node_selector: Labels = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: Tolerations = Field(default_factory=list, description="Pod tolerations (Kubernetes form).")

@@ -143,12 +143,15 @@ def run_ctl(
     )
 
 
-def start_ctl(*args: str, cwd: Path, env: dict[str, str], merge_stderr: bool = True) -> subprocess.Popen:
-    """`ctl` in the background, its output read as text (stderr into stdout unless `merge_stderr` is off)."""
+def start_ctl(
+    *args: str, cwd: Path, env: dict[str, str], merge_stderr: bool = True, hooks: Path | None = None
+) -> subprocess.Popen:
+    """`ctl` in the background, its output read as text (stderr into stdout unless `merge_stderr` is off); `hooks`: a
+    folder on the path before the repository (a sitecustomize module that every Python process of the run imports)."""
     return subprocess.Popen(
         [*CTL, *args],
         cwd=cwd,
-        env=env | {"PYTHONPATH": str(REPO)},
+        env=env | {"PYTHONPATH": os.pathsep.join(str(p) for p in (hooks, REPO) if p)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,

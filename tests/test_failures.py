@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TEMPORARY, processes_with_marker, run_ctl, scratch_folders, sigterm_as_pid_1, start_ctl, tiny_spec
+from conftest import (
+    TEMPORARY,
+    processes_with_marker,
+    run_ctl,
+    scratch_folders,
+    sigterm_as_pid_1,
+    start_ctl,
+    tiny_spec,
+)
 from s3server import listening
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -33,7 +41,7 @@ from ctl.processes import free_port
 from trainer import owned, scratch
 from trainer.failures import Failure, root_cause
 from trainer.models import gpt_config
-from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, LATEST_CHECKPOINT
+from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
 from trainer.text import hub_out_of_reach, load_tokenizer, pretrained_options
 
@@ -186,6 +194,11 @@ PATH_CASES = {
     "run-dir-in-a-file": (
         ["prepare", "spec.yaml", "--run-dir", "spec.yaml/run"],
         "ctl prepare: Invalid value for '--run-dir': spec.yaml is a file, not a directory",
+    ),
+    # A path, `s3:/bucket/x`, where the run's data and checkpoints were written (the spec's key takes the URI).
+    "run-dir-an-s3-uri": (
+        ["run", "spec.yaml", "--run-dir", "s3://runs/x"],
+        "ctl run: Invalid value for '--run-dir': a local directory, not an S3 URI: a run directory in a bucket is",
     ),
     "empty-kubeconfig": (["status", "tiny", "--kubeconfig", ""], "Invalid value for '--kubeconfig': an empty path"),
 }
@@ -794,11 +807,13 @@ def test_logs_stay_where_they_are_when_there_is_no_run_directory(tmp_path: Path)
 # -- signals ---------------------------------------------------------------------------------------------------
 
 
-def start_long_run(path: Path, env: dict[str, str], corpus: Path) -> tuple[subprocess.Popen, str]:
+def start_long_run(
+    path: Path, env: dict[str, str], corpus: Path, hooks: Path | None = None
+) -> tuple[subprocess.Popen, str]:
     """A 2-node `ctl run` that trains until stopped, once it has logged its first step: (ctl, its stdout so far)."""
     spec = tiny_spec(corpus, maxSteps=100_000, checkpoint={"every": 0}, sample={"maxNewTokens": 0}) | {"nodes": 2}
     (path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    ctl = start_ctl("run", "spec.yaml", cwd=path, env=env, merge_stderr=False)
+    ctl = start_ctl("run", "spec.yaml", cwd=path, env=env, merge_stderr=False, hooks=hooks)
     assert ctl.stdout is not None
     seen = []
     for line in ctl.stdout:
@@ -817,6 +832,76 @@ def assert_stopped(ctl: subprocess.Popen, run_dir: Path, how: str) -> int:
     assert stopped, stderr
     assert (run_dir / LATEST_CHECKPOINT).read_text().strip() == f"step-{int(stopped.group(1)):08d}"
     return int(stopped.group(1))
+
+
+# Rank 0's checkpoint writes take 20 s (a big model's), from a sitecustomize module every Python process of the run
+# imports; with checkpoint.every 0 the only one is the save at a stop.
+SLOW_SAVE = """
+import importlib.abc, importlib.util, sys, time
+
+
+class SlowSave(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "trainer.checkpoint":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            write = module.Checkpointer.write
+
+            def slow(self, snapshot):
+                time.sleep(20)
+                return write(self, snapshot)
+
+            module.Checkpointer.write = slow
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, SlowSave())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ctl_run_gives_a_slow_save_the_spec_s_grace_period_and_a_second_ctrl_c_kills_at_once(
+    workdir, corpus_file, marked_env
+) -> None:
+    """ctl killed the nodes 15 s after SIGTERM, whatever terminationGracePeriodSeconds said: a save longer than that
+    was lost. Now they have the grace period a pod has (120 s by default); a second Ctrl-C kills them at once."""
+    path, env = workdir
+    marker = marked_env[1]
+    (path / "hook").mkdir()
+    (path / "hook" / "sitecustomize.py").write_text(SLOW_SAVE)
+    env |= {"DDPJOB_TEST_MARKER": marker}
+    run_dir = path / "runs" / "tiny"
+    ctl, _ = start_long_run(path, env, corpus_file, hooks=path / "hook")
+    try:
+        asked = time.monotonic()
+        ctl.send_signal(signal.SIGINT)
+        _, stderr = ctl.communicate(timeout=120)
+        assert ctl.returncode == EXIT_INTERRUPTED and time.monotonic() - asked > 20, stderr
+        assert "ctl: stopping: the nodes save and exit within 120 s (terminationGracePeriodSeconds)" in stderr
+        saved = STOPPED.search(stderr)
+        assert saved and (run_dir / LATEST_CHECKPOINT).read_text().strip() == f"step-{int(saved[1]):08d}", stderr
+
+        ctl, started = start_long_run(path, env, corpus_file, hooks=path / "hook")
+        assert f"resuming from step-{int(saved[1]):08d}" in started
+        ctl.send_signal(signal.SIGINT)
+        time.sleep(3)  # rank 0 is writing its checkpoint
+        asked = time.monotonic()
+        ctl.send_signal(signal.SIGINT)
+        _, stderr = ctl.communicate(timeout=60)
+        assert ctl.returncode == EXIT_INTERRUPTED and time.monotonic() - asked < 15, stderr
+        assert "ctl: killed the nodes at a second signal, before they had all saved and exited" in stderr
+        assert f"stopped at step {saved[1]}, resumable" in stderr  # the save was cut short: the first run's step
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+    assert processes_with_marker(marker) == []
 
 
 def test_a_second_run_into_a_run_directory_in_use_is_refused(workdir, corpus_file, marked_env) -> None:

@@ -95,8 +95,10 @@ def test_missing_data_file_fails_every_rank_with_one_clear_line(tmp_path, write_
 def two_nodes_training(
     tmp_path: Path, write_spec, corpus_file: Path, env: dict[str, str], marker: str
 ) -> Iterator[tuple[subprocess.Popen, int]]:
-    """A long 2-node `ctl run` once it trains: (ctl, rank 1's trainer pid); ctl is killed if still running after."""
+    """A long 2-node `ctl run` once it trains: (ctl, rank 1's trainer pid); ctl is killed if still running after.
+    A stop kills what is left 10 s after SIGTERM (terminationGracePeriodSeconds: a hung rank never exits)."""
     spec = tiny_spec(corpus_file, maxSteps=100_000) | {"nodes": 2, "procsPerNode": 1}
+    spec["terminationGracePeriodSeconds"] = 10
     ctl = start_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env, merge_stderr=False)
     try:
         assert ctl.stdout is not None
@@ -216,7 +218,9 @@ def test_interrupting_a_hung_run_leaves_no_process_behind(
     ctl kills the agents and the workers torchrun started in sessions of their own. The killed agents' heartbeat
     folders stay in $TMPDIR (they ran no exit handler) until the next launcher there removes them."""
     env, marker = marked_env
-    env |= {"TMPDIR": str(temporary)}
+    # torchrun would kill the hung rank itself, 5 s before the grace period ends: here it would wait longer than
+    # the grace period, so that ctl kills the agents, as it does an agent that is stuck itself.
+    env |= {"TMPDIR": str(temporary), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}
     with two_nodes_training(tmp_path, write_spec, corpus_file, env, marker) as (ctl, rank1):
         os.kill(rank1, signal.SIGSTOP)  # rank 0 now waits for it in its next collective
         time.sleep(1)

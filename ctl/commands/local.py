@@ -28,7 +28,13 @@ if TYPE_CHECKING:
 
 
 def run_directory(text: str) -> Path:
-    """--run-dir: a directory, or a path to make one at; not a file, nor a path through one."""
+    """--run-dir: a directory, or a path to make one at; not a file, nor a path through one, nor an S3 URI (as a
+    path, `s3://b/x` is the local folder `s3:/b/x`, which a run would have been written into)."""
+    if text[:3].lower() == "s3:":
+        raise typer.BadParameter(
+            "a local directory, not an S3 URI: a run directory in a bucket is training.checkpoint.dir"
+            f" (--set training.checkpoint.dir={text})"
+        )
     path = given_path(text)
     if file := next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None):
         raise typer.BadParameter(f"{file} is a file, not a directory")
