@@ -7,6 +7,7 @@ JSON form, `json_form`, that `-o json` and `-o yaml` print: camelCase keys, stat
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +24,10 @@ from ctl.progress import Progress, progress
 
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # a container stopped: after a failure, the failure's consequence
+# The training operator's event quoting a failed container's termination message (its RecordAbnormalPods): what is
+# left of a root cause once the operator has deleted the pod (restartPolicy OnFailure, at the backoff limit).
+QUOTED_TERMINATION = re.compile(r"Error pod (\S+) container \S+ exitCode: (-?\d+) terminated message: (.*)", re.S)
 EVENTS_SHOWN = 10
 # `wait --for`: the states that count as reached.
 AWAITED = {
@@ -70,18 +75,7 @@ class JobStatus:
     replicas: dict[str, Any]
     pods: list[PodStatus]
     events: list[dict[str, Any]]
-
-    def failure(self) -> str:
-        """Why the job failed, in one line: the root cause of its first failed pod by node rank (its termination
-        message's last line), else of its prepare Job's, else its Failed condition."""
-        pods = [*self.pods, *([self.prepare.pod] if self.prepare and self.prepare.pod else [])]
-        failed = (pod for pod in pods if pod.exit_code and pod.message)
-        if cause := next((f"{pod.name}: {pod.message.removeprefix('error: ')}" for pod in failed), None):
-            return cause
-        condition = next((c for c in self.conditions if c["type"] == "Failed" and c["status"] == "True"), None)
-        if condition:
-            return f"{condition['reason']}: {condition['message']}"
-        return "no pod says why (ctl status and ctl logs show what there is)"
+    cause: str | None  # why the job failed, in one line (failure_cause); None unless it has
 
 
 @dataclass(frozen=True)
@@ -148,7 +142,7 @@ def wait(
         if current in AWAITED[state]:
             return Waited(0)
         if current == State.FAILED:
-            return Waited(EXIT_JOB_FAILED, f"{name} failed: {status(target, name).failure()}")
+            return Waited(EXIT_JOB_FAILED, f"{name} failed: {status(target, name).cause}")
         if current.terminal:  # finished otherwise than awaited (--for failed): it never will be
             return Waited(EXIT_NOT_FINISHED, f"{name} {current.value.lower()}: it will never be {state}")
         if time.monotonic() >= deadline:
@@ -185,7 +179,11 @@ def trainer_status(pod: dict[str, Any], container: str) -> dict[str, Any]:
 def pod_status(pod: dict[str, Any], kind: JobKind, container: str) -> PodStatus:
     """A pod of a job of `kind` (or of its prepare Job); `container` is the one it reports."""
     trainer = trainer_status(pod, container)
-    terminated = (trainer.get("state") or {}).get("terminated") or (trainer.get("lastState") or {}).get("terminated")
+    now = (trainer.get("state") or {}).get("terminated")
+    before = (trainer.get("lastState") or {}).get("terminated")
+    terminated = now or before
+    if now and before and now.get("exitCode") == SIGTERM_EXIT_CODE and before.get("exitCode") != 0:
+        terminated = before  # a failure, then the stop of a job that failed (restartPolicy OnFailure): the cause
     waiting = {} if terminated else not_starting(pod)
     return PodStatus(
         name=pod["metadata"]["name"],
@@ -228,6 +226,34 @@ def termination_cause(terminated: dict[str, Any] | None) -> str | None:
     return lines[-1] if lines else None
 
 
+def failure_cause(
+    pods: list[PodStatus], prepare: PrepareStatus | None, conditions: list[dict[str, Any]], quoted: str | None
+) -> str:
+    """Why a failed job failed, in one line: the root cause of its first failed pod by node rank (its termination
+    message's last line), else of its prepare Job's, else what the operator's events quote of a pod it deleted, else
+    its Failed condition."""
+    pods = [*pods, *([prepare.pod] if prepare and prepare.pod else [])]
+    failed = (pod for pod in pods if pod.exit_code and pod.message)
+    if cause := next((f"{pod.name}: {pod.message.removeprefix('error: ')}" for pod in failed), quoted):
+        return cause
+    condition = next((c for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None)
+    if condition:
+        return f"{condition['reason']}: {condition['message']}"
+    return "no pod says why (ctl status and ctl logs show what there is)"
+
+
+def quoted_cause(events: list[dict[str, Any]]) -> str | None:
+    """The root cause the operator's events quote (QUOTED_TERMINATION), as `pod: line`: the first failure's, one
+    other than a stop by SIGTERM where there is one (the stop follows the failure)."""
+    causes = []
+    for event in sorted(events, key=lambda e: e.get("lastTimestamp") or ""):
+        if quoted := QUOTED_TERMINATION.match(event.get("message") or ""):
+            pod, code, message = quoted.groups()
+            if line := termination_cause({"exitCode": int(code), "message": message}):
+                causes.append((int(code) == SIGTERM_EXIT_CODE, f"{pod}: {line.removeprefix('error: ')}"))
+    return min(causes, key=lambda cause: cause[0])[1] if causes else None
+
+
 def status(target: Target, name: str) -> JobStatus:
     """The job in one stable shape, for both kinds: state, training progress (rank 0's metrics while it runs;
     for a TrainJob also what its trainer reported to Trainer v2, `trainerStatus`), conditions, replica counts,
@@ -243,25 +269,34 @@ def status(target: Target, name: str) -> JobStatus:
         for e in target.call(f"/api/v1/namespaces/{target.namespace}/events")["items"]
         if e["involvedObject"].get("name") in involved
     ]
+    state = kind.state(job)
+    conditions = [
+        {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
+        for c in job.get("status", {}).get("conditions") or []
+    ]
+    pod_statuses = [pod_status(pod, kind, kind.container) for pod in pods]
+    job_events = [e for e in events if e["involvedObject"].get("name") == name]
     return JobStatus(
         name=name,
         namespace=target.namespace,
         kind=job["kind"],
-        state=kind.state(job),
+        state=state,
         progress=rank0_progress(target, job, pods),
         trainer_status=(job.get("status") or {}).get("trainerStatus"),
         prepare=prepare,
-        conditions=[
-            {k: c.get(k) for k in ("type", "status", "reason", "message", "lastTransitionTime")}
-            for c in job.get("status", {}).get("conditions") or []
-        ],
+        conditions=conditions,
         replicas=kind.replica_counts(job),
-        pods=[pod_status(pod, kind, kind.container) for pod in pods],
+        pods=pod_statuses,
         events=[
             {"object": f"{e['involvedObject'].get('kind', '').lower()}/{e['involvedObject'].get('name')}"}
             | {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
             for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-EVENTS_SHOWN:]
         ],
+        cause=(
+            failure_cause(pod_statuses, prepare, conditions, quoted_cause(job_events))
+            if state == State.FAILED
+            else None
+        ),
     )
 
 

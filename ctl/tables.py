@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # ctl.status imports the Kubernetes client: not for `ctl --he
 
 def status_table(status: JobStatus) -> str:
     lines = [f"{status.name} ({status.namespace}): {status.state.value}"]
+    if status.cause:
+        lines.append(f"  cause: {status.cause}")
     if status.progress:
         lines.append(f"  progress: {progress_text(status.progress)}")
     if status.trainer_status:

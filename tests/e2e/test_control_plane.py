@@ -1239,7 +1239,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     assert set(status) == {
         "name", "namespace", "kind", "state", "progress", "trainerStatus", "prepare", "conditions", "replicas", "pods",
-        "events",
+        "events", "cause",
     }  # fmt: skip
     assert (status["name"], status["namespace"], status["kind"], status["state"], status["progress"]) == (
         name,
@@ -1440,6 +1440,37 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     replaced = ctl("submit", str(spec), "--replace", "--wait", "--timeout", str(JOB_TIMEOUT_S))
     assert replaced.returncode == EXIT_JOB_FAILED, replaced.stderr
     assert kind.get(cluster, namespace, name)["metadata"]["uid"] != first
+    assert_no_process_left(cluster, marker)
+
+
+# One restart in all, then the pods are deleted (cleanPodPolicy All: with None the operator may recreate them).
+ON_FAILURE_ONCE = {"backoffLimit": 1, "cleanPodPolicy": "All"}
+
+
+def test_the_root_cause_outlives_the_pods_deleted_under_restart_policy_on_failure(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """restartPolicy OnFailure, the default: the containers restart in place until runPolicy.backoffLimit, then the
+    operator stops the pods (exit 143) and deletes them. `ctl wait` gave the job's condition (the backoff limit), and
+    the pods' exit 143 before it; the cause outlives them in the operator's event quoting the first failed
+    container's termination message."""
+    marker = uuid.uuid4().hex
+    name = f"onf-{marker[:6]}"
+    spec = spec_file(
+        tmp_path, job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], name=name, runPolicy=ON_FAILURE_ONCE)
+    )
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    waited = ctl("submit", str(spec), "--wait", "--timeout", str(JOB_TIMEOUT_S))
+    assert waited.returncode == EXIT_JOB_FAILED, waited.stderr
+    cause = rf"{name}-(master|worker)-0: training\.data\.train: no file matches '/nonexistent/ddpjob-e2e/train\.txt'"
+    assert re.fullmatch(rf"error: {name} failed: {cause}", waited.stderr.splitlines()[-1]), waited.stderr
+    wait_for_deletion(cluster, namespace, name)
+    status = json.loads(ctl("status", name, "-o", "json").stdout)
+    assert (status["state"], status["pods"]) == ("Failed", []) and re.fullmatch(cause, status["cause"]), status
+    assert re.search(rf"^  cause: {cause}$", ctl("status", name).stdout, re.M)
     assert_no_process_left(cluster, marker)
 
 
