@@ -81,27 +81,35 @@ def run_dir_claimed(location: str) -> Iterator[int | None]:
     """An exclusive lock on the run directory `location` for this run's life, held by a file in this machine's node
     cache (none is created in the run directory: a refused run leaves it as it was); its descriptor, which the
     nodes' agents inherit, so that the lock holds while they live, ctl killed or not. None where the node cache
-    cannot be written (a read-only home): the run goes on unguarded."""
+    cannot be written (a read-only home): the run goes on unguarded. The file is removed when the run ends, so the
+    node cache keeps none for each run directory ever used."""
     path = node_cache() / "locks" / f"{hashlib.sha256(location.encode()).hexdigest()[:32]}.lock"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        yield None
-        return
-    try:
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise RunDirInUse(
                 f"{location}: another ctl run trains there (process {holder}): wait for it to end, or choose another"
                 f" run directory ({NEW_RUN_DIR})"
             ) from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)  # the run that held it ended and removed it meanwhile: lock the file there now
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield fd
     finally:
+        path.unlink(missing_ok=True)  # while still holding it: a run that opened it before finds it gone
         os.close(fd)
 
 

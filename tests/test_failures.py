@@ -40,6 +40,7 @@ from ctl.local import keep_logs
 from ctl.processes import free_port
 from trainer import owned, scratch
 from trainer.failures import Failure, root_cause
+from trainer.location import NODE_CACHE_ENV
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, LATEST_CHECKPOINT
 from trainer.spec import ModelSpec, SpecError
@@ -906,10 +907,11 @@ def test_ctl_run_gives_a_slow_save_the_spec_s_grace_period_and_a_second_ctrl_c_k
 
 def test_a_second_run_into_a_run_directory_in_use_is_refused(workdir, corpus_file, marked_env) -> None:
     """Both runs trained, wrote checkpoints, final/ and report.json, and exited 0. The first run's nodes hold the run
-    directory while they live: with ctl itself killed (SIGKILL) too, when they train on by themselves."""
+    directory while they live: with ctl itself killed (SIGKILL) too, when they train on by themselves. A run that
+    ends leaves no lock file in the node cache (one was left for every run directory ever used)."""
     path, env = workdir
     marker = marked_env[1]
-    env |= {"DDPJOB_TEST_MARKER": marker}
+    env |= {"DDPJOB_TEST_MARKER": marker, NODE_CACHE_ENV: str(path / "node")}
     ctl, _ = start_long_run(path, env, corpus_file)
     in_use = f"error: {path / 'runs' / 'tiny'}: another ctl run trains there (process {ctl.pid}): wait for it"
     try:
@@ -927,6 +929,9 @@ def test_a_second_run_into_a_run_directory_in_use_is_refused(workdir, corpus_fil
     while processes_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with_marker(marker) == []
+    finished = run_ctl("run", "spec.yaml", "--set", "training.maxSteps=2", cwd=path, env=env)
+    assert finished.returncode == 0, finished.stderr
+    assert list((path / "node" / "locks").iterdir()) == []
 
 
 @pytest.mark.timeout(400)
