@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -141,6 +142,37 @@ def run_ctl(
         timeout=timeout,
         input=stdin,
     )
+
+
+# A sitecustomize module: once `module` is imported by a process where `when` holds, `patch` runs with it as
+# `module`. Every Python process of a run imports it when its folder leads PYTHONPATH (start_ctl's `hooks`).
+IMPORT_HOOK = """
+import importlib.abc, importlib.util, os, sys, time
+
+
+class Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "{module}" or not ({when}):
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+{patch}
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Patch())
+"""
+
+
+def import_hook(module: str, patch: str, when: str = "True") -> str:
+    """IMPORT_HOOK's source for `module`, `patch` (code of its own, `module` in scope) and `when`."""
+    return IMPORT_HOOK.format(module=module, when=when, patch=textwrap.indent(textwrap.dedent(patch), " " * 12))
 
 
 def start_ctl(

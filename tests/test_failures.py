@@ -23,6 +23,7 @@ import pytest
 import yaml
 from conftest import (
     TEMPORARY,
+    import_hook,
     processes_with_marker,
     run_ctl,
     scratch_folders,
@@ -837,34 +838,18 @@ def assert_stopped(ctl: subprocess.Popen, run_dir: Path, how: str) -> int:
 
 # Rank 0's checkpoint writes take 20 s (a big model's), from a sitecustomize module every Python process of the run
 # imports; with checkpoint.every 0 the only one is the save at a stop.
-SLOW_SAVE = """
-import importlib.abc, importlib.util, sys, time
+SLOW_SAVE = import_hook(
+    "trainer.checkpoint",
+    """
+    write = module.Checkpointer.write
 
+    def slow(self, snapshot):
+        time.sleep(20)
+        return write(self, snapshot)
 
-class SlowSave(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "trainer.checkpoint":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            write = module.Checkpointer.write
-
-            def slow(self, snapshot):
-                time.sleep(20)
-                return write(self, snapshot)
-
-            module.Checkpointer.write = slow
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, SlowSave())
-"""
+    module.Checkpointer.write = slow
+    """,
+)
 
 
 @pytest.mark.timeout(300)

@@ -18,6 +18,7 @@ import yaml
 from conftest import (
     CTL,
     REPO,
+    import_hook,
     processes_with_marker,
     rank_log,
     run_ctl,
@@ -147,32 +148,16 @@ def test_a_killed_node_is_said_to_be_killed_by_its_signal(tmp_path, write_spec, 
 
 # Rank 1's Trainer.train raises an exception nothing in the trainer expects (a bug, a library's error), from a
 # sitecustomize module every Python process of the run imports.
-RAISE_IN_RANK_1 = """
-import importlib.abc, importlib.util, os, sys
+RAISE_IN_RANK_1 = import_hook(
+    "trainer.loop",
+    """
+    def train(self):
+        raise RuntimeError("unexpected in rank 1")
 
-
-class RaiseInTrain(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "trainer.loop" or os.environ.get("RANK") != "1":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-
-            def train(self):
-                raise RuntimeError("unexpected in rank 1")
-
-            module.Trainer.train = train
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, RaiseInTrain())
-"""
+    module.Trainer.train = train
+    """,
+    when='os.environ.get("RANK") == "1"',
+)
 
 
 def test_a_rank_s_exception_names_the_file_with_its_traceback(tmp_path, write_spec, corpus_file, marked_env) -> None:
