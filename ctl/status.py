@@ -129,6 +129,7 @@ def wait(
     when it is not 0."""
     deadline = time.monotonic() + timeout
     last: State | None = None
+    seen: str | None = None  # the newest failure a pod showed meanwhile: its pods may be gone once the job failed
     while True:
         try:
             job = find_job(target, name)
@@ -142,11 +143,15 @@ def wait(
         if current in AWAITED[state]:
             return Waited(0)
         if current == State.FAILED:
-            return Waited(EXIT_JOB_FAILED, f"{name} failed: {status(target, name).cause}")
+            return Waited(EXIT_JOB_FAILED, f"{name} failed: {status(target, name, seen).cause}")
         if current.terminal:  # finished otherwise than awaited (--for failed): it never will be
             return Waited(EXIT_NOT_FINISHED, f"{name} {current.value.lower()}: it will never be {state}")
         if time.monotonic() >= deadline:
             return Waited(EXIT_NOT_FINISHED, f"{name} is still {current.value} after {timeout:g} s (--timeout)")
+        # A container that failed and restarts in place (restartPolicy OnFailure): a TrainJob's Job deletes its pods
+        # at its backoff limit, and nothing else keeps the cause.
+        kind = kind_of(job)
+        seen = pods_cause([pod_status(pod, kind, kind.container) for pod in job_pods(target, job)]) or seen
         time.sleep(1)
 
 
@@ -226,15 +231,20 @@ def termination_cause(terminated: dict[str, Any] | None) -> str | None:
     return lines[-1] if lines else None
 
 
+def pods_cause(pods: list[PodStatus], stops: bool = False) -> str | None:
+    """The root cause of the first of `pods` that failed (its termination message's last line), as `pod: line`; a
+    pod stopped by SIGTERM counts only with `stops`."""
+    failed = (p for p in pods if p.exit_code and p.message and (stops or p.exit_code != SIGTERM_EXIT_CODE))
+    return next((f"{pod.name}: {pod.message.removeprefix('error: ')}" for pod in failed), None)
+
+
 def failure_cause(
     pods: list[PodStatus], prepare: PrepareStatus | None, conditions: list[dict[str, Any]], quoted: str | None
 ) -> str:
-    """Why a failed job failed, in one line: the root cause of its first failed pod by node rank (its termination
-    message's last line), else of its prepare Job's, else what the operator's events quote of a pod it deleted, else
-    its Failed condition."""
-    pods = [*pods, *([prepare.pod] if prepare and prepare.pod else [])]
-    failed = (pod for pod in pods if pod.exit_code and pod.message)
-    if cause := next((f"{pod.name}: {pod.message.removeprefix('error: ')}" for pod in failed), quoted):
+    """Why a failed job failed, in one line: the root cause of its first failed pod by node rank, else of its
+    prepare Job's, else `quoted` (of a pod that is gone: the operator's events, or what `wait` saw), else its Failed
+    condition."""
+    if cause := pods_cause([*pods, *([prepare.pod] if prepare and prepare.pod else [])], stops=True) or quoted:
         return cause
     condition = next((c for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None)
     if condition:
@@ -254,10 +264,11 @@ def quoted_cause(events: list[dict[str, Any]]) -> str | None:
     return min(causes, key=lambda cause: cause[0])[1] if causes else None
 
 
-def status(target: Target, name: str) -> JobStatus:
+def status(target: Target, name: str, seen: str | None = None) -> JobStatus:
     """The job in one stable shape, for both kinds: state, training progress (rank 0's metrics while it runs;
     for a TrainJob also what its trainer reported to Trainer v2, `trainerStatus`), conditions, replica counts,
-    pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs)."""
+    pods, recent events (of the job, its pods and, for a TrainJob, its JobSet and Jobs), and why it failed (`seen`:
+    a pod's failure that `wait` saw, where nothing else is left to tell)."""
     job = find_job(target, name)
     kind = kind_of(job)
     pods = job_pods(target, job)
@@ -293,7 +304,7 @@ def status(target: Target, name: str) -> JobStatus:
             for e in sorted(events, key=lambda e: e.get("lastTimestamp") or "")[-EVENTS_SHOWN:]
         ],
         cause=(
-            failure_cause(pod_statuses, prepare, conditions, quoted_cause(job_events))
+            failure_cause(pod_statuses, prepare, conditions, quoted_cause(job_events) or seen)
             if state == State.FAILED
             else None
         ),
