@@ -38,7 +38,7 @@ from ctl.kinds import Replica
 from ctl.local_pods import LocalJob, LocalNode
 from ctl.operator_env import operator_env
 from ctl.pod import expand_references, image_path
-from ctl.processes import LOCAL_ADDRESS, Hurried, free_port, join, stop
+from ctl.processes import LOCAL_ADDRESS, free_port, join, stop
 from ctl.spec import JobSpec
 from trainer.failures import Failure, Kind, read_record, root_cause
 from trainer.location import S3_VARIABLES, is_s3, node_cache
@@ -81,8 +81,8 @@ def run_dir_claimed(location: str) -> Iterator[int | None]:
     """An exclusive lock on the run directory `location` for this run's life, held by a file in this machine's node
     cache (none is created in the run directory: a refused run leaves it as it was); its descriptor, which the
     nodes' agents inherit, so that the lock holds while they live, ctl killed or not. None where the node cache
-    cannot be written (a read-only home): the run goes on unguarded. The file is removed when the run ends, so the
-    node cache keeps none for each run directory ever used."""
+    cannot be written (a read-only home): the run goes on unguarded. The file is removed when the run ends as it
+    should, so the node cache keeps none for each run directory ever used."""
     path = node_cache() / "locks" / f"{hashlib.sha256(location.encode()).hexdigest()[:32]}.lock"
     while True:
         try:
@@ -108,9 +108,11 @@ def run_dir_claimed(location: str) -> Iterator[int | None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield fd
-    finally:
-        path.unlink(missing_ok=True)  # while still holding it: a run that opened it before finds it gone
+    except BaseException:  # nodes may live on (ctl failed while starting them): the file keeps them guarded
         os.close(fd)
+        raise
+    path.unlink(missing_ok=True)  # while still holding it: a run that opened it before finds it gone
+    os.close(fd)
 
 
 class Terminated(Exception):
@@ -119,14 +121,6 @@ class Terminated(Exception):
 
 def terminate(signum: int, frame: object) -> None:
     raise Terminated(signal.Signals(signum).name)
-
-
-def hurry(signum: int, frame: object) -> None:
-    """A signal while the nodes stop: once; any after it is ignored, so that the kill it asks for is not cut short."""
-    for sig in (signal.SIGINT, *STOP_SIGNALS):
-        if signal.getsignal(sig) is hurry:
-            signal.signal(sig, signal.SIG_IGN)
-    raise Hurried(signal.Signals(signum).name)
 
 
 # Stop the run as SIGTERM does; left as they are where ignored (`nohup ctl run` ignores SIGHUP, and the run goes on).
@@ -147,9 +141,17 @@ class Agent:
         """Its node's root cause, as trainer.launch (or torchrun) recorded it."""
         code = self.process.returncode
         # Killed itself (the OOM killer, a node's loss), it recorded nothing: the signal is its cause.
-        reason = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        reason = f"killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
         code = code if code >= 0 else 128 - code
         return read_record(self.error_file, code) or Failure(code, reason, self.ended)
+
+
+def signal_name(number: int) -> str:
+    """SIGKILL; signal 40 for a real-time one, which has no name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def missing_trainer_requirements() -> list[str]:
@@ -374,25 +376,24 @@ def run_claimed(spec: JobSpec, job: LocalJob, lock: int | None, verbose: bool, o
         failed = supervise(agents)
     except (KeyboardInterrupt, Terminated) as exc:
         # Every node saves at one agreed step and exits, within the grace period a pod has; a second signal kills
-        # them at once, as its sender asks (what was not saved is lost).
+        # them at once, as its sender asks (what was not saved is lost). The handler only sets a flag: a signal that
+        # comes once the nodes have ended is ignored, not an exception in the middle of what follows.
+        hurry = threading.Event()
         for sig in (signal.SIGINT, *STOP_SIGNALS):
-            if sig == signal.SIGINT or previous[sig] is not signal.SIG_IGN:
-                signal.signal(sig, hurry)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, lambda signum, frame: hurry.set())
         grace = spec.termination_grace_period_seconds
-        try:
-            console.note(
-                f"ctl: stopping: the nodes save and exit within {grace} s (terminationGracePeriodSeconds);"
-                " a second Ctrl-C or SIGTERM kills them now"
-            )
-            hurried = stop([agent.process for agent in agents], grace)
-        except Hurried:  # the second signal came before the wait began
-            stop([agent.process for agent in agents], 0)
-            hurried = True
+        console.note(
+            f"ctl: stopping: the nodes save and exit within {grace} s (terminationGracePeriodSeconds);"
+            " a second Ctrl-C or SIGTERM kills them now"
+        )
+        killed = stop([agent.process for agent in agents], grace, hurry)
         join(pumps)
         kept = keep_logs(logs, run_dir, started)
         interrupted = isinstance(exc, KeyboardInterrupt)
-        if hurried:
-            console.note("ctl: killed the nodes at a second signal, before they had all saved and exited")
+        if killed:
+            why = "at a second signal" if killed == "hurried" else f"{grace} s after SIGTERM"
+            console.note(f"ctl: killed the nodes {why}, before they had all saved and exited")
         console.note(stopped(job, "interrupted (SIGINT)" if interrupted else f"terminated ({exc})"))
         console.note(f"ctl: logs of every rank in {kept}")
         return EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED

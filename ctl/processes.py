@@ -65,33 +65,41 @@ def descendants(pids: list[int]) -> set[int]:
     return found
 
 
-class Hurried(Exception):
-    """Raised by a signal handler while `stop` waits out the grace period: kill the processes now."""
-
-
-def stop(processes: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS) -> bool:
+def stop(
+    processes: list[subprocess.Popen], grace: float = STOP_GRACE_SECONDS, hurry: threading.Event | None = None
+) -> str | None:
     """SIGTERM every process's group (torchrun passes it on to its workers, which save and exit), then SIGKILL
-    what is left after `grace` seconds, or at once when Hurried: the groups and their workers, which torchrun starts
-    in sessions of their own (killing an agent alone would orphan them). Whether it was hurried."""
-    workers: set[int] = set()
-    hurried = False
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        workers |= descendants([process.pid for process in processes])
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-        if sig == signal.SIGKILL:
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else STOP_GRACE_SECONDS)
-        try:
-            for process in processes:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except Hurried:
-            hurried = True
-    return hurried
+    what is left after `grace` seconds, or once `hurry` is set (a second signal's handler sets it): the groups and
+    their workers, which torchrun starts in sessions of their own (killing an agent alone would orphan them). Why
+    some were killed, "grace" or "hurried"; None when all had ended by themselves."""
+    workers = descendants([process.pid for process in processes])
+    signal_groups(processes, signal.SIGTERM)
+    killed = None
+    deadline = time.monotonic() + grace
+    while any(process.poll() is None for process in processes):
+        if hurry is not None and hurry.is_set():
+            killed = "hurried"
+            break
+        if time.monotonic() >= deadline:
+            killed = "grace"
+            break
+        time.sleep(0.1)
+    workers |= descendants([process.pid for process in processes])
+    signal_groups(processes, signal.SIGKILL)
+    for pid in workers:  # those that outlived their agent too
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return killed
+
+
+def signal_groups(processes: list[subprocess.Popen], sig: signal.Signals) -> None:
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
 
 
 def join(threads: list[threading.Thread]) -> None:

@@ -212,6 +212,7 @@ def test_interrupting_a_hung_run_leaves_no_process_behind(
         ctl.send_signal(signal.SIGINT)
         _, stderr = ctl.communicate(timeout=120)
     assert ctl.returncode == 130 and "ctl: interrupted (SIGINT): stopped" in stderr
+    assert "ctl: killed the nodes 10 s after SIGTERM, before they had all saved and exited" in stderr
     assert processes_with_marker(marker) == []
     assert scratch_folders(temporary), "no agent was killed: nothing left to remove"
     (tmp_path / "done.py").write_text("print('done')\n")
