@@ -242,9 +242,11 @@ def failure_cause(
     pods: list[PodStatus], prepare: PrepareStatus | None, conditions: list[dict[str, Any]], quoted: str | None
 ) -> str:
     """Why a failed job failed, in one line: the root cause of its first failed pod by node rank, else of its
-    prepare Job's, else `quoted` (of a pod that is gone: the operator's events, or what `wait` saw), else its Failed
-    condition."""
-    if cause := pods_cause([*pods, *([prepare.pod] if prepare and prepare.pod else [])], stops=True) or quoted:
+    prepare Job's, else `quoted` (of a pod that is gone: the operator's events, or what `wait` saw), else the first
+    pod's stop by SIGTERM, else its Failed condition. A stop comes after the failure: master-0 stopped (143) must not
+    hide worker-0's exit 2."""
+    pods = [*pods, *([prepare.pod] if prepare and prepare.pod else [])]
+    if cause := pods_cause(pods) or quoted or pods_cause(pods, stops=True):
         return cause
     condition = next((c for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None)
     if condition:

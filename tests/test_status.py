@@ -1,0 +1,66 @@
+"""How `ctl status` and `ctl wait` find a failed job's cause in what the API server returns: the pods as the kubelet
+reports them and the training operator's events, in the shapes the e2e tier records from the real ones
+(tests/e2e/test_control_plane.py runs them against the operator)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ctl.kinds.pytorchjob import PYTORCHJOB, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
+from ctl.status import failure_cause, pod_status, quoted_cause
+
+NO_FILE = "error: training.data.train: no file matches '/data/x.txt'"
+STOPPED = "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
+FAILED = [{"type": "Failed", "status": "True", "reason": "PyTorchJobFailed", "message": "backoff limit reached"}]
+
+
+def terminated(code: int, *lines: str) -> dict[str, Any]:
+    return {"terminated": {"exitCode": code, "reason": "Error", "message": "\n".join(lines) + "\n"}}
+
+
+def pod(replica: str, now: dict[str, Any], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    labels = {REPLICA_TYPE_LABEL: replica, REPLICA_INDEX_LABEL: "0"}
+    status = {"name": PYTORCHJOB.container, "state": now, "lastState": before or {}, "restartCount": 1}
+    return {"metadata": {"name": f"j-{replica}-0", "labels": labels}, "status": {"containerStatuses": [status]}}
+
+
+def test_a_pod_stopped_after_its_failure_shows_the_failure() -> None:
+    """restartPolicy OnFailure at the backoff limit: the container failed (2), restarted, and the operator stopped
+    it (143). The stop is the failure's consequence."""
+    shown = pod_status(
+        pod("master", terminated(143, STOPPED), terminated(2, "rank 0 of 2", NO_FILE)), PYTORCHJOB, PYTORCHJOB.container
+    )
+    assert (shown.exit_code, shown.message) == (2, NO_FILE)
+    stopped_only = pod_status(
+        pod("master", terminated(143, STOPPED), {"running": {}}), PYTORCHJOB, PYTORCHJOB.container
+    )
+    assert (stopped_only.exit_code, stopped_only.message) == (143, STOPPED)
+
+
+def test_the_cause_is_a_failure_before_a_stop_whichever_pod_comes_first() -> None:
+    master = pod_status(pod("master", terminated(143, STOPPED)), PYTORCHJOB, PYTORCHJOB.container)
+    worker = pod_status(pod("worker", terminated(2, NO_FILE)), PYTORCHJOB, PYTORCHJOB.container)
+    assert failure_cause([master, worker], None, FAILED, None) == f"j-worker-0: {NO_FILE.removeprefix('error: ')}"
+    # A pod that is gone: what the events quote (or `wait` saw) before a stop, the stop before the condition.
+    assert failure_cause([master], None, FAILED, "j-worker-0: quoted") == "j-worker-0: quoted"
+    assert failure_cause([master], None, FAILED, None) == f"j-master-0: {STOPPED}"
+    assert failure_cause([], None, FAILED, None) == "PyTorchJobFailed: backoff limit reached"
+
+
+def event(pod_name: str, code: int, message: str, at: str) -> dict[str, Any]:
+    text = f"Error pod {pod_name} container pytorch exitCode: {code} terminated message: {message}"
+    return {"reason": "Error", "type": "Warning", "message": text, "lastTimestamp": at}
+
+
+def test_the_operators_events_quote_the_termination_message_whose_last_line_is_the_cause() -> None:
+    """training-operator's RecordAbnormalPods: the whole message, lines and all; the first failure other than a
+    stop, whatever order the events came in."""
+    events = [
+        event("j-master-0", 143, f"rank 0 of 2\n{STOPPED}\n", "2026-12-03T03:34:40Z"),
+        event("j-worker-0", 2, f"rank 1 of 2\n{NO_FILE}\n", "2026-12-03T03:34:35Z"),
+        event("j-master-0", 2, "rank 0 of 2\nerror: a later failure\n", "2026-12-03T03:34:39Z"),
+        {"reason": "ExitedWithCode", "message": "Pod: ns.j-worker-0 exited with code 2", "lastTimestamp": ""},
+    ]
+    assert quoted_cause(events) == f"j-worker-0: {NO_FILE.removeprefix('error: ')}"
+    assert quoted_cause(events[:1]) == f"j-master-0: {STOPPED}"
+    assert quoted_cause(events[3:]) is None
