@@ -275,19 +275,24 @@ def delete(target: Target, name: str, purge: bool) -> list[str]:
     return [f"{api.kind.lower()}/{name}", *delete_labelled(target, name, kinds)]
 
 
+def labelled(target: Target, name: str, base: str, plural: str) -> list[dict[str, Any]]:
+    """The objects of a kind (API base, plural) that the chart labelled as the job `name`'s, but those being deleted
+    already (a claim a pod still mounts)."""
+    collection = f"{base}/namespaces/{target.namespace}/{plural}"
+    try:
+        items = target.call(collection, query_params=[("labelSelector", f"{INSTANCE_LABEL}={name}")])["items"]
+    except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
+        return []
+    return [item for item in items if not item["metadata"].get("deletionTimestamp")]
+
+
 def delete_labelled(target: Target, name: str, kinds: list[tuple[str, str]]) -> list[str]:
     """Delete the objects of `kinds` (API base, plural) that the chart labelled as the job `name`'s; what was deleted,
     as `kind/name`."""
     removed = []
     for base, plural in kinds:
         collection = f"{base}/namespaces/{target.namespace}/{plural}"
-        try:
-            items = target.call(collection, query_params=[("labelSelector", f"{INSTANCE_LABEL}={name}")])["items"]
-        except NotFound:  # e.g. no prometheus-operator CRDs in this cluster
-            continue
-        for item in items:
-            if item["metadata"].get("deletionTimestamp"):  # being deleted already (a claim a pod still mounts)
-                continue
+        for item in labelled(target, name, base, plural):
             target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
             singular = plural.removesuffix("ies") + "y" if plural.endswith("ies") else plural.removesuffix("s")
             removed.append(f"{singular}/{item['metadata']['name']}")

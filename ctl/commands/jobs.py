@@ -258,6 +258,7 @@ def delete(
     """Delete a job and the objects rendered with it; its volume claim (checkpoints) stays unless --purge (which
     also deletes the claim a deletion without it left)."""
     from ctl.cluster import JobNotFound, find_job
+    from ctl.jobs import CLAIMS, labelled
     from ctl.jobs import delete as delete_objects
 
     target = cluster.connect()
@@ -267,7 +268,7 @@ def delete(
         try:
             what = f"{find_job(target, name)['kind'].lower()} {name}"
         except JobNotFound:
-            if not purge:
+            if not purge or not labelled(target, name, *CLAIMS):
                 raise
             what = f"what is left of job {name} (its volume claim)"
         if not typer.confirm(f"delete {what} in namespace {target.namespace}?", err=True):
