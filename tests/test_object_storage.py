@@ -52,6 +52,7 @@ from trainer.dist import Dist
 from trainer.location import NODE_CACHE_ENV, S3_CA_BUNDLE_ENV, S3_ENDPOINT_ENV, S3_REGION_ENV, S3_SECRET_KEY_ENV
 from trainer.names import EXIT_BAD_INPUT
 from trainer.preparation.readers import Skipped, documents, read_texts
+from trainer.prepare import prepare_spec
 from trainer.rundir import publish
 from trainer.spec import CheckpointSpec, DataSpec, SpecError, TrainingSpec
 from trainer.storage import StorageUnreachable, matching_objects, reason, s3_client, s3_sources
@@ -327,7 +328,9 @@ def test_one_key_without_the_other_is_bad_input_naming_the_missing_one(
         checkpointer("s3://runs/one-key", tmp_path)
 
 
-@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:99999", "http://:9000", "s3.example.com", "http://a b"])
+@pytest.mark.parametrize(
+    "endpoint", ["http://127.0.0.1:99999", "http://:9000", "s3.example.com", "http://a b", "http://h:9000\n"]
+)
 def test_an_endpoint_the_client_cannot_use_is_bad_input_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, s3: S3Server, tmp_path: Path, endpoint: str
 ) -> None:
@@ -678,9 +681,11 @@ def test_a_dataset_saved_to_a_bucket_is_its_data_files(s3_env: S3Server, bucket:
         expand_paths([f"s3://{bucket}/splits"], "training.data.train")
 
 
-def test_bad_data_in_a_bucket_is_named_by_its_uri_not_by_this_nodes_copy(s3_env: S3Server, bucket: str) -> None:
+def test_bad_data_in_a_bucket_is_named_by_its_uri_not_by_this_nodes_copy(
+    s3_env: S3Server, bucket: str, tmp_path: Path
+) -> None:
     """The line named the copy in the node's cache (`~/.cache/ddpjob/sources/<bucket>/...`), which the user never
-    wrote; so did `onBadFile: skip`'s warning."""
+    wrote; so did `onBadFile: skip`'s warning, and its line when every file is bad."""
     corpus = s3_env.bucket(bucket) / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("good text")
@@ -693,6 +698,11 @@ def test_bad_data_in_a_bucket_is_named_by_its_uri_not_by_this_nodes_copy(s3_env:
     data = DataSpec.model_validate({"train": [f"s3://{bucket}/corpus/"], "onBadFile": "skip"})
     assert [doc.text for doc in documents(files, data, False, "training.data.train", skipped)] == ["good text"]
     assert skipped.files == [bad] and skipped.reasons[0].startswith(f"training.data.train: {bad} is not UTF-8")
+    only_bad = {"train": [bad], "onBadFile": "skip", "cacheDir": str(tmp_path / "datasets"), "prepareWorkers": 1}
+    spec = TrainingSpec.model_validate({"task": "char-gpt", "model": {"blockSize": 8}, "data": only_bad})
+    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so there is no text;"
+    with pytest.raises(SpecError, match=re.escape(f"{every} first: training.data.train: {bad} is not UTF-8")):
+        prepare_spec(spec, tmp_path / "run", print)
 
 
 def test_data_from_a_bucket_for_a_run_on_the_volume_reaches_the_s3_server_the_spec_names(

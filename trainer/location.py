@@ -63,7 +63,7 @@ def sources_cache() -> Path:
 def source_name(path: Path | str) -> str:
     """A data file as the user named it: the s3:// URI of a copy in this node's cache, else the path itself."""
     with contextlib.suppress(ValueError):
-        return f"{S3_SCHEME}{Path(path).relative_to(sources_cache())}"
+        return f"{S3_SCHEME}{Path(path).absolute().relative_to(sources_cache().absolute())}"
     return str(path)
 
 

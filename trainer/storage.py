@@ -268,7 +268,7 @@ def s3_client(bucket: str, prefix: str = "") -> obstore.store.S3Store:
     import obstore.store
 
     endpoint = os.environ.get(S3_ENDPOINT_ENV, "")
-    if not re.match(ENDPOINT_URL, endpoint):  # set by hand (ctl run passes the user's own): the chart's is checked
+    if not re.fullmatch(ENDPOINT_URL, endpoint):  # set by hand (ctl run passes the user's own): the chart's is checked
         raise SpecError(f"{S3_ENDPOINT_ENV}: {endpoint!r} is not {PATTERN_MEANINGS[ENDPOINT_URL]}")
     options: dict[str, str | bool] = {"allow_http": endpoint.startswith("http://")}
     keys = [name for name in (S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV) if os.environ.get(name)]
@@ -367,6 +367,12 @@ class S3Store:
         obstore.delete(self.store, sorted(f"{folder}/{name}" for name in self.sizes(folder)))
 
     @s3_errors
+    def remove(self, path: str) -> None:
+        import obstore
+
+        obstore.delete(self.store, path)
+
+    @s3_errors
     def exists(self, path: str) -> bool:
         import obstore
         import obstore.exceptions
@@ -429,14 +435,12 @@ class S3Store:
     def check(self, writable: bool) -> None:
         """SpecError naming checkpoint.dir when the bucket cannot be listed (missing, refused credentials) or, with
         `writable`, written, StorageUnreachable when no server answers: before any training."""
-        import obstore
-
         try:
             self.names()
             if writable:
                 probe = f".write-test-{os.getpid()}"
                 self.write_text(probe, "ok")
-                obstore.delete(self.store, probe)
+                self.remove(probe)
         except StorageUnreachable as exc:
             raise StorageUnreachable(
                 errno.EIO, f"training.checkpoint.dir: cannot reach {self.location}: {exc.strerror}"

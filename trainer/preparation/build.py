@@ -375,7 +375,7 @@ class Builder:
         progress.finish()
         if not writer.documents or not writer.has_text:
             what = "examples" if self.labelled and not writer.documents else "text"
-            files = [str(path) for path in self.plan.files[split]]
+            files = [source_name(path) for path in self.plan.files[split]]
             if not writer.documents and set(files) <= set(self.skipped.files):
                 raise SpecError(
                     f"training.data.{split}: every file was skipped as bad (training.data.onBadFile: skip), so there"
