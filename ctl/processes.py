@@ -72,7 +72,8 @@ def stop(
     what is left after `grace` seconds, or once `hurry` is set (a second signal's handler sets it): the groups and
     their workers, which torchrun starts in sessions of their own (killing an agent alone would orphan them). Why
     some were killed, "grace" or "hurried"; None when all had ended by themselves."""
-    workers = descendants([process.pid for process in processes])
+    # Each with its start time: the grace period may be long enough for an ended worker's pid to be reused.
+    workers = {pid: started_at(pid) for pid in descendants([process.pid for process in processes])}
     signal_groups(processes, signal.SIGTERM)
     killed = None
     deadline = time.monotonic() + grace
@@ -84,16 +85,25 @@ def stop(
             killed = "grace"
             break
         time.sleep(0.1)
-    workers |= descendants([process.pid for process in processes])
+    workers |= {pid: started_at(pid) for pid in descendants([process.pid for process in processes])}
     signal_groups(processes, signal.SIGKILL)
-    for pid in workers:  # those that outlived their agent too
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid, start in workers.items():  # those that outlived their agent too
+        if start is not None and started_at(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     for process in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
     return killed
+
+
+def started_at(pid: int) -> str | None:
+    """When process `pid` started (/proc/PID/stat's 22nd field, in clock ticks since boot); None once it has ended."""
+    try:  # after the command name, which may hold spaces and parentheses
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def signal_groups(processes: list[subprocess.Popen], sig: signal.Signals) -> None:
