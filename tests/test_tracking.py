@@ -213,6 +213,23 @@ def test_a_tracker_named_but_not_installed_is_one_line_and_exit_2(
     assert not (tmp_path / "runs").exists()
 
 
+def test_wandb_online_without_an_api_key_is_one_line_and_exit_2(
+    tmp_path: Path, write_spec, corpus_file: Path, wandb_env: dict[str, str]
+) -> None:
+    """Online (WANDB_MODE unset) with no key anywhere W&B looks: bad input on rank 0, which the other rank follows."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("WANDB_", "NETRC"))}
+    env |= {key: value for key, value in wandb_env.items() if key != "WANDB_MODE"} | {"HOME": str(tmp_path)}
+    spec = tiny_spec(corpus_file, reportTo=["wandb"])
+    spec["procsPerNode"] = 2
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = (
+        "error: training.reportTo: wandb cannot start its run: No API key configured. Use `wandb login` to log in."
+        " (set WANDB_API_KEY from a Secret in the spec's env, or WANDB_MODE=offline)"
+    )
+    assert result.stderr.splitlines()[-1] == line, result.stderr
+
+
 def test_wandb_offline_gets_the_values_tensorboard_gets_and_a_finished_exit(
     tmp_path: Path, write_spec, corpus_file: Path, wandb_env: dict[str, str]
 ) -> None:

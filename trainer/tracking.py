@@ -38,6 +38,8 @@ PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"
 # W&B's x-axis for every value: W&B drops a value logged at an earlier step than the last one (its own step
 # only grows), and a background checkpoint save is reported at the log step after it finished.
 WANDB_STEP = "trainer/step"
+# What a W&B run needs from the pod's environment (docs/monitoring.md).
+WANDB_SETUP = "set WANDB_API_KEY from a Secret in the spec's env, or WANDB_MODE=offline"
 
 
 def check_installed(spec: TrainingSpec) -> None:
@@ -102,8 +104,13 @@ class MLflow:
 class WandB:
     def __init__(self, name: str, run_id: str | None, run_dir: Path) -> None:
         import wandb
+        from wandb.errors import AuthenticationError, UsageError
 
-        self.run = wandb.init(name=name, id=run_id, resume="allow", dir=str(run_dir))
+        try:
+            self.run = wandb.init(name=name, id=run_id, resume="allow", dir=str(run_dir))
+        except (AuthenticationError, UsageError) as exc:  # no API key, a malformed one, a bad WANDB_* setting
+            reason = next(iter(str(exc).splitlines()), type(exc).__name__)
+            raise SpecError(f"training.reportTo: wandb cannot start its run: {reason} ({WANDB_SETUP})") from None
         self.run_id = self.run.id
         self.run.define_metric("*", step_metric=WANDB_STEP)
 
