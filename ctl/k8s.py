@@ -7,6 +7,7 @@ A test fails when a rendered example is stale or has no spec left in examples/.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +29,8 @@ def rendered_example(example: Path) -> str:
     return header + to_yaml(render(load_spec(example)))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m ctl.k8s", description=__doc__.splitlines()[0]).parse_args(argv)
     RENDERED.mkdir(parents=True, exist_ok=True)
     examples = sorted(EXAMPLES.glob("*.yaml"))
     for example in examples:

@@ -1207,6 +1207,16 @@ def test_k8s_examples_are_current(example: Path) -> None:
     assert docs == [m.obj for m in render(load_spec(example))]
 
 
+def test_k8s_generator_help_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from ctl.k8s import RENDERED, main
+
+    before = {path: path.stat().st_mtime_ns for path in RENDERED.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0 and "usage: python -m ctl.k8s" in capsys.readouterr().out
+    assert {path: path.stat().st_mtime_ns for path in RENDERED.iterdir()} == before
+
+
 def test_k8s_examples_have_a_source() -> None:
     stale = {p.name for p in (REPO / "k8s" / "examples").glob("*.yaml")} - {p.name for p in EXAMPLES}
     assert not stale, f"k8s/examples without an examples/ spec: {stale} (run `make k8s`)"
