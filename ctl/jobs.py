@@ -48,7 +48,7 @@ def delete_job(target: Target, name: str, foreground: bool = False, api: JobKind
     pods = f"/api/v1/namespaces/{target.namespace}/pods"
     while time.monotonic() < deadline:
         if not exists(target, api.path(target.namespace, name)):
-            selector = [("labelSelector", f"{api.job_label}={name}")]
+            selector = [("labelSelector", api.pods_selector(name))]
             if policy == "Foreground" or not foreground or not target.call(pods, query_params=selector)["items"]:
                 return
         time.sleep(0.5)
@@ -293,7 +293,8 @@ def delete_labelled(target: Target, name: str, kinds: list[tuple[str, str]]) -> 
     for base, plural in kinds:
         collection = f"{base}/namespaces/{target.namespace}/{plural}"
         for item in labelled(target, name, base, plural):
-            target.call(f"{collection}/{item['metadata']['name']}", "DELETE")
+            # Background: a batch Job's default is still to orphan its pods (the prepare Job's would live on).
+            target.call(f"{collection}/{item['metadata']['name']}", "DELETE", body={"propagationPolicy": "Background"})
             singular = plural.removesuffix("ies") + "y" if plural.endswith("ies") else plural.removesuffix("s")
             removed.append(f"{singular}/{item['metadata']['name']}")
     return removed

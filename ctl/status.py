@@ -159,8 +159,7 @@ def job_pods(target: Target, job: dict[str, Any]) -> list[dict[str, Any]]:
     """The job's pods in node-rank order (master-0, worker-0, worker-1...; node-0, node-1...), oldest first
     among a node's pods (a Job replaces a failed pod by a new one)."""
     kind = kind_of(job)
-    # Labelled with their replica by the job's controller: not the prepare Job's pod, which has the job label too.
-    selector = f"{kind.job_label}={job['metadata']['name']},{kind.replica_label}"
+    selector = kind.pods_selector(job["metadata"]["name"])
     pods = target.call(f"/api/v1/namespaces/{target.namespace}/pods", query_params=[("labelSelector", selector)])
     ranks = {label: rank for rank, label in enumerate(kind.node_labels(job))}
     return sorted(

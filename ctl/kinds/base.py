@@ -109,6 +109,11 @@ class JobKind(ABC):
         """The API path of the namespace's jobs of this kind, or of one of them."""
         return f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
 
+    def pods_selector(self, name: str) -> str:
+        """The label selector of the job's pods: labelled with their replica by its controller, so not the prepare
+        Job's pod, which carries the job label too (helm/ddpjob/templates/prepare-job.yaml)."""
+        return f"{self.job_label}={name},{self.replica_label}"
+
     def pod_name_part(self, replica_type: str) -> str:
         """What the names of a replica type's pods have between the job's name and the index."""
         return replica_type

@@ -13,6 +13,7 @@ import subprocess
 import sysconfig
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,26 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
         waited = f"rank {rank}: waiting for the prepare Job {name}-prepare "
         prepared = f"rank {rank}: prepared data {in_pod(claim, entry)} "
         assert prepared in training_logs or waited in training_logs, training_logs
+
+    # Submitted again with --replace: the job and its finished prepare Job go, new ones come. The wait for the old
+    # job's pods leaves out the prepare Job's pod, which carries the job label too (a TrainJob's waited 300 s for it).
+    replaced = ctl("submit", str(spec), "--replace")
+    assert replaced.returncode == 0, replaced.stderr + pod_logs(cluster, namespace)
+    old_uid = pod.metadata.uid
+    assert until(lambda: [p for p in prepare_pods(cluster, namespace, f"{name}-prepare") if p.metadata.uid != old_uid])
+    # ctl delete takes the new prepare Job's pod with it: a batch Job's deletion orphans its pods by default.
+    deleted = ctl("delete", name, "-y")
+    assert deleted.returncode == 0, deleted.stderr
+    assert until(lambda: not prepare_pods(cluster, namespace, f"{name}-prepare")), "the prepare pod was left"
     assert_no_process_left(cluster, marker)
+
+
+def until(found: Callable[[], Any], timeout_s: float = 60) -> Any:
+    """What `found` returns once it is true, or its last answer after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (answer := found()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return answer
 
 
 def prepare_log(cluster: Cluster, namespace: str, pod: kubernetes.client.V1Pod) -> str:
