@@ -98,10 +98,12 @@ def test_final_model_loads_with_plain_transformers_and_predicts_labels_by_name(t
     tokenizer = AutoTokenizer.from_pretrained(trained / "final")
     report = json.loads((trained / "report.json").read_text())
     assert [model.config.id2label[i] for i in range(len(report["labels"]))] == report["labels"]
+    # The tokenizer's limit is the model's, so `truncation=True` alone fits any document to it.
+    assert tokenizer.model_max_length == model.config.n_positions == TINY_MODEL["blockSize"]
     rows = [json.loads(line) for line in docstrings["test"].read_text().splitlines()]
     correct = 0
     for row in rows:
-        inputs = tokenizer(row["text"], truncation=True, max_length=TINY_MODEL["blockSize"], return_tensors="pt")
+        inputs = tokenizer(row["text"], truncation=True, return_tensors="pt")
         with torch.no_grad():
             predicted = model.config.id2label[model(**inputs).logits.argmax(-1).item()]
         assert predicted in report["labels"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -59,3 +60,18 @@ def test_keep_best_ranks_every_checkpoint_by_the_same_estimate(tmp_path, corpus_
     assert saved[6]["val_loss"] != pytest.approx(report["eval_loss"], abs=1e-6)
     best = min(saved.values(), key=lambda state: state["val_loss"])
     assert saved[6]["best_val_loss"] == best["val_loss"]
+
+
+def test_a_diverged_model_has_an_infinite_perplexity_written_as_null(tmp_path: Path) -> None:
+    """A final loss above ~709 overflows exp(): the run still ends with its report, whose JSON any reader takes."""
+    from trainer.rundir import write_report
+    from trainer.tasks.language_model import perplexity
+
+    assert perplexity(1000.0) == math.inf and math.isnan(perplexity(math.nan))
+    report = {"eval_loss": 1000.0, "perplexity": perplexity(1000.0), "per_class": {"a": [math.nan, 1.0]}}
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"report.json holds {constant}, which JSON has not")
+
+    written = json.loads(write_report(tmp_path, report).read_text(), parse_constant=refuse)
+    assert written == {"eval_loss": 1000.0, "perplexity": None, "per_class": {"a": [None, 1.0]}}

@@ -60,6 +60,8 @@ def test_run_writes_a_loadable_final_model_and_report(tmp_path, write_spec, corp
     assert tokenizer.decode(ids[0]) == text and ids.shape[1] == len(text)
     generated = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert generated.shape[1] == len(text) + 10
+    assert tokenizer.model_max_length == model.config.n_positions  # so `truncation=True` fits a text to the model
+    assert len(tokenizer(text * 100, truncation=True).input_ids) == model.config.n_positions
 
     # TensorBoard (reportTo's default) read back with its own reader: every logged value, at its step.
     scalars = tensorboard_scalars(run_dir)

@@ -39,6 +39,7 @@ class CharVocab:
         self.chars = sorted(chars)
         self.codepoints = torch.tensor([ord(c) for c in self.chars], dtype=torch.int64)
         self.special_id = len(self.chars)
+        self.model_max_length: int | None = None  # written to the config when set, as transformers' tokenizers do
 
     @property
     def size(self) -> int:
@@ -68,6 +69,8 @@ class CharVocab:
         directory.mkdir(parents=True, exist_ok=True)
         backend.save(str(directory / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast"} | dict.fromkeys(SPECIAL_ROLES, SPECIAL_TOKEN)
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

@@ -55,10 +55,15 @@ def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
     except (OSError, ValueError) as exc:
         why = pretrained_failure(spec.pretrained, exc, options)
         raise SpecError(f"training.model.pretrained: cannot load {spec.pretrained!r}: {why}") from None
-    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    positions = model_positions(model)
     if positions and spec.block_size > positions:
         raise SpecError(f"training.model.blockSize: {spec.block_size} is more than the model's {positions} positions")
     return model
+
+
+def model_positions(model: Any) -> int | None:
+    """How many tokens the model takes at most (its position embeddings), when its config says."""
+    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
 
 
 def fit_vocabulary(model: Any, tokenizer: Any) -> Any:

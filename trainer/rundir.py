@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trainer.models import model_positions
 from trainer.names import RUN_IDS, TENSORBOARD_DIR
 from trainer.spec import SpecError
 from trainer.storage import Store
@@ -98,9 +100,21 @@ def remove_if_empty(created: list[Path]) -> None:
 def write_report(run_dir: Path, report: dict[str, Any]) -> Path:
     target = run_dir / REPORT
     staging = target.with_name(f".{REPORT}.tmp")
-    staging.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    staging.write_text(json.dumps(finite_or_null(report), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     os.replace(staging, target)
     return target
+
+
+def finite_or_null(value: Any) -> Any:
+    """The report's values with null for an infinite or NaN number, which JSON cannot hold (Python would write
+    `Infinity`, which other readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def export_final(run_dir: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
@@ -109,6 +123,9 @@ def export_final(run_dir: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
     staging = run_dir / f".{FINAL}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
+    # The tokenizer's limit is the model's (its own default is none): `truncation=True` then fits any text to it.
+    if positions := model_positions(model):
+        tokenizer.model_max_length = positions
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)

@@ -42,18 +42,26 @@ def blocks(
     return train_set, val_set
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss): infinite past a float's range (a loss above ~709, a model that diverged), not an OverflowError."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def final_report(
     spec: TrainingSpec, dist: Dist, work: Workload, log: Callable[[str], None], evaluated: Evaluation
 ) -> dict[str, Any]:
     """Validation loss, perplexity and token accuracy of the final model (`evaluated`: the training loop's final
     evaluation, over the whole validation split)."""
     result = evaluated
-    log(f"final | val loss {result.loss:.4f} | perplexity {math.exp(result.loss):.2f}")
+    log(f"final | val loss {result.loss:.4f} | perplexity {perplexity(result.loss):.2f}")
     return {
         "task": spec.task,
         "split": "val",
         "eval_loss": result.loss,
-        "perplexity": math.exp(result.loss),
+        "perplexity": perplexity(result.loss),
         "eval_tokens": result.count,
         "token_accuracy": result.accuracy,
     }
