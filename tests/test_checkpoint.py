@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 import yaml
@@ -44,7 +45,7 @@ from trainer.checkpoint import (
 )
 from trainer.data import TrainBatches
 from trainer.dist import Dist
-from trainer.spec import CheckpointSpec
+from trainer.spec import CheckpointSpec, SpecError
 from trainer.storage import StorageError, StorageUnreachable
 from trainer.totals import Sums
 
@@ -495,3 +496,115 @@ def test_a_state_saved_before_the_sums_had_names_still_loads() -> None:
     assert state.interval_totals == Sums(loss_sum=2.5, correct=3.0, targets=8.0, tokens=0.0)
     assert state.epoch_totals == Sums(loss_sum=5.0, correct=6.0, targets=16.0, tokens=64.0)
     assert TrainerState(**json.loads(json.dumps(asdict(state)))) == state  # and the named form round-trips
+
+
+def saved_linear(run_dir: Path, config: dict[str, Any]) -> Checkpointer:
+    """A checkpoint step-00000001 of a Linear(4, 4) in `run_dir`, by the Checkpointer it returns."""
+    model = torch.nn.Linear(4, 4)
+    checkpoints = Checkpointer(run_dir, CheckpointSpec(), Dist(0, 0, 1, torch.device("cpu")), config)
+    optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+    checkpoints.attach(model, optimizer, scaler, TrainerState(step=1))
+    checkpoints.save()
+    return checkpoints
+
+
+def test_a_checkpoint_file_the_system_cannot_read_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.load's OSError (an I/O error; its zip reader's EINVAL on some damage) named no file."""
+    checkpoints = saved_linear(tmp_path, {"maxSteps": 10})
+    load = torch.load
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).name == RNG:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", failing)
+    with pytest.raises(CheckpointError) as failure:
+        checkpoints.load_latest()
+    assert str(failure.value) == (
+        "training.checkpoint.dir: cannot read step-00000001/rng.pt (OSError: [Errno 22] Invalid argument); if it is"
+        " damaged, move step-00000001 away to resume from the checkpoint before it"
+    )
+
+
+def test_weights_of_another_shape_are_refused_in_one_line_even_when_changes_are_allowed(tmp_path: Path) -> None:
+    """load_state_dict's RuntimeError gave only its title line (`Error(s) in loading state_dict for Linear:`)."""
+    saved_linear(tmp_path, {"maxSteps": 10})
+    wider = torch.nn.Linear(4, 8)
+    spec = CheckpointSpec(allowConfigChange=True)
+    checkpoints = Checkpointer(tmp_path, spec, Dist(0, 0, 1, torch.device("cpu")), {"maxSteps": 20})
+    optimizer, scaler = torch.optim.AdamW(wider.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+    checkpoints.attach(wider, optimizer, scaler, TrainerState())
+    with pytest.raises(SpecError) as failure:
+        checkpoints.load_latest()
+    line = str(failure.value)
+    assert line.startswith(
+        "training.checkpoint: step-00000001/model.safetensors does not fit this run's model (size mismatch for weight:"
+    ), line
+    assert "\n" not in line and "cannot change on a resume, allowConfigChange or not; start a new run directory" in line
+
+
+def test_how_and_where_the_data_is_prepared_may_change_on_a_resume(tmp_path: Path) -> None:
+    data = {"train": ["a.txt"], "cacheDir": None, "fingerprint": "metadata", "prepareWorkers": 0}
+    saved_linear(tmp_path, {"maxSteps": 10, "evalBatches": 0, "data": data})
+    dist = Dist(0, 0, 1, torch.device("cpu"))
+    faster = {"cacheDir": "/cache", "fingerprint": "content", "prepareWorkers": 2}
+    Checkpointer(
+        tmp_path, CheckpointSpec(), dist, {"maxSteps": 10, "evalBatches": 5, "data": data | faster}
+    ).check_settings()
+    other = Checkpointer(tmp_path, CheckpointSpec(), dist, {"maxSteps": 10, "data": data | {"train": ["b.txt"]}})
+    with pytest.raises(SpecError, match=r"\(changed: training.data.train\);"):
+        other.check_settings()
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        (None, "is gone, and the run has checkpoints: the data they were trained on cannot be checked;"),
+        (b'{"fingerprint": ', "is damaged (JSONDecodeError: Expecting value: line 1 column 17 (char 16));"),
+        (b"{}", "is damaged (not the record a run writes);"),
+    ],
+)
+def test_a_resume_without_a_readable_dataset_record_stops_on_a_line_naming_it(
+    tmp_path: Path, record: bytes | None, why: str
+) -> None:
+    """Without dataset.json the data check was skipped (changed data trained on, silently); a damaged one gave
+    JSONDecodeError or KeyError: 'sources', naming no file."""
+    from trainer.spec import TrainingSpec
+    from trainer.workloads import RUN_DATASET, resumed_dataset
+
+    saved_linear(tmp_path, {"maxSteps": 10})
+    if record is not None:
+        (tmp_path / RUN_DATASET).write_bytes(record)
+    spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "a.txt"}})
+    with pytest.raises(CheckpointError) as failure:
+        resumed_dataset(spec, tmp_path)
+    assert str(failure.value).startswith(f"training.checkpoint.dir: {RUN_DATASET} {why}"), str(failure.value)
+    allowed = spec.model_copy(update={"checkpoint": CheckpointSpec(allowConfigChange=True)})
+    if record is None:
+        assert resumed_dataset(allowed, tmp_path) is None  # told to go on without it
+
+
+def test_a_final_evaluation_that_is_not_finite_leaves_the_last_export_and_report(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """Weights damaged in a way that still reads (NaN, same size): the export and report.json (with NaN, which JSON has
+    not) replaced a good run's."""
+    spec = write_spec(tiny_spec(corpus_file, maxSteps=2, sample={"maxNewTokens": 0}))
+    assert run_ctl("run", str(spec), "--run-dir", "run", cwd=tmp_path).returncode == 0
+    run_dir = tmp_path / "run"
+    weights = run_dir / step_name(2) / MODEL
+    tensors = safetensors.torch.load_file(weights)
+    with safetensors.safe_open(weights, "pt") as saved:
+        metadata = saved.metadata()
+    size = weights.stat().st_size
+    nan = {name: torch.full_like(t, math.nan) for name, t in tensors.items()}
+    safetensors.torch.save_file(nan, weights, metadata=metadata)
+    assert weights.stat().st_size == size
+    before = {p: p.stat().st_mtime_ns for p in [run_dir / "report.json", *run_dir.glob("final/*")]}
+    result = run_ctl("run", str(spec), "--run-dir", "run", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: the final validation loss went non-finite (nan) at step 2; step-00000002 in "
+    ), result.stderr
+    assert {p: p.stat().st_mtime_ns for p in before} == before

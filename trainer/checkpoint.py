@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import pickle
@@ -41,7 +40,7 @@ from trainer.dist import Dist, barrier
 from trainer.names import CHECKPOINT_NAME, LATEST_CHECKPOINT, NEW_RUN_DIR
 from trainer.rundir import RUN_RECORDS, event_files, publish
 from trainer.spec import CheckpointSpec, SpecError
-from trainer.storage import StorageUnreachable, open_store
+from trainer.storage import StorageError, StorageUnreachable, open_store
 from trainer.totals import Sums
 
 MARKER = "COMMITTED"
@@ -50,7 +49,9 @@ OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
 # Settings that do not change what is trained: they may differ between a checkpoint and its resume.
-NOT_HASHED = ("checkpoint", "logEvery", "evalEvery", "sample", "compile", "reportTo", "timeouts")
+NOT_COMPARED = ("checkpoint", "logEvery", "evalEvery", "evalBatches", "sample", "compile", "reportTo", "timeouts")
+# The same for the keys of `data` that say only how and where the same tokens are prepared.
+DATA_NOT_COMPARED = ("cacheDir", "fingerprint", "prepareWorkers", "prepareBufferMiB")
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +119,13 @@ def read(name: str, file: str, load: Callable[[], T], unreadable: tuple[type[Exc
             f"training.checkpoint.dir: {name}/{file} is damaged ({type(exc).__name__}: {cause}); move {name} away to"
             " resume from the checkpoint before it"
         ) from None
+    except StorageError:  # the bucket's own errors name what they read
+        raise
+    except OSError as exc:  # an I/O error, or torch's zip reader on some damage (EINVAL): either way, name the file
+        raise CheckpointError(
+            f"training.checkpoint.dir: cannot read {name}/{file} ({type(exc).__name__}: {exc}); if it is damaged, move"
+            f" {name} away to resume from the checkpoint before it"
+        ) from None
 
 
 def step_name(step: int) -> str:
@@ -125,11 +133,11 @@ def step_name(step: int) -> str:
 
 
 def config_values(values: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in values.items() if key not in NOT_HASHED}
-
-
-def config_hash(values: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config_values(values), sort_keys=True).encode()).hexdigest()[:16]
+    """The settings a resume must keep (a checkpoint's saved `config` holds them all, as this run's spec does)."""
+    kept = {key: value for key, value in values.items() if key not in NOT_COMPARED}
+    if isinstance(data := kept.get("data"), dict):
+        kept["data"] = {key: value for key, value in data.items() if key not in DATA_NOT_COMPARED}
+    return kept
 
 
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -229,7 +237,6 @@ class Checkpointer:
         self.spec = spec
         self.dist = dist
         self.config = config
-        self.config_hash = config_hash(config)
         self.pending: threading.Thread | None = None
         self.pending_error: BaseException | None = None
         self.staging: dict[str, torch.Tensor] = {}  # CPU copies for background saves, reused save after save
@@ -293,8 +300,8 @@ class Checkpointer:
     def saved_state(self, name: str) -> dict[str, Any]:
         """Checkpoint `name`'s state.json, once it is clear that this run may resume from it."""
         saved = read(name, STATE, lambda: json.loads(self.store.read_bytes(f"{name}/{STATE}")), (ValueError,))
-        if saved["config_hash"] != self.config_hash and not self.spec.allow_config_change:
-            keys = changed_keys(config_values(saved["config"]), config_values(self.config), "training.")
+        keys = changed_keys(config_values(saved["config"]), config_values(self.config), "training.")
+        if keys and not self.spec.allow_config_change:
             raise SpecError(
                 f"training.checkpoint: {name} was written with different settings (changed: {', '.join(keys)});"
                 " set training.checkpoint.allowConfigChange: true to resume anyway, or use a new run directory"
@@ -318,7 +325,17 @@ class Checkpointer:
         objects = self.attached()
         device = self.dist.device
         model = functools.partial(safetensors.torch.load_model, objects.model, path / MODEL, device=str(device))
-        read(name, MODEL, lambda: model(strict=True), (safetensors.SafetensorError,))  # not a shape's RuntimeError
+        try:
+            read(name, MODEL, lambda: model(strict=True), (safetensors.SafetensorError,))  # not a shape's RuntimeError
+        except CheckpointError:
+            raise
+        except RuntimeError as exc:  # load_state_dict: missing keys or other shapes, each on a line after its title
+            detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+            raise SpecError(
+                f"training.checkpoint: {name}/{MODEL} does not fit this run's model ({detail}): the model's shape"
+                " (training.model, the vocabulary) cannot change on a resume, allowConfigChange or not; start a new"
+                f" run directory ({NEW_RUN_DIR})"
+            ) from None
         trainer = read(name, OPTIMIZER, lambda: torch.load(path / OPTIMIZER, map_location=device, weights_only=True))
         objects.optimizer.load_state_dict(trainer["optimizer"])
         objects.scaler.load_state_dict(trainer["scaler"])
@@ -350,7 +367,7 @@ class Checkpointer:
                 model=model_tensors(model, staging),
                 optimizer=to_cpu({"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, staging),
                 rng=rngs,
-                state={"config_hash": self.config_hash, "config": self.config, "trainer": asdict(state)},
+                state={"config": self.config, "trainer": asdict(state)},
                 events=event_files(self.run_dir) if self.store.uploads else [],  # on a volume they are in place
             )
             if background:

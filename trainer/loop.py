@@ -479,8 +479,12 @@ class Trainer:
         return final
 
     def final_evaluation(self) -> Evaluation:
-        """The final model over the whole validation split, reported like every evaluation."""
-        return self.report_eval(f"{self.progress_text()} (final)", self.val_batches, predict=self.predict)
+        """The final model over the whole validation split, reported like every evaluation; not finite, it stops the
+        run before the export and the report could replace a good run's."""
+        result = self.report_eval(f"{self.progress_text()} (final)", self.val_batches, predict=self.predict)
+        if not math.isfinite(result.loss):
+            raise_non_finite("final validation loss", result.loss, self.state.step, self.checkpoints)
+        return result
 
     def report_eval(
         self,

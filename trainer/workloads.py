@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import Dataset
 
+from trainer.checkpoint import CheckpointError
 from trainer.data import CharVocab, Collate
 from trainer.dist import Dist, barrier
 from trainer.location import S3Location, is_s3, source_name
@@ -119,13 +120,33 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
 
 def resumed_dataset(spec: TrainingSpec, run_dir: Path) -> dict[str, Any] | None:
     """The dataset record (record_dataset) of a run that resumes from a checkpoint; None when there is nothing to
-    resume: no checkpoint yet, none that recorded its data, no run directory."""
+    resume (no checkpoint yet, no run directory), or when the record is gone and allowConfigChange says go on."""
     store = open_store(spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
     try:
         store.read_bytes(LATEST_CHECKPOINT)
-        return json.loads(store.read_bytes(RUN_DATASET))
     except (FileNotFoundError, NotADirectoryError):
         return None
+    try:
+        record = json.loads(store.read_bytes(RUN_DATASET))
+        if isinstance(record, dict) and isinstance(record.get("sources"), dict):
+            return record
+        why = "not the record a run writes"
+    except FileNotFoundError:
+        if spec.checkpoint.allow_config_change:
+            return None
+        # Written before the first checkpoint: gone by a hand (or a disk), the data could change unseen.
+        raise CheckpointError(
+            f"training.checkpoint.dir: {RUN_DATASET} is gone, and the run has checkpoints: the data they were trained"
+            " on cannot be checked; restore it, set training.checkpoint.allowConfigChange: true to resume without the"
+            f" check, or start a new run directory ({NEW_RUN_DIR})"
+        ) from None
+    except ValueError as exc:  # not JSON, not UTF-8
+        why = f"{type(exc).__name__}: {exc}"
+    raise CheckpointError(
+        f"training.checkpoint.dir: {RUN_DATASET} is damaged ({why}); restore it, delete it and set"
+        " training.checkpoint.allowConfigChange: true to resume without the data check, or start a new run directory"
+        f" ({NEW_RUN_DIR})"
+    )
 
 
 def modified(mtime_ns: int) -> str:
