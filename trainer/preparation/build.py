@@ -301,8 +301,11 @@ class Builder:
 
     def build(self) -> dict[str, Any]:
         started = time.monotonic()
+        # Looked up before anything is staged: where jemalloc is missing, find_library runs gcc on a temporary file,
+        # which a stop (Ctrl-C, SIGTERM) amid it can leave behind; that window is then the start's first moment.
+        library = fast_malloc()
         with staged(self.plan.entry, self.log) as staging:
-            manifest = self.write(staging)
+            manifest = self.write(staging, library)
             manifest["seconds"] = round(time.monotonic() - started, 3)
             check_unchanged(self.plan)
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -311,15 +314,15 @@ class Builder:
             self.log(skipped_warning(manifest["skipped"]))
         return manifest
 
-    def write(self, staging: Path) -> dict[str, Any]:
-        """Every split's files in `staging`; the manifest's content."""
+    def write(self, staging: Path, library: str | None) -> dict[str, Any]:
+        """Every split's files in `staging`, tokenized by processes that preload `library`; the manifest's content."""
         spec, splits = self.plan.spec, list(self.plan.files)
         manifest: dict[str, Any] = self.plan.key | {"task": spec.task, "fingerprint": self.plan.fingerprint}
         char = spec.task == "char-gpt"
         encoder, vocab_size, known = self.char_encoder(splits) if char else self.token_encoder(staging)
         manifest |= known | {"dtype": encoder.dtype, "vocabSize": vocab_size, "splits": {}}
         labels = Labels(self.data, self.plan.files) if self.labelled else None
-        with encoding_pool(encoder, self.workers, fast_malloc()) as pool:
+        with encoding_pool(encoder, self.workers, library) as pool:
             for split in splits:
                 manifest["splits"][split] = self.write_split(staging, split, encoder, pool, labels)
         if labels is not None:
