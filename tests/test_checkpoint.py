@@ -608,3 +608,14 @@ def test_a_final_evaluation_that_is_not_finite_leaves_the_last_export_and_report
         "error: the final validation loss went non-finite (nan) at step 2; step-00000002 in "
     ), result.stderr
     assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_a_committed_checkpoint_removed_as_incomplete_is_named(tmp_path: Path) -> None:
+    """A checkpoint whose file was cut after its commit went without a word, and the run resumed from the one before."""
+    checkpoints = saved_linear(tmp_path, {"maxSteps": 10})
+    checkpoints.attached().state.step = 2
+    checkpoints.save()
+    (tmp_path / step_name(2) / OPTIMIZER).write_bytes(b"cut")
+    (tmp_path / ".step-00000003.tmp").mkdir()  # an interrupted save's folder: removed, but never a checkpoint
+    assert checkpoints.clean() == [step_name(2)]
+    assert committed_steps(tmp_path) == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_name(1)]

@@ -29,7 +29,7 @@ os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import MARKER, Checkpointer
 from trainer.compiler import check_compiler
 from trainer.dist import Dist, barrier, init_distributed, shutdown
 from trainer.failures import Failure, write_record
@@ -78,7 +78,8 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
     except SpecError:
         remove_if_empty(created)  # a full disk, bad data: leave nothing behind
         raise
-    checkpoints.clean()
+    for name in checkpoints.clean():
+        log(f"removed {name}: not a complete checkpoint ({MARKER} missing, or a file it lists missing or cut short)")
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
     result = Trainer(spec, dist, work, checkpoints, log).train()

@@ -279,15 +279,20 @@ class Checkpointer:
         sizes = self.store.sizes(name)
         return all(sizes.get(file) == size for file, size in files.items())
 
-    def clean(self) -> None:
+    def clean(self) -> list[str]:
         """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
-        marker); every rank waits for it."""
+        marker); every rank waits for it. The checkpoint folders it removed, by name (rank 0's), for the log: one on a
+        volume was complete once (a save renames a finished folder into place), and its loss is worth a line."""
+        removed = []
         if self.dist.is_main:
             for name in self.store.names():
-                leftover = name.startswith((".step-", ".trash-"))
-                if leftover or (CHECKPOINT_NAME.fullmatch(name) and not self.is_complete(name)):
+                incomplete = bool(CHECKPOINT_NAME.fullmatch(name)) and not self.is_complete(name)
+                if incomplete or name.startswith((".step-", ".trash-")):
                     self.store.delete(name, MARKER)
+                if incomplete:
+                    removed.append(name)
         barrier(self.dist)
+        return removed
 
     # -- resuming -----------------------------------------------------------------------------
 
