@@ -31,6 +31,23 @@ def losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", stdout)]
 
 
+def test_a_block_longer_than_the_pretrained_positions_is_refused_before_the_data_is_prepared(
+    tmp_path, corpus_file, pretrained_dir
+) -> None:
+    """The refusal came only once the model loaded, after the corpus had been tokenized into the cache."""
+    training = {
+        "task": "causal-lm",
+        "model": {"pretrained": str(pretrained_dir), "blockSize": 128},
+        "data": {"train": str(corpus_file)},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"name": "long", "training": training}))
+    result = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = "error: training.model.blockSize: 128 is more than the model's 64 positions"
+    assert result.stderr.splitlines()[-1] == line, result.stderr
+    assert not (tmp_path / "runs").exists()  # no run directory, no prepared dataset beside it
+
+
 def test_pretrained_directory_fine_tunes_and_exports(tmp_path, corpus_file, pretrained_dir) -> None:
     docs = tmp_path / "docs.jsonl"
     text = corpus_file.read_text()

@@ -18,6 +18,7 @@ from trainer.names import GPT2_POSITIONS
 from trainer.spec import ModelSpec, SpecError
 from trainer.text import pretrained_failure, pretrained_options
 
+PRETRAINED = "training.model.pretrained"  # the key a pretrained model's problems are named by
 # (layers, heads, width) of the published GPT-2 sizes; all have GPT2_POSITIONS positions.
 GPT2_SIZES = {
     "gpt2": (12, 12, 768),
@@ -48,22 +49,40 @@ def gpt_config(spec: ModelSpec, vocab_size: int, eos_id: int) -> GPTConfig:
 
 
 def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
-    options = pretrained_options(spec.pretrained, "training.model.pretrained")
+    options = pretrained_options(spec.pretrained, PRETRAINED)
     try:
         with importing():  # the model's transformers module
             model = auto_class.from_pretrained(spec.pretrained, **options, **kwargs)
     except (OSError, ValueError) as exc:
         why = pretrained_failure(spec.pretrained, exc, options)
-        raise SpecError(f"training.model.pretrained: cannot load {spec.pretrained!r}: {why}") from None
-    positions = model_positions(model)
-    if positions and spec.block_size > positions:
-        raise SpecError(f"training.model.blockSize: {spec.block_size} is more than the model's {positions} positions")
+        raise SpecError(f"{PRETRAINED}: cannot load {spec.pretrained!r}: {why}") from None
+    check_block_size(spec, config_positions(model.config))
     return model
 
 
-def model_positions(model: Any) -> int | None:
-    """How many tokens the model takes at most (its position embeddings), when its config says."""
-    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+def check_pretrained_block_size(spec: ModelSpec) -> None:
+    """blockSize against a pretrained model's positions, from its config alone: before the data is prepared (minutes
+    on a large corpus), not after. A config that does not load is left to the model's load, which says why."""
+    if not spec.pretrained:
+        return
+    from transformers import AutoConfig
+
+    try:
+        with importing():
+            config = AutoConfig.from_pretrained(spec.pretrained, **pretrained_options(spec.pretrained, PRETRAINED))
+    except (OSError, ValueError):
+        return
+    check_block_size(spec, config_positions(config))
+
+
+def check_block_size(spec: ModelSpec, positions: int | None) -> None:
+    if positions and spec.block_size > positions:
+        raise SpecError(f"training.model.blockSize: {spec.block_size} is more than the model's {positions} positions")
+
+
+def config_positions(config: Any) -> int | None:
+    """How many tokens a model of this config takes at most (its position embeddings), when the config says."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
 def fit_vocabulary(model: Any, tokenizer: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer.models import model_positions
+from trainer.models import config_positions
 from trainer.names import RUN_IDS, TENSORBOARD_DIR
 from trainer.spec import SpecError
 from trainer.storage import Store
@@ -124,7 +124,7 @@ def export_final(run_dir: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     # The tokenizer's limit is the model's (its own default is none): `truncation=True` then fits any text to it.
-    if positions := model_positions(model):
+    if positions := config_positions(model.config):
         tokenizer.model_max_length = positions
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.dist import Dist
-from trainer.models import build_causal_lm
+from trainer.models import build_causal_lm, check_pretrained_block_size
 from trainer.prepare import TOKENIZER_DIR
 from trainer.spec import TrainingSpec
 from trainer.tasks.language_model import blocks, final_report, generate
@@ -17,6 +17,7 @@ __all__ = ["final_report", "load", "sample"]
 
 
 def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> Workload:
+    check_pretrained_block_size(spec.model)  # before the data is prepared
     tokenizer = given_tokenizer(spec, dist)
     plan, manifest = prepared(spec, dist, run_dir, tokenizer)
     tokenizer = tokenizer or load_tokenizer(str(plan.entry / TOKENIZER_DIR), "tokenizer")

@@ -13,7 +13,7 @@ from trainer import stdlib_docstrings
 from trainer.data import LabelledExamples, PadCollator, check_enough_samples, eval_loader
 from trainer.dist import Dist
 from trainer.loop import Evaluation, autocast_dtype, evaluate
-from trainer.models import build_classifier
+from trainer.models import build_classifier, check_pretrained_block_size
 from trainer.prepare import TOKENIZER_DIR
 from trainer.report import classification_report, format_report
 from trainer.spec import TrainingSpec
@@ -43,6 +43,7 @@ def builtin_files(spec: TrainingSpec, dist: Dist, run_dir: Path) -> dict[str, Pa
 
 
 def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> ClassificationWorkload:
+    check_pretrained_block_size(spec.model)  # before the data is prepared
     tokenizer = given_tokenizer(spec, dist)
     plan, manifest = prepared(spec, dist, run_dir, tokenizer, builtin_files(spec, dist, run_dir))
     tokenizer = tokenizer or load_tokenizer(str(plan.entry / TOKENIZER_DIR), "tokenizer")
