@@ -30,7 +30,7 @@ from trainer.data import CharVocab, Collate
 from trainer.dist import Dist, barrier
 from trainer.location import S3Location, is_s3, source_name
 from trainer.metrics import metrics_endpoint
-from trainer.names import LATEST_CHECKPOINT, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
+from trainer.names import CHECKPOINT_NAME, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
 from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources, tokenizer_hash
 from trainer.preparation.readers import skipped_warning
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
@@ -122,9 +122,7 @@ def resumed_dataset(spec: TrainingSpec, run_dir: Path) -> dict[str, Any] | None:
     """The dataset record (record_dataset) of a run that resumes from a checkpoint; None when there is nothing to
     resume (no checkpoint yet, no run directory), or when the record is gone and allowConfigChange says go on."""
     store = open_store(spec.checkpoint.dir, run_dir)  # the run directory, or its bucket
-    try:
-        store.read_bytes(LATEST_CHECKPOINT)
-    except (FileNotFoundError, NotADirectoryError):
+    if not any(CHECKPOINT_NAME.fullmatch(name) for name in store.names()):  # by its folders: `latest` may be gone
         return None
     try:
         record = json.loads(store.read_bytes(RUN_DATASET))
