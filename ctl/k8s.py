@@ -24,7 +24,10 @@ def rendered_example(example: Path) -> str:
     relative = example.resolve().relative_to(REPO)
     header = (
         f"# Rendered from {relative} by `make k8s` (ctl render {relative}); do not edit.\n"
-        f"# Apply with: kubectl apply --server-side -n <namespace> -f k8s/examples/{example.name}\n"
+        f"# Apply with: kubectl apply --server-side -n ddpjob -f k8s/examples/{example.name}\n"
+        "# Its image must be one the nodes can pull; with your registry's, render the spec instead:\n"
+        f"#   ctl render {relative} --set image.repository=REGISTRY/ddpjob \\\n"
+        "#     | kubectl apply --server-side -n ddpjob -f -\n"
     )
     return header + to_yaml(render(load_spec(example)))
 
