@@ -620,3 +620,6 @@ def test_a_committed_checkpoint_removed_as_incomplete_is_named(tmp_path: Path) -
     (tmp_path / ".step-00000003.tmp").mkdir()  # an interrupted save's folder: removed, but never a checkpoint
     assert checkpoints.clean() == [step_name(2)]
     assert committed_steps(tmp_path) == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_name(1)]
+    assert (tmp_path / "latest").read_text() == f"{step_name(1)}\n"  # it named the one removed
+    (tmp_path / "latest").unlink()
+    assert checkpoints.clean() == [] and (tmp_path / "latest").read_text() == f"{step_name(1)}\n"

@@ -291,8 +291,20 @@ class Checkpointer:
                     self.store.delete(name, MARKER)
                 if incomplete:
                     removed.append(name)
+            self.name_latest()
         barrier(self.dist)
         return removed
+
+    def name_latest(self) -> None:
+        """`latest` names the newest committed checkpoint again where it does not (gone by hand, or naming one just
+        removed); resume itself goes by the folders."""
+        newest = self.committed()
+        if not newest:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if self.store.read_bytes(LATEST_CHECKPOINT).decode(errors="replace") == f"{newest[-1][1]}\n":
+                return
+        self.store.write_text(LATEST_CHECKPOINT, f"{newest[-1][1]}\n")
 
     # -- resuming -----------------------------------------------------------------------------
 
