@@ -508,6 +508,22 @@ def saved_linear(run_dir: Path, config: dict[str, Any]) -> Checkpointer:
     return checkpoints
 
 
+def test_a_flipped_bit_in_a_weight_is_found_by_its_crc32(tmp_path: Path) -> None:
+    """A committed file changed at its size in a way that still reads was loaded, and trained on."""
+    checkpoints = saved_linear(tmp_path, {"maxSteps": 10})
+    weights = tmp_path / step_name(1) / MODEL
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # in the last weight's mantissa: the file still reads, as the same tensors
+    weights.write_bytes(bytes(data))
+    safetensors.torch.load_file(weights)
+    with pytest.raises(CheckpointError) as failure:
+        checkpoints.load_latest()
+    assert str(failure.value) == (
+        "training.checkpoint.dir: step-00000001/model.safetensors is damaged (its CRC-32 is not the one its commit"
+        " recorded); move step-00000001 away to resume from the checkpoint before it"
+    )
+
+
 def test_a_checkpoint_file_the_system_cannot_read_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.load's OSError (an I/O error; its zip reader's EINVAL on some damage) named no file."""
     checkpoints = saved_linear(tmp_path, {"maxSteps": 10})
@@ -602,6 +618,8 @@ def test_a_final_evaluation_that_is_not_finite_leaves_the_last_export_and_report
     nan = {name: torch.full_like(t, math.nan) for name, t in tensors.items()}
     safetensors.torch.save_file(nan, weights, metadata=metadata)
     assert weights.stat().st_size == size
+    marker = run_dir / step_name(2) / MARKER  # as a checkpoint saved before the marker held CRC-32s: it reads
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"crc32": {}}))
     before = {p: p.stat().st_mtime_ns for p in [run_dir / "report.json", *run_dir.glob("final/*")]}
     result = run_ctl("run", str(spec), "--run-dir", "run", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr

@@ -25,6 +25,7 @@ import random
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -126,6 +127,14 @@ def read(name: str, file: str, load: Callable[[], T], unreadable: tuple[type[Exc
             f"training.checkpoint.dir: cannot read {name}/{file} ({type(exc).__name__}: {exc}); if it is damaged, move"
             f" {name} away to resume from the checkpoint before it"
         ) from None
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def step_name(step: int) -> str:
@@ -339,6 +348,7 @@ class Checkpointer:
         name = checkpoints[-1][1]
         saved = self.saved_state(name)
         path = self.store.local(name)
+        self.check_crc32(name, path)
         objects = self.attached()
         device = self.dist.device
         model = functools.partial(safetensors.torch.load_model, objects.model, path / MODEL, device=str(device))
@@ -360,6 +370,17 @@ class Checkpointer:
         state = TrainerState(**saved["trainer"])
         objects.state.load(state)
         return state, rng[self.dist.rank] if self.dist.rank < len(rng) else None
+
+    def check_crc32(self, name: str, path: Path) -> None:
+        """Each file of checkpoint `name` (its local copy at `path`) as its commit recorded it (a checkpoint saved
+        before the marker held CRC-32s is taken as it reads): a flipped bit in a weight reads, and trains on."""
+        recorded = json.loads(self.store.read_bytes(f"{name}/{MARKER}")).get("crc32", {})
+        for file, crc in recorded.items():
+            if file_crc32(path / file) != crc:
+                raise CheckpointError(
+                    f"training.checkpoint.dir: {name}/{file} is damaged (its CRC-32 is not the one its commit"
+                    f" recorded); move {name} away to resume from the checkpoint before it"
+                )
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -427,8 +448,10 @@ class Checkpointer:
             torch.save(snapshot.optimizer, staging / OPTIMIZER)
             torch.save(snapshot.rng, staging / RNG)
             (staging / STATE).write_text(json.dumps(snapshot.state, indent=2) + "\n")
-            files = {path.name: path.stat().st_size for path in staging.iterdir()}
-            (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files}) + "\n")
+            written = sorted(staging.iterdir())
+            files = {path.name: path.stat().st_size for path in written}
+            crc32 = {path.name: file_crc32(path) for path in written}  # what a same-size change cannot keep
+            (staging / MARKER).write_text(json.dumps({"step": snapshot.step, "files": files, "crc32": crc32}) + "\n")
             publish(self.run_dir, self.store, RUN_RECORDS, snapshot.events)  # first: its marker implies them
             self.store.commit(staging, name, MARKER)
             shutil.rmtree(staging, ignore_errors=True)  # what an upload leaves (a local commit renamed it away)
