@@ -248,6 +248,19 @@ def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
     assert report["steps"] == STEPS and report["world_size"] == 1
 
 
+@pytest.mark.parametrize(("epochs", "planned"), [(2, 8), (4, 12), (1, 7)])
+def test_a_resume_on_another_global_batch_plans_the_epochs_the_spec_asks(epochs: int, planned: int) -> None:
+    """The plan kept the saved plan's samples, so more `epochs` (allowConfigChange) on another global batch were
+    ignored: exit 0, training stopped short. 40 samples; saved after 7 steps of 8 (an epoch of 5 steps), now 16 a
+    step (2 steps, 32 samples, an epoch), 16 samples into epoch 1."""
+    from trainer.loop import planned_steps
+    from trainer.spec import TrainingSpec
+
+    spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "a.txt"}, "epochs": epochs})
+    saved = TrainerState(step=7, max_steps=10, epoch=1, position=16, samples=56, samples_per_step=8)
+    assert planned_steps(spec, steps_per_epoch=2, samples_per_step=16, saved=saved) == planned
+
+
 def test_resume_with_changed_settings_is_refused_unless_allowed(
     corpus_file: Path, preempted_copy: tuple[Path, int]
 ) -> None:

@@ -177,13 +177,14 @@ def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> l
 
 
 def planned_steps(spec: TrainingSpec, steps_per_epoch: int, samples_per_step: int, saved: TrainerState | None) -> int:
-    """`maxSteps`, else `epochs` worth of steps; a resume on another global batch keeps the planned samples."""
+    """`maxSteps`, else `epochs` worth of steps. A resume on another global batch (world size, or settings changed
+    under allowConfigChange) takes the steps of this batch that finish `epochs` from where the checkpoint stands."""
     if spec.max_steps:
         return spec.max_steps
     if saved is None or saved.samples_per_step == samples_per_step:
         return max(1, spec.epochs * steps_per_epoch)
-    remaining = (saved.max_steps - saved.step) * saved.samples_per_step
-    return saved.step + math.ceil(remaining / samples_per_step)
+    remaining = (spec.epochs - saved.epoch) * steps_per_epoch * samples_per_step - saved.position
+    return saved.step + max(0, math.ceil(remaining / samples_per_step))
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ class Trainer:
                 f"resuming from {step_name(resumed.step)}: epoch {resumed.epoch}, {resumed.position} samples into it,"
                 f" {resumed.tokens:,} tokens seen; world size {resumed.world_size} then, {dist.world_size} now"
             )
-        to_go = f", {state.max_steps - state.step} to go" if resumed is not None else ""
+        to_go = f", {max(0, state.max_steps - state.step)} to go" if resumed is not None else ""
         self.log(
             f"training {state.max_steps} steps ({state.max_steps / max(steps_per_epoch, 1):.2f} epochs){to_go}: world"
             f" size {dist.world_size}, {self.samples_per_step} examples per step,"
