@@ -8,6 +8,8 @@ on the GPT-2 124M shape with AdamW state (about 1.5 GB on disk), in one process;
 bucket (checkpoint.dir: s3://...), as ratios to the local disk's stalls measured in the same run. Last, what a
 checkpoint to the bucket spends uploading TensorBoard's events late in a long run against early in a short one: each
 checkpoint there closes an event file (trainer.tracking.Tracker.seal_events), so a run has as many as checkpoints.
+And what the CRC-32s that each commit records cost: their share of a save, and a resume (every rank's load of the
+newest checkpoint) with their check against the same resume without it (the marker as a save before them wrote it).
 
     python bench/checkpoint.py [--layers 12 --embd 768 --repeats 2 --dir /path/on/the/target/disk --uri s3://b/p]
                                [--event-files 10 1000]
@@ -37,7 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the S3 server the tests run (tests/s3
 from s3server import s3_server  # noqa: E402
 
 from bench.peers import gpt2  # noqa: E402
-from trainer.checkpoint import Checkpointer, TrainerState  # noqa: E402
+from trainer.checkpoint import MARKER, Checkpointer, TrainerState, file_crc32  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.names import TENSORBOARD_DIR  # noqa: E402
 from trainer.rundir import event_files, publish  # noqa: E402
@@ -112,6 +114,40 @@ def measure(run_dir: Path, uri: str | None, state: State, repeats: int) -> Measu
     return measured
 
 
+@dataclass
+class Resumed:
+    """The CRC-32s' cost: computing them for one save, and resuming with and without their check (median seconds)."""
+
+    crc32: float
+    resume: float
+    resume_unchecked: float
+
+
+def resume_cost(run_dir: Path, state: State, repeats: int) -> Resumed:
+    """`load_latest` of the newest checkpoint in `run_dir` (measure's sync saves), with the CRC-32 check and without,
+    interleaved, the first of each a warm-up. The files are in the page cache, as right after a save: a start that
+    reads them from the disk reads them once for the check, and the load finds them cached."""
+    model, optimizer, scaler = state
+    checkpoints = Checkpointer(
+        run_dir, CheckpointSpec(keepLast=1, keepBest=False), Dist(0, 0, 1, torch.device("cpu")), {}
+    )
+    checkpoints.attach(model, optimizer, scaler, TrainerState())
+    folder = run_dir / checkpoints.committed()[-1][1]
+    checked = (folder / MARKER).read_text()
+    unchecked = json.dumps({k: v for k, v in json.loads(checked).items() if k != "crc32"}) + "\n"
+    times: dict[str, list[float]] = {checked: [], unchecked: []}
+    try:
+        for _ in range(repeats + 1):
+            for marker, measured in times.items():
+                (folder / MARKER).write_text(marker)
+                measured.append(seconds(checkpoints.load_latest))
+    finally:
+        (folder / MARKER).write_text(checked)
+    files = [path for path in folder.iterdir() if path.name != MARKER]
+    crc32 = statistics.median(seconds(lambda: [file_crc32(path) for path in files]) for _ in range(repeats + 1))
+    return Resumed(crc32, statistics.median(times[checked][1:]), statistics.median(times[unchecked][1:]))
+
+
 def event_upload_seconds(run_dir: Path, uri: str, earlier: int) -> float:
     """A checkpoint's upload of the TensorBoard events after `earlier` checkpoints, each of which closed an event file:
     what `Checkpointer` does before each marker (trainer.rundir.publish), timed over the last few of one store's."""
@@ -160,6 +196,7 @@ def main() -> None:
     state = trained_state(args.layers, args.embd)
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-", dir=args.dir) as tmp:
         local = measure(Path(tmp) / "local", None, state, args.repeats)
+        resumed = resume_cost(Path(tmp) / "local" / "sync", state, args.repeats)
         with bucket(Path(tmp) / "s3", args.uri) as uri:
             remote = measure(Path(tmp) / "s3-cache", uri, state, args.repeats)
             events = {n: event_upload_seconds(Path(tmp) / f"events-{n}", f"{uri}-{n}", n) for n in args.event_files}
@@ -177,6 +214,11 @@ def main() -> None:
     print(
         f"to the bucket ({args.uri or 'a local versitygw'}): stall sync {s3_sync:.2f} s ({s3_sync / sync:.2f}x the"
         f" local disk's), async {s3_background:.3f} s ({s3_background / background:.2f}x)"
+    )
+    print(
+        f"CRC-32s of a checkpoint's files: {resumed.crc32:.2f} s ({resumed.crc32 / save:.1%} of a save); a resume"
+        f" checks them in {resumed.resume:.2f} s against {resumed.resume_unchecked:.2f} s without"
+        f" ({resumed.resume / resumed.resume_unchecked:.2f}x)"
     )
     short, long = args.event_files
     print(
@@ -196,6 +238,10 @@ def main() -> None:
         "s3_vs_local_stall_ratio": {"sync": round(s3_sync / sync, 3), "async": round(s3_background / background, 3)},
         "event_upload_seconds": {str(n): round(v, 4) for n, v in events.items()},
         "event_upload_ratio": round(events[long] / events[short], 3),
+        "crc32_seconds": round(resumed.crc32, 3),
+        "crc32_save_share": round(resumed.crc32 / save, 3),
+        "resume_seconds": {"checked": round(resumed.resume, 3), "unchecked": round(resumed.resume_unchecked, 3)},
+        "resume_check_ratio": round(resumed.resume / resumed.resume_unchecked, 3),
     }
     print(json.dumps(result))
 

@@ -98,6 +98,8 @@ def test_checkpoint_bench_saves_sync_and_async_to_the_disk_and_a_bucket() -> Non
     assert set(result["s3_vs_local_stall_ratio"]) == {"sync", "async"}
     assert set(result["event_upload_seconds"]) == {"2", "6"}
     assert_finite(result, "event_upload_ratio")
+    assert_finite(result, "resume_check_ratio")
+    assert set(result["resume_seconds"]) == {"checked", "unchecked"}
 
 
 def test_cli_bench_times_ctl() -> None:
