@@ -653,4 +653,9 @@ def test_a_committed_checkpoint_removed_as_incomplete_is_named(tmp_path: Path) -
     assert committed_steps(tmp_path) == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_name(1)]
     assert (tmp_path / "latest").read_text() == f"{step_name(1)}\n"  # it named the one removed
     (tmp_path / "latest").unlink()
+    reads = []
+    read_bytes = checkpoints.store.read_bytes
+    checkpoints.store.read_bytes = lambda key: reads.append(key) or read_bytes(key)  # type: ignore[method-assign]
     assert checkpoints.clean() == [] and (tmp_path / "latest").read_text() == f"{step_name(1)}\n"
+    # Each marker is read once (on a bucket, a GET each): naming `latest` had listed and read them all again.
+    assert reads == [f"{step_name(1)}/{MARKER}", "latest"]

@@ -292,28 +292,28 @@ class Checkpointer:
         """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
         marker); every rank waits for it. The checkpoint folders it removed, by name (rank 0's), for the log: one on a
         volume was complete once (a save renames a finished folder into place), and its loss is worth a line."""
-        removed = []
+        removed, complete = [], []
         if self.dist.is_main:
             for name in self.store.names():
-                incomplete = bool(CHECKPOINT_NAME.fullmatch(name)) and not self.is_complete(name)
-                if incomplete or name.startswith((".step-", ".trash-")):
+                match = CHECKPOINT_NAME.fullmatch(name)
+                if match and self.is_complete(name):
+                    complete.append((int(match.group(1)), name))
+                elif match or name.startswith((".step-", ".trash-")):
                     self.store.delete(name, MARKER)
-                if incomplete:
-                    removed.append(name)
-            self.name_latest()
+                    if match:
+                        removed.append(name)
+            if complete:
+                self.name_latest(max(complete)[1])
         barrier(self.dist)
         return removed
 
-    def name_latest(self) -> None:
+    def name_latest(self, newest: str) -> None:
         """`latest` names the newest committed checkpoint again where it does not (gone by hand, or naming one just
         removed); resume itself goes by the folders."""
-        newest = self.committed()
-        if not newest:
-            return
         with contextlib.suppress(FileNotFoundError):
-            if self.store.read_bytes(LATEST_CHECKPOINT).decode(errors="replace") == f"{newest[-1][1]}\n":
+            if self.store.read_bytes(LATEST_CHECKPOINT).decode(errors="replace") == f"{newest}\n":
                 return
-        self.store.write_text(LATEST_CHECKPOINT, f"{newest[-1][1]}\n")
+        self.store.write_text(LATEST_CHECKPOINT, f"{newest}\n")
 
     # -- resuming -----------------------------------------------------------------------------
 
