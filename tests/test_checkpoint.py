@@ -237,6 +237,7 @@ def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
     corpus_file: Path, preempted_copy: tuple[Path, int]
 ) -> None:
     run_dir, step = preempted_copy
+    before = json.loads((run_dir / step_name(step) / "state.json").read_text())["trainer"]["train_seconds"]
     output = run(training(corpus_file, run_dir), procs=1)
     assert f"resuming from {step_name(step)}: " in output and f"world size {PROCS} then, 1 now" in output
     assert f"step {step + 1}/{STEPS}" in output
@@ -246,6 +247,9 @@ def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
     assert state["samples"] == step * PROCS * per_rank_step + (STEPS - step) * per_rank_step
     report = json.loads((run_dir / "report.json").read_text())
     assert report["steps"] == STEPS and report["world_size"] == 1
+    # Over both starts: it had been the last start's alone.
+    resumed = json.loads((run_dir / step_name(STEPS) / "state.json").read_text())["trainer"]["train_seconds"]
+    assert 0 < before < resumed and report["train_seconds"] >= resumed
 
 
 @pytest.mark.parametrize(("epochs", "planned"), [(2, 8), (4, 12), (1, 7)])

@@ -76,6 +76,8 @@ class TrainerState:
     best_step: int | None = None
     # The mean training loss of the last log interval: the report's, when a start has no step left to take.
     train_loss: float | None = None
+    # Training's wall time over every start, each up to its last checkpoint (work redone after a restart counts once).
+    train_seconds: float = 0.0
     # Sums since the last log line and since the epoch began, over all ranks.
     interval_totals: Sums = field(default_factory=Sums)
     epoch_totals: Sums = field(default_factory=Sums)

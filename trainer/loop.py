@@ -57,7 +57,7 @@ class TrainResult:
     samples: int
     tokens: int
     train_loss: float | None  # of the last log interval; None before the first
-    seconds: float
+    seconds: float  # training's wall time over every start (TrainerState.train_seconds)
     # The final model over the whole validation split, the final report's too; None when stopped by SIGTERM after
     # saving a checkpoint (preempted): the run is not finished.
     final_eval: Evaluation | None
@@ -294,6 +294,7 @@ class Trainer:
         self.epoch_totals = Totals(self.device, self.state.epoch_totals if carried else None)  # since the epoch began
         self.stream = self.metrics.timed(iter(self.batches))  # measures the data wait
         self.started = self.interval_start = 0.0
+        self.seconds_before = self.state.train_seconds  # the starts before this one's (0 on a first start)
 
     def plan(self, resumed: TrainerState | None) -> None:
         """The planned steps, from where the resumed checkpoint stood (the attached state holds it); a line on them."""
@@ -507,6 +508,7 @@ class Trainer:
         state = self.state
         state.interval_totals, state.epoch_totals = self.interval.saved(), self.epoch_totals.saved()
         state.epoch, state.position = self.batches.epoch, self.batches.position
+        state.train_seconds = self.train_seconds()
         with self.watchdog.long_work("checkpoint save"):
             if self.checkpoints.store.uploads:  # the volume's event file stays open: nothing to upload
                 self.tracker.seal_events()
@@ -524,9 +526,12 @@ class Trainer:
             samples=self.state.samples,
             tokens=self.state.tokens,
             train_loss=self.state.train_loss,
-            seconds=time.perf_counter() - self.started,
+            seconds=self.train_seconds(),
             final_eval=final_eval,
         )
+
+    def train_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
 
 
 def settle_heap() -> None:
