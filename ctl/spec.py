@@ -7,6 +7,7 @@ PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=valu
 from __future__ import annotations
 
 import itertools
+import posixpath
 import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,7 +38,7 @@ from ctl.names import (
     POD_MOUNTS,
     POD_NAME_TOO_LONG,
 )
-from trainer.location import PEM_CERTIFICATE, S3Location
+from trainer.location import PEM_CERTIFICATE, S3Location, is_s3
 from trainer.names import EXIT_HUNG
 from trainer.spec import (
     ENDPOINT_URL,
@@ -621,6 +622,26 @@ class JobSpec(SpecModel):
     def longest_pod_name(self) -> str:
         """The longest pod hostname the operator derives (the chart's `ddpjob.fullname` checks the same)."""
         return self.kind.longest_replica(self).pod_name(self.name)
+
+    def cluster_run_dir_problem(self) -> str | None:
+        """Why training.checkpoint.dir cannot be the run directory of the job in a cluster, as `key: problem`; None
+        when it can. Not a problem for `ctl run`, which trains into any local folder."""
+        folder = self.training.checkpoint.dir
+        if not folder or is_s3(folder):
+            return None
+        lost = "each pod would keep its checkpoints in its own file system, lost with the pod"
+        if self.storage.uri:
+            return (
+                f"training.checkpoint.dir: {folder} is a path, and with storage.uri the pods mount no volume: {lost};"
+                " name an s3:// URI, or leave it unset for <storage.uri>/<name>"
+            )
+        mount = self.storage.mount_path
+        if posixpath.normpath(folder) != mount and not posixpath.normpath(folder).startswith(f"{mount}/"):
+            return (
+                f"training.checkpoint.dir: {folder} is not under storage.mountPath ({mount}), the volume the pods"
+                f" share: {lost}; name a folder under it, or an s3:// URI"
+            )
+        return None
 
 
 TOP_LEVEL_KEYS = frozenset(field.alias or name for name, field in JobSpec.model_fields.items())

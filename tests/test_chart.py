@@ -532,6 +532,38 @@ def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path,
     assert message in line, line
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"storage": {"uri": "s3://runs"}, "training": TRAIN | {"checkpoint": {"dir": "/checkpoints/job"}}},
+            "training.checkpoint.dir: /checkpoints/job is a path, and with storage.uri the pods mount no volume",
+        ),
+        (
+            {"training": TRAIN | {"checkpoint": {"dir": "/checkpoints-old/job"}}},
+            "training.checkpoint.dir: /checkpoints-old/job is not under storage.mountPath (/checkpoints), the volume",
+        ),
+        ({"training": TRAIN | {"checkpoint": {"dir": "runs/job"}}}, "training.checkpoint.dir: runs/job is not under"),
+        (
+            {"storage": {"mountPath": "/runs"}, "training": TRAIN | {"checkpoint": {"dir": "/runs/../tmp/job"}}},
+            "training.checkpoint.dir: /runs/../tmp/job is not under storage.mountPath (/runs)",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", [["render"], ["submit", "--dry-run", "client"]])
+def test_a_run_directory_on_no_shared_volume_is_refused_for_a_cluster(
+    tmp_path: Path, values: dict, message: str, command: list[str]
+) -> None:
+    """The pods saved their checkpoints into their own file systems (a path off the volume, or any path with
+    storage.uri, which mounts none) and lost them with each pod. `ctl run` trains into any local folder."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "job", "training": TRAIN} | values))
+    result = run_ctl(*command, str(spec), cwd=tmp_path)
+    assert result.returncode == EXIT_BAD_INPUT and not result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {message}"), line
+
+
 def test_created_claim_is_kept_on_uninstall() -> None:
     by_kind = objects(spec_of(**VARIANTS["multi-node-gpu"]))
     pvc = by_kind["PersistentVolumeClaim"]

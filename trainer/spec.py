@@ -262,7 +262,8 @@ class CheckpointSpec(SpecModel):
 
     dir: PathText | None = Field(
         None,
-        description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster.",
+        description="Run directory. Default: ./runs/<name> for `ctl run`, <storage.mountPath>/<name> in a cluster;"
+        " there, a folder under storage.mountPath or an s3:// URI (any other path is lost with each pod).",
     )
     every: Int = Field(500, ge=0, description="Save a checkpoint every N steps and at the end; 0: only at the end.")
     keep_last: Int = Field(3, ge=1, description="Newest checkpoints kept; older ones go once a new one is committed.")

@@ -225,6 +225,16 @@ def load_job(spec: Path, values: list[Path], set_values: list[str], set_files: l
     return load_spec(spec, set_values, set_files, values)
 
 
+def load_cluster_job(spec: Path, values: list[Path], set_values: list[str], set_files: list[str]) -> JobSpec:
+    """load_job for a cluster (render, submit): also refused when the job would keep nothing there."""
+    job = load_job(spec, values, set_values, set_files)
+    if problem := job.cluster_run_dir_problem():
+        from trainer.spec import SpecError
+
+        raise SpecError(problem)
+    return job
+
+
 def note(message: str) -> None:
     """Progress for people: stderr, so that stdout stays data."""
     typer.echo(message, err=True)
