@@ -636,10 +636,11 @@ class JobSpec(SpecModel):
                 " name an s3:// URI, or leave it unset for <storage.uri>/<name>"
             )
         mount = self.storage.mount_path
-        if posixpath.normpath(folder) != mount and not posixpath.normpath(folder).startswith(f"{mount}/"):
+        # The volume's root is no run directory either: the default dataset cache, beside it, would be off the volume.
+        if not posixpath.normpath(folder).startswith(f"{mount}/"):
             return (
-                f"training.checkpoint.dir: {folder} is not under storage.mountPath ({mount}), the volume the pods"
-                f" share: {lost}; name a folder under it, or an s3:// URI"
+                f"training.checkpoint.dir: {folder} is not a folder under storage.mountPath ({mount}), the volume the"
+                f" pods share: {lost}; name a folder under it, or an s3:// URI"
             )
         return None
 

@@ -541,13 +541,14 @@ def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path,
         ),
         (
             {"training": TRAIN | {"checkpoint": {"dir": "/checkpoints-old/job"}}},
-            "training.checkpoint.dir: /checkpoints-old/job is not under storage.mountPath (/checkpoints), the volume",
+            "training.checkpoint.dir: /checkpoints-old/job is not a folder under storage.mountPath (/checkpoints), the",
         ),
-        ({"training": TRAIN | {"checkpoint": {"dir": "runs/job"}}}, "training.checkpoint.dir: runs/job is not under"),
+        ({"training": TRAIN | {"checkpoint": {"dir": "runs/job"}}}, "training.checkpoint.dir: runs/job is not a"),
         (
             {"storage": {"mountPath": "/runs"}, "training": TRAIN | {"checkpoint": {"dir": "/runs/../tmp/job"}}},
-            "training.checkpoint.dir: /runs/../tmp/job is not under storage.mountPath (/runs)",
+            "training.checkpoint.dir: /runs/../tmp/job is not a folder under storage.mountPath (/runs)",
         ),
+        ({"training": TRAIN | {"checkpoint": {"dir": "/checkpoints/"}}}, "training.checkpoint.dir: /checkpoints/ is"),
     ],
 )
 @pytest.mark.parametrize("command", [["render"], ["submit", "--dry-run", "client"]])
