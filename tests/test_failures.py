@@ -572,6 +572,33 @@ def test_changed_data_on_resume_is_one_line_and_writes_nothing(workdir, corpus_f
     assert_one_line(run_ctl("run", "spec.yaml", cwd=path, env=env), EXIT_BAD_INPUT, again)
 
 
+def test_with_content_fingerprints_a_resume_compares_contents_not_modification_times(workdir, corpus_file) -> None:
+    """`data.fingerprint: content` is for modification times that cannot be trusted, yet the resume compared them:
+    other contents at the same size and time trained on, a file only touched was refused, and prepared again."""
+    path, env = workdir
+    corpus = path / "corpus.txt"
+    text = corpus_file.read_text()
+    corpus.write_text(text)
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus, maxSteps=2, sample={"maxNewTokens": 0})))
+    flags = ("--set", "training.data.fingerprint=content")
+    assert run_ctl("run", "spec.yaml", *flags, cwd=path, env=env).returncode == 0
+    datasets = sorted((path / "runs" / "_datasets").iterdir())
+    os.utime(corpus, ns=(0, 10**18))  # touched: the same contents
+    resumed = run_ctl("run", "spec.yaml", *flags, cwd=path, env=env)
+    assert resumed.returncode == 0 and "resuming from step-00000002" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert sorted((path / "runs" / "_datasets").iterdir()) == datasets  # not prepared again
+    corpus.write_text(text.replace("e", "E", 1))  # the same size, and the time it had
+    os.utime(corpus, ns=(0, 10**18))
+    before, run_before = tree(path), exact_tree(path / "runs" / "tiny")
+    expected = (
+        f"error: training.data.train: {corpus} changed since this run's checkpoints were written (the same size,"
+        " other contents)"
+    )
+    assert_one_line(run_ctl("run", "spec.yaml", *flags, cwd=path, env=env), EXIT_BAD_INPUT, expected)
+    assert tree(path) == before
+    assert exact_tree(path / "runs" / "tiny") == run_before
+
+
 def test_a_resume_on_another_vocabulary_is_refused_even_when_settings_may_change(workdir, corpus_file: Path) -> None:
     """allowConfigChange lets a resume read changed data; new characters there are another vocabulary, under which
     the checkpoint's embeddings would stand for other tokens (with a trained BPE, silently: the same size)."""

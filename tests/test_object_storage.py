@@ -700,7 +700,7 @@ def test_bad_data_in_a_bucket_is_named_by_its_uri_not_by_this_nodes_copy(
     assert skipped.files == [bad] and skipped.reasons[0].startswith(f"training.data.train: {bad} is not UTF-8")
     only_bad = {"train": [bad], "onBadFile": "skip", "cacheDir": str(tmp_path / "datasets"), "prepareWorkers": 1}
     spec = TrainingSpec.model_validate({"task": "char-gpt", "model": {"blockSize": 8}, "data": only_bad})
-    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so there is no text;"
+    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so it has no text;"
     with pytest.raises(SpecError, match=re.escape(f"{every} first: training.data.train: {bad} is not UTF-8")):
         prepare_spec(spec, tmp_path / "run", print)
 

@@ -618,7 +618,7 @@ def test_bad_inputs_name_key_file_and_row_and_leave_nothing(tmp_path, case) -> N
     only_bad = training("char-gpt", [str(tmp_path / name)], tmp_path, onBadFile="skip", prepareWorkers=1)
     with pytest.raises(SpecError) as failure:
         prepare_spec(only_bad, tmp_path / "run", print)
-    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so there is no text;"
+    every = "training.data.train: every file was skipped as bad (training.data.onBadFile: skip), so it has no text;"
     assert str(failure.value).startswith(every) and message in str(failure.value)
 
 

@@ -31,7 +31,16 @@ from trainer.dist import Dist, barrier
 from trainer.location import S3Location, is_s3, source_name
 from trainer.metrics import metrics_endpoint
 from trainer.names import CHECKPOINT_NAME, METRICS_HOST_ENV, NEW_RUN_DIR, PREPARED_BY_JOB_ENV
-from trainer.preparation.plan import CACHE_DIR_NAME, MANIFEST, Source, split_files, stat_sources, tokenizer_hash
+from trainer.preparation.plan import (
+    CACHE_DIR_NAME,
+    MANIFEST,
+    Source,
+    content_digest,
+    contents,
+    split_files,
+    stat_sources,
+    tokenizer_hash,
+)
 from trainer.preparation.readers import skipped_warning
 from trainer.prepare import Builder, Plan, PrepareMetrics, failure_record, make_plan, read_manifest, worker_count
 from trainer.spec import SpecError, TrainingSpec
@@ -96,19 +105,24 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
     """
     if spec.checkpoint.allow_config_change or (before := resumed_dataset(spec, run_dir)) is None:
         return
+    # With `fingerprint: content`, modification times are not to be trusted: the contents are compared (when the
+    # record has them: one written with `metadata` has not).
+    digests = before.get("contents") if spec.data.fingerprint == "content" else None
     for split, now in sources().items():
         old = {s["path"]: s for s in before["sources"].get(split, [])}
-        for source in (s.to_json() for s in now):
-            previous, name = old.get(source["path"]), source_name(source["path"])
+        for source in now:
+            previous, name = old.get(source.path), source_name(source.path)
             if previous is None:
                 raise SpecError(f"training.data.{split}: {name} is new since this run's checkpoints were written")
-            if previous != source:
-                now_at, then_at = modified(source["mtimeNs"]), modified(previous["mtimeNs"])
-                how = (
-                    f"size {previous['size']} -> {source['size']}"
-                    if previous["size"] != source["size"]
-                    else f"the same size, modified at {now_at}, not {then_at}"
-                )
+            if previous["size"] != source.size:
+                how = f"size {previous['size']} -> {source.size}"
+            elif digests is not None:
+                how = "" if digests.get(source.path) == content_digest(source) else "the same size, other contents"
+            elif previous["mtimeNs"] != source.mtime_ns:
+                how = f"the same size, modified at {modified(source.mtime_ns)}, not {modified(previous['mtimeNs'])}"
+            else:
+                how = ""
+            if how:
                 raise SpecError(
                     f"training.data.{split}: {name} changed since this run's checkpoints were written"
                     f" ({how}); restore it, or start a new run directory ({NEW_RUN_DIR})"
@@ -318,6 +332,8 @@ def record_dataset(work: Workload, run_dir: Path) -> None:
     check_same_vocabulary)."""
     plan = work.data
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
+    if plan.spec.data.fingerprint == "content":  # what a resume compares then (check_same_sources)
+        record["contents"] = contents(plan.sources)
     record["vocabularySha256"] = vocabulary_hash(work.tokenizer)
     text = json.dumps(record, indent=1) + "\n"
     store = open_store(plan.spec.checkpoint.dir, run_dir)

@@ -381,8 +381,8 @@ class Builder:
             files = [source_name(path) for path in self.plan.files[split]]
             if not writer.documents and set(files) <= set(self.skipped.files):
                 raise SpecError(
-                    f"training.data.{split}: every file was skipped as bad (training.data.onBadFile: skip), so there"
-                    f" is no {what}; first: {self.skipped.reasons[0]}"
+                    f"training.data.{split}: every file was skipped as bad (training.data.onBadFile: skip), so it"
+                    f" has no {what}; first: {self.skipped.reasons[0]}"
                 )
             raise SpecError(f"training.data.{split}: no {what} in {', '.join(files)}")
         return counts

@@ -20,6 +20,7 @@ modification times cannot be trusted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, replace
@@ -57,12 +58,18 @@ def stat_sources(paths: list[Path], key: str) -> list[Source]:
     return sources
 
 
-def content_digest(path: str) -> str:
+@functools.cache  # the resume's data check and the plan ask for the same files, at one start
+def content_digest(source: Source) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
+    with open(source.path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def contents(sources: dict[str, list[Source]]) -> dict[str, str]:
+    """Each source's SHA-256 by path (`data.fingerprint: content`)."""
+    return {s.path: content_digest(s) for group in sources.values() for s in group}
 
 
 def split_files(spec: TrainingSpec, builtin_files: dict[str, Path] | None) -> dict[str, list[Path]]:
@@ -134,8 +141,9 @@ def make_plan(spec: TrainingSpec, run_dir: Path, tokenizer: Any, builtin_files: 
     sources = {split: stat_sources(paths, f"training.data.{split}") for split, paths in files.items()}
     plan = Plan(spec, files, sources, token_settings(spec), tokenizer_hash(tokenizer), "", Path())
     identity = plan.key
-    if spec.data.fingerprint == "content":
-        identity["contents"] = {s.path: content_digest(s.path) for group in sources.values() for s in group}
+    if spec.data.fingerprint == "content":  # instead of the modification times, which cannot be trusted then
+        identity["sources"] = {split: [(s.path, s.size) for s in group] for split, group in sources.items()}
+        identity["contents"] = contents(sources)
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     return replace(plan, fingerprint=fingerprint, entry=cache_dir(spec, run_dir) / f"{spec.task}-{fingerprint}")
 
