@@ -458,6 +458,28 @@ def test_the_label_order_does_not_depend_on_the_order_the_labels_come_in() -> No
         assert {tuple(build.label_order(arrival)) for arrival in itertools.permutations(labels)} == {tuple(order)}
 
 
+def test_each_file_is_read_once_however_named_and_a_name_with_glob_characters_is_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file named relative and absolute, through `..` or a link, was read (and trained on) once per name; a folder
+    linking to itself, 41 times (`**` follows it to the system's limit). `b[1].txt`, given as it is, was refused as
+    "not a regular file": its name was read as a glob only."""
+    from trainer.text import expand_paths
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a.txt", "b[1].txt", "b1.txt"):
+        (data / name).write_text(name)
+    (data / "link.txt").symlink_to(data / "a.txt")
+    (data / "loop").symlink_to(data)
+    monkeypatch.chdir(tmp_path)
+    names = ["data/a.txt", str(data / "a.txt"), f"{data}/../data/a.txt", str(data / "link.txt")]
+    assert expand_paths(names, "k") == [Path("data/a.txt")]
+    assert expand_paths([str(data)], "k") == [data / "a.txt", data / "b1.txt", data / "b[1].txt"]
+    assert expand_paths([str(data / "b[1].txt")], "k") == [data / "b[1].txt"]
+    assert expand_paths([str(data / "b[1]*")], "k") == [data / "b1.txt"]  # a glob still, when no file has the name
+
+
 def parquet(rows: dict[str, list]) -> Callable[[Path], None]:
     return lambda path: pyarrow.parquet.write_table(pyarrow.table(rows), path)
 

@@ -46,12 +46,30 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
         if folder and (saved := saved_dataset_files(Path(expanded), key, expanded.rstrip("/"))) is not None:
             files.update(saved)
             continue
+        if not folder and os.path.isfile(expanded):  # a file, even one whose name has `[`, `*` or `?` in it
+            files.add(Path(expanded))
+            continue
         found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
         matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
             raise SpecError(f"{key}: {no_match(expanded, folder)}")
         files.update(matches)
-    return sorted(files)
+    return once_each(files)
+
+
+def once_each(files: set[Path]) -> list[Path]:
+    """`files` sorted, each file once: named two ways (relative and absolute, `..`, a link to it, a folder that
+    links to itself, which `**` follows to the system's limit), it would be read, and trained on, once per name.
+    The shortest name stays (the plainest, mostly). By device and inode: one `stat` a file."""
+    kept: dict[object, Path] = {}
+    for path in sorted(files, key=lambda path: (len(str(path)), str(path))):
+        try:
+            info = path.stat()
+        except OSError:  # gone since it matched: reading it says so (stat_sources)
+            kept[path] = path
+            continue
+        kept.setdefault((info.st_dev, info.st_ino), path)
+    return sorted(kept.values())
 
 
 def no_match(expanded: str, folder: bool) -> str:
