@@ -514,10 +514,16 @@ BAD = {
     "jsonl-bad-value": (
         "rows.jsonl",
         lambda p: p.write_text('{"text": "a"}\n{"text": tru}\n'),
-        "rows.jsonl:2: invalid JSON: Expecting value",
+        "rows.jsonl:2: invalid JSON: Expecting value at column 10",
     ),
     "csv-row": ("rows.csv", lambda p: p.write_text("text,n\na,1\n,2\n"), "rows.csv:3: 'text' is empty"),
     "csv-column": ("rows.csv", lambda p: p.write_text("body,n\na,1\n"), "rows.csv: no 'text' column (columns: body"),
+    # A row kept the last column's field: the first one's text was dropped without a word.
+    "csv-column-twice": (
+        "rows.csv",
+        lambda p: p.write_text("text,n,text\na,1,b\n"),
+        "rows.csv: 2 columns are named 'text' (columns: text, n, text); rename all but the one to read",
+    ),
     "parquet-column": ("rows.parquet", parquet({"body": ["a"]}), "rows.parquet: no 'text' column"),
     "parquet-row": ("rows.parquet", parquet({"text": ["a", "b", None]}), "rows.parquet: row 3: 'text' is empty"),
     # pandas' missing number, as json.dumps writes it
@@ -535,7 +541,13 @@ BAD = {
     "json-array-trailing-comma": (
         "rows.json",
         lambda p: p.write_text('[\n {"text": "a"},\n {"text": "b"},\n]\n'),
-        "rows.json:4: invalid JSON: Expecting value",
+        "rows.json:4: invalid JSON: Expecting value at column 1",
+    ),
+    # json's message ends in "starting at" for the position its own text adds: the line was cut off there
+    "json-array-cut-in-a-string": (
+        "rows.json",
+        lambda p: p.write_text('[\n {"text": "a"},\n {"text": "b'),
+        "rows.json:3: invalid JSON: Unterminated string starting at column 11",
     ),
     "json-array-no-comma": (
         "rows.json",

@@ -200,7 +200,8 @@ def _records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dic
             except json.JSONDecodeError as exc:
                 # Also a pretty-printed object (SQuAD's `{"data": [...]}` indented): its first line is all of it read.
                 ends = exc.pos >= len(line.rstrip())
-                why = "the object does not end on its line (JSON Lines: one object per line)" if ends else exc.msg
+                why = "the object does not end on its line (JSON Lines: one object per line)" if ends else None
+                why = why or json_problem(exc.msg, exc.colno)
                 raise SpecError(f"{key}: {path}:{number}: invalid JSON: {why}") from None
             if not isinstance(record, dict):
                 raise SpecError(f"{key}: {path}:{number}: expected a JSON object per line")
@@ -267,7 +268,9 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
 
     def invalid(message: str, position: int) -> SpecError:
         where = line + buffer.count("\n", start, position)
-        return SpecError(f"{key}: {path}:{where}: invalid JSON: {message}")
+        newline = buffer.rfind("\n", 0, position)  # the buffer may begin inside the line: then its column is unknown
+        column = position - newline if newline >= 0 else None
+        return SpecError(f"{key}: {path}:{where}: invalid JSON: {json_problem(message, column)}")
 
     with _opened(path, key) as (file, consumed):
         next_character()  # the array's "[", as _first_character found
@@ -301,11 +304,26 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
             raise invalid("Extra data", start)
 
 
+def json_problem(message: str, column: int | None) -> str:
+    """json's message with its column where known: some end in "at" ("Unterminated string starting at"), for the
+    position that json's own text of the error adds."""
+    if column is None:
+        return message.removesuffix(" starting at").removesuffix(" at")
+    return f"{message} column {column}" if message.endswith(" at") else f"{message} at column {column}"
+
+
 def _check_columns(path: Path, fields: list[str], columns: Sequence[str], key: str) -> None:
-    """A table without a column the spec names: said once for the file, with the columns it has."""
+    """A table without a column the spec names, or with two of that name (a CSV row kept the last one's field):
+    said once for the file, with the columns it has."""
     missing = [name for name in fields if name not in columns]
     if missing:
         raise SpecError(f"{key}: {path}: no {missing[0]!r} column (columns: {', '.join(columns)})")
+    if repeated := [name for name in fields if list(columns).count(name) > 1]:
+        name, count = repeated[0], list(columns).count(repeated[0])
+        raise SpecError(
+            f"{key}: {path}: {count} columns are named {name!r} (columns: {', '.join(columns)}); rename all but the"
+            " one to read"
+        )
 
 
 def _columnar_records(path: Path, fields: list[str], key: str) -> Iterator[tuple[str, dict[str, Any], int]]:
