@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,13 @@ def test_the_example_classifier_clearly_beats_the_majority_baseline(tmp_path) ->
     majority = max(set(train_labels), key=train_labels.count)
     baseline = report["per_class"][majority]["support"] / report["support"]
     assert report["accuracy"] >= 0.6 and report["accuracy"] > 2 * baseline, (report["accuracy"], baseline)
+    # Copied elsewhere (new modification times), the run resumes from its checkpoint and its prepared data: its
+    # built-in files had been recorded by path and time, so the copy was refused ("train.jsonl is new since ...").
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", copy_function=shutil.copy)
+    copied = run_ctl("run", str(REPO / "examples" / "classification.yaml"), "--run-dir", "copy", cwd=tmp_path)
+    assert copied.returncode == 0, copied.stdout + copied.stderr
+    assert "resuming from step-" in copied.stdout and "0 to go" in copied.stdout, copied.stdout
+    assert len(list((tmp_path / "_datasets").iterdir())) == 1  # the same dataset: not prepared again
 
 
 def test_final_model_loads_with_plain_transformers_and_predicts_labels_by_name(trained, docstrings) -> None:

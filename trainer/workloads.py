@@ -35,8 +35,10 @@ from trainer.preparation.plan import (
     CACHE_DIR_NAME,
     MANIFEST,
     Source,
+    compared_by_content,
     content_digest,
     contents,
+    source_key,
     split_files,
     stat_sources,
     tokenizer_hash,
@@ -105,19 +107,20 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
     """
     if spec.checkpoint.allow_config_change or (before := resumed_dataset(spec, run_dir)) is None:
         return
-    # With `fingerprint: content`, modification times are not to be trusted: the contents are compared (when the
-    # record has them: one written with `metadata` has not).
-    digests = before.get("contents") if spec.data.fingerprint == "content" else None
+    # Contents, where modification times say nothing (compared_by_content), when the record has them (one written
+    # with `fingerprint: metadata`, or before built-in sets were compared so, has not).
+    digests = before.get("contents") if compared_by_content(spec) else None
     for split, now in sources().items():
-        old = {s["path"]: s for s in before["sources"].get(split, [])}
+        old = {source_key(spec, s["path"]): s for s in before["sources"].get(split, [])}
         for source in now:
-            previous, name = old.get(source.path), source_name(source.path)
+            previous, name = old.get(source_key(spec, source.path)), source_name(source.path)
             if previous is None:
                 raise SpecError(f"training.data.{split}: {name} is new since this run's checkpoints were written")
             if previous["size"] != source.size:
                 how = f"size {previous['size']} -> {source.size}"
             elif digests is not None:
-                how = "" if digests.get(source.path) == content_digest(source) else "the same size, other contents"
+                same = digests.get(source_key(spec, source.path)) == content_digest(source)
+                how = "" if same else "the same size, other contents"
             elif previous["mtimeNs"] != source.mtime_ns:
                 how = f"the same size, modified at {modified(source.mtime_ns)}, not {modified(previous['mtimeNs'])}"
             else:
@@ -127,7 +130,7 @@ def check_same_sources(spec: TrainingSpec, run_dir: Path, sources: Callable[[], 
                     f"training.data.{split}: {name} changed since this run's checkpoints were written"
                     f" ({how}); restore it, or start a new run directory ({NEW_RUN_DIR})"
                 )
-        if gone := sorted(set(old) - {s.path for s in now}):
+        if gone := sorted(set(old) - {source_key(spec, s.path) for s in now}):
             name = source_name(gone[0])
             raise SpecError(f"training.data.{split}: {name} is gone since this run's checkpoints were written")
 
@@ -332,8 +335,8 @@ def record_dataset(work: Workload, run_dir: Path) -> None:
     check_same_vocabulary)."""
     plan = work.data
     record = {"fingerprint": plan.fingerprint, "entry": str(plan.entry)} | plan.key
-    if plan.spec.data.fingerprint == "content":  # what a resume compares then (check_same_sources)
-        record["contents"] = contents(plan.sources)
+    if compared_by_content(plan.spec):  # what a resume compares then (check_same_sources)
+        record["contents"] = contents(plan.spec, plan.sources)
     record["vocabularySha256"] = vocabulary_hash(work.tokenizer)
     text = json.dumps(record, indent=1) + "\n"
     store = open_store(plan.spec.checkpoint.dir, run_dir)

@@ -15,7 +15,8 @@ exists is whole; a failed or killed preparation leaves nothing that a later run 
 The fingerprint hashes file metadata (path, size, modification time), the tokenizer and the
 settings that change tokens: a restart stats the sources and maps the files, it never reads the
 corpus again. `data.fingerprint: content` hashes file contents instead, for filesystems whose
-modification times cannot be trusted.
+modification times cannot be trusted, and so does a built-in set (by file name, not path: its run directory may
+move).
 """
 
 from __future__ import annotations
@@ -67,9 +68,21 @@ def content_digest(source: Source) -> str:
     return digest.hexdigest()
 
 
-def contents(sources: dict[str, list[Source]]) -> dict[str, str]:
-    """Each source's SHA-256 by path (`data.fingerprint: content`)."""
-    return {s.path: content_digest(s) for group in sources.values() for s in group}
+def compared_by_content(spec: TrainingSpec) -> bool:
+    """Whether sources are known by their contents, not their modification times: with `fingerprint: content`, and
+    for a built-in set, which has new times wherever it is built again (a run directory copied, or its data/ lost)."""
+    return spec.data.fingerprint == "content" or bool(spec.data.builtin)
+
+
+def source_key(spec: TrainingSpec, path: str) -> str:
+    """How a source is known from one start to the next: its path; a built-in set's file by its name, which stays
+    when the run directory that holds it moves."""
+    return Path(path).name if spec.data.builtin else path
+
+
+def contents(spec: TrainingSpec, sources: dict[str, list[Source]]) -> dict[str, str]:
+    """Each source's SHA-256 by source_key (compared_by_content)."""
+    return {source_key(spec, s.path): content_digest(s) for group in sources.values() for s in group}
 
 
 def split_files(spec: TrainingSpec, builtin_files: dict[str, Path] | None) -> dict[str, list[Path]]:
@@ -141,9 +154,11 @@ def make_plan(spec: TrainingSpec, run_dir: Path, tokenizer: Any, builtin_files: 
     sources = {split: stat_sources(paths, f"training.data.{split}") for split, paths in files.items()}
     plan = Plan(spec, files, sources, token_settings(spec), tokenizer_hash(tokenizer), "", Path())
     identity = plan.key
-    if spec.data.fingerprint == "content":  # instead of the modification times, which cannot be trusted then
-        identity["sources"] = {split: [(s.path, s.size) for s in group] for split, group in sources.items()}
-        identity["contents"] = contents(sources)
+    if compared_by_content(spec):  # instead of the modification times
+        identity["sources"] = {
+            split: [(source_key(spec, s.path), s.size) for s in group] for split, group in sources.items()
+        }
+        identity["contents"] = contents(spec, sources)
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     return replace(plan, fingerprint=fingerprint, entry=cache_dir(spec, run_dir) / f"{spec.task}-{fingerprint}")
 
