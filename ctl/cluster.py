@@ -33,6 +33,7 @@ DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUB
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_RETRIES = 1
 READ_TIMEOUT_S = 60.0  # one answer to a request (a list, an apply, a delete), streamed bodies aside
+ANSWER_SHOWN = 80  # characters of an answer that is no API object, in its line
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -62,9 +63,9 @@ class Target:
     discovered: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
 
     def call(self, path: str, method: str = "GET", **kwargs: Any) -> Any:
-        """One API request; the parsed JSON body. API errors become one-line ClusterErrors."""
+        """One API request; the parsed JSON body, a Kubernetes object. API errors become one-line ClusterErrors."""
         with self.errors(method, path):
-            return self.api.call_api(
+            answer = self.api.call_api(
                 path,
                 method,
                 response_type="object",
@@ -73,6 +74,16 @@ class Target:
                 _request_timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),  # a pair: the client ignores a lone float
                 **kwargs,
             )
+        # Every answer of an API server has its kind (a List, a Status...): not so a login page or another service
+        # at the kubeconfig's address, which the client hands on as text, or as JSON of another shape.
+        if not isinstance(answer, dict) or "kind" not in answer:
+            text = answer if isinstance(answer, str) else json.dumps(answer)
+            shown = " ".join(text.split())[:ANSWER_SHOWN] or "nothing"
+            raise ClusterError(
+                f"{method} {path}: the answer is not a Kubernetes API object ({shown}): is"
+                f" {self.api.configuration.host} the API server?"
+            )
+        return answer
 
     def open(self, path: str, query: list[tuple[str, str]], timeout: float | None = None) -> urllib3.BaseHTTPResponse:
         """A GET whose body is read as it arrives (a pod's log, a metrics page); the caller closes it.
@@ -155,7 +166,7 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
     if kubeconfig is None and files and not any(Path(f).expanduser().is_file() for f in files.split(os.pathsep)):
         raise KubeconfigError(f"$KUBECONFIG: none of its files exists ({files})")
     try:
-        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        contexts, active = kubeconfig_contexts(kubeconfig, context)
         chosen = next((c for c in contexts if c["name"] == context), None) if context else active
         if chosen is None:
             raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig")
@@ -164,6 +175,8 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
             api = config.new_client_from_config(kubeconfig, chosen["name"], client_configuration=client_configuration())
         if errors:  # its credentials plugin (user.exec) failed: the client logs it and goes on without credentials
             raise plugin_failed(user, errors)
+        if not api.configuration.verify_ssl:  # insecure-skip-tls-verify, asked for: no warning per request (kubectl's)
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         refresh = api.configuration.refresh_api_key_hook
         if refresh is not None:  # the plugin runs again when its token expires: a long `logs -f`, `wait`
             api.configuration.refresh_api_key_hook = checked_refresh(refresh, user)
@@ -182,6 +195,24 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
         ) from None
     except OSError as exc:
         raise KubeconfigError(f"kubeconfig: {exc}") from None
+
+
+def kubeconfig_contexts(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, Any]], Any]:
+    """The kubeconfig's contexts and its current one. With --context, as kubectl, a kubeconfig without a current
+    context will do: the client's lister refuses it, its loader (private) takes the context to make current."""
+    config = kubernetes.config
+    try:
+        return config.list_kube_config_contexts(config_file=kubeconfig)
+    except config.ConfigException as exc:
+        if not (context and NO_CURRENT.match(str(exc))):
+            raise
+    try:
+        loader = config.kube_config._get_kube_config_loader(
+            filename=kubeconfig or config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION, active_context=context
+        )
+    except config.ConfigException:
+        raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig") from None
+    return loader.list_contexts(), None
 
 
 # The client's words for a kubeconfig without the context it makes current, in kubectl's.
@@ -286,6 +317,8 @@ def find_job(target: Target, name: str) -> dict[str, Any]:
             return target.call(api.path(target.namespace, name))
         except NotFound:  # no such job, or no such resource in this cluster
             continue
+    if not any(serves(target, api) for api in KINDS.values()):  # the root cause: no operator, not a missing job
+        require_operator(target)
     raise JobNotFound(f"job {name} not found in namespace {target.namespace} (neither PyTorchJob nor TrainJob)")
 
 

@@ -5,10 +5,13 @@ fail, and SIGTERM handled as Ctrl-C."""
 from __future__ import annotations
 
 import contextlib
+import http.server
+import json
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -21,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from certs import private_ca
 from conftest import (
     TEMPORARY,
     import_hook,
@@ -385,6 +389,83 @@ def test_an_answer_that_never_comes_ends_at_the_read_timeout(tmp_path: Path, mon
             pool.submit(target.call, "/api/v1/namespaces").result(timeout=10)
         with pytest.raises(cluster.ClusterError, match=r": Read timed out. \(read timeout=0.25\)$"):
             pool.submit(target.open, metrics, [], timeout=0.25).result(timeout=10)
+
+
+@contextlib.contextmanager
+def answering_server(status: int, body: bytes, tls: Any = None) -> Iterator[str]:
+    """An HTTP(S) server that answers every request with `status` and `body` (JSON, or text where it is not): a
+    login page or another service at a kubeconfig's address, a cluster without some API. Its URL."""
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json" if body.startswith(b"{") else "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    if tls is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [(b"<html><body>Sign in</body></html>", "<html><body>Sign in</body></html>"), (b'{"a": 1}', '{"a": 1}')],
+    ids=["a-login-page", "json-of-another-shape"],
+)
+def test_an_answer_that_is_no_api_object_is_one_line(tmp_path: Path, body: bytes, shown: str) -> None:
+    """A kubeconfig's address answered by a login page or another service: each command ended in a traceback of
+    about 45 lines (`string indices must be integers`, `KeyError: 'kind'`)."""
+    with answering_server(200, body) as server:
+        (tmp_path / "config.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", server))
+        for command in (["status", "tiny"], ["list"], ["wait", "tiny", "--timeout", "5"]):
+            result = run_ctl(*command, "--kubeconfig", "config.yaml", cwd=tmp_path)
+            expected = f"the answer is not a Kubernetes API object ({shown}): is {server} the API server?"
+            assert_one_line(result, EXIT_ERROR, expected)
+
+
+def test_a_job_on_a_cluster_without_the_operator_is_said_so_not_not_found(tmp_path: Path) -> None:
+    """status, logs, wait and delete said `job tiny not found` (exit 102) where list and submit named the install."""
+    missing = {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}
+    body = json.dumps(missing | {"message": "the server could not find the requested resource"}).encode()
+    with answering_server(404, body) as server:
+        (tmp_path / "config.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", server))
+        for command in (["status", "tiny"], ["logs", "tiny"], ["wait", "tiny"], ["delete", "tiny", "-y"]):
+            result = run_ctl(*command, "--kubeconfig", "config.yaml", cwd=tmp_path)
+            assert_one_line(result, EXIT_ERROR, "error: the cluster has no PyTorchJob resource (pytorchjobs.")
+
+
+def test_context_is_taken_from_a_kubeconfig_without_a_current_one_and_insecure_tls_warns_nothing(
+    tmp_path: Path,
+) -> None:
+    """--context was refused ("no current-context (--context names one)") where kubectl takes it; and with
+    insecure-skip-tls-verify, urllib3 wrote two warning lines per request."""
+    unset = KUBECONFIG.replace("current-context: here\n", "")
+    (tmp_path / "unset.yaml").write_text(unset)
+    result = run_ctl("status", "tiny", "--kubeconfig", "unset.yaml", "--context", "here", cwd=tmp_path)
+    assert_one_line(result, EXIT_ERROR, "error: cannot reach the API server https://127.0.0.1:1: ")
+    result = run_ctl("status", "tiny", "--kubeconfig", "unset.yaml", "--context", "there", cwd=tmp_path)
+    assert_one_line(result, EXIT_BAD_INPUT, "error: --context 'there': no such context in the kubeconfig")
+    missing = {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404, "details": {"name": "tiny"}}
+    with answering_server(404, json.dumps(missing).encode(), private_ca(tmp_path / "tls", "ctl-test")) as server:
+        insecure = f"{{server: {server}, insecure-skip-tls-verify: true}}"
+        (tmp_path / "config.yaml").write_text(KUBECONFIG.replace('{server: "https://127.0.0.1:1"}', insecure))
+        result = run_ctl("status", "tiny", "--kubeconfig", "config.yaml", cwd=tmp_path)
+    assert_one_line(result, EXIT_ERROR, "error: the cluster has no PyTorchJob resource")
 
 
 # -- found by the trainer, on any rank ----------------------------------------------------------------------
