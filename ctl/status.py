@@ -248,8 +248,8 @@ def failure_cause(
     if cause := pods_cause(pods) or quoted or pods_cause(pods, stops=True):
         return cause
     condition = next((c for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None)
-    if condition:
-        return f"{condition['reason']}: {condition['message']}"
+    if condition:  # its message may hold lines (another controller's, a log's tail): one line here
+        return " ".join(f"{condition['reason']}: {condition['message']}".split())
     return "no pod says why (ctl status and ctl logs show what there is)"
 
 

@@ -45,6 +45,9 @@ def test_the_cause_is_a_failure_before_a_stop_whichever_pod_comes_first() -> Non
     assert failure_cause([master], None, FAILED, "j-worker-0: quoted") == "j-worker-0: quoted"
     assert failure_cause([master], None, FAILED, None) == f"j-master-0: {STOPPED}"
     assert failure_cause([], None, FAILED, None) == "PyTorchJobFailed: backoff limit reached"
+    # A condition's message of several lines made `ctl wait`'s line, and `status`'s cause, several.
+    lines = [FAILED[0] | {"message": "1 Master replica(s) failed.\nsecond line\n"}]
+    assert failure_cause([], None, lines, None) == "PyTorchJobFailed: 1 Master replica(s) failed. second line"
 
 
 def event(pod_name: str, code: int, message: str, at: str) -> dict[str, Any]:
