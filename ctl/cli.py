@@ -32,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
     rich_markup_mode=None,  # plain help, as kubectl's; and rich's import would double `ctl --help`'s time
+    context_settings={"help_option_names": ["-h", "--help"]},  # kubectl's and helm's -h too
 )
 
 
@@ -82,7 +83,7 @@ SHELLS = ("bash", "zsh", "fish")
 def completion(
     shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", show_default=False)],
 ) -> None:
-    """Print the shell completion script for commands, options and their values, as kubectl and helm do.
+    """Print the shell completion script for commands and options, as kubectl and helm do.
 
     bash: `source <(ctl completion bash)` in ~/.bashrc; zsh: `source <(ctl completion zsh)` in ~/.zshrc,
     after compinit; fish: `ctl completion fish > ~/.config/fish/completions/ctl.fish`.

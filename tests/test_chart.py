@@ -1220,6 +1220,13 @@ def test_ctl_help_imports_neither_pydantic_nor_rich() -> None:
     assert not modules & {"pydantic", "rich", "torch"}
 
 
+def test_ctl_takes_h_for_help_as_kubectl_does() -> None:
+    """`ctl -h` and `ctl render -h` were usage errors (`No such option: -h`, exit 2)."""
+    for args in (["-h"], ["render", "-h"], ["status", "-h"]):
+        result = run_ctl(*args, cwd=REPO)
+        assert result.returncode == 0 and result.stdout.startswith("Usage: "), result.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # k8s/: prerequisites and rendered examples.
 
