@@ -484,7 +484,8 @@ class JobSpec(SpecModel):
     """A whole training job."""
 
     name: str = Field(
-        description="Job (and release) name; a DNS-1035 label.",
+        description="Job (and release) name; a DNS-1035 label. Its pods' names (<name>-master-0, <name>-worker-10...)"
+        " must fit 63 characters too, which leaves a name about 54.",
         json_schema_extra={"pattern": f"^{DNS_1035.pattern}$", "maxLength": DNS_LABEL_MAX},
     )
     api_kind: Literal["PyTorchJob", "TrainJob"] = Field(
