@@ -802,6 +802,10 @@ class Sources(NamedTuple):
             return f"{given[-1].flag} {given[-1].assignment!r}"
         found = [(*written_at(text, path), name) for name, text in self.files]
         depth = max(depth for depth, _, _ in found)
+        # A key no file writes, made by a flag that set a key inside it (`--set foo.bar=1`: foo is unknown).
+        within = [o for o in self.overrides if tuple(o.path[: len(path)]) == tuple(path)]
+        if depth < len(path) and within:
+            return f"{within[-1].flag} {within[-1].assignment!r}"
         if not depth:
             return " + ".join(name for name, _ in self.files)
         _, line, name = [place for place in found if place[0] == depth][-1]  # a later file overrides

@@ -236,6 +236,14 @@ BAD_SPECS = [
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
+    # A flag that makes an unknown key by a key inside it: the spec file was named (with the line of `training:`).
+    ("set-inside-unknown-key", {}, ["--set", "trainingg.maxSteps=1"], "error: --set 'trainingg.maxSteps=1': trainin"),
+    (
+        "set-file-inside-unknown-key",
+        {},
+        ["--set-file", "training.sampl.prompt=spec.yaml"],
+        "error: --set-file 'training.sampl.prompt=spec.yaml': training.sampl: unknown key (did you mean sample?)",
+    ),
     # null takes a key back to its default: the key is still checked, or a mistyped one would do nothing, silently.
     (
         "set-null-unknown-key",
