@@ -29,7 +29,8 @@ from ctl.kinds import DEFAULT_KIND, KINDS, JobKind
 FIELD_MANAGER = "ctl"
 DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUBECONFIG
 # An API server that does not answer is one line after these, not a hang. Reaching it (TCP and TLS): kubectl's
-# TLS handshake bound; a failed attempt is tried once more (urllib3's default: 3 more, each waiting as long).
+# TLS handshake bound; a failed attempt is tried once more (urllib3's default: 3 more, each waiting as long), and
+# so is a request without an answer: urllib3 counts a TLS handshake that never ends as one.
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_RETRIES = 1
 READ_TIMEOUT_S = 60.0  # one answer to a request (a list, an apply, a delete), streamed bodies aside
@@ -107,10 +108,11 @@ class Target:
             if exc.status == 404:
                 raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
             raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:  # connection refused, DNS, TLS
-            raise ClusterError(
-                f"cannot reach the API server {self.api.configuration.host}: {unreachable(exc)}"
-            ) from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # connection refused, DNS, TLS; or no answer in time
+            cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
+            reached = isinstance(cause, urllib3.exceptions.ReadTimeoutError)
+            what = "no answer from the API server" if reached else "cannot reach the API server"
+            raise ClusterError(f"{what} {self.api.configuration.host}: {unreachable(exc)}") from None
 
 
 def unreachable(exc: Exception) -> str:
