@@ -207,6 +207,9 @@ PATH_CASES = {
         "ctl run: Invalid value for '--run-dir': a local directory, not an S3 URI: a run directory in a bucket is",
     ),
     "empty-kubeconfig": (["status", "tiny", "--kubeconfig", ""], "Invalid value for '--kubeconfig': an empty path"),
+    # Python's words were the line: `cannot read: [Errno 21] Is a directory: '.'`, `'utf-8' codec can't decode ...`
+    "spec-a-directory": (["render", "."], "error: .: a directory, not a file"),
+    "spec-not-utf-8": (["render", "latin1.yaml"], "error: latin1.yaml: not UTF-8 text (byte 9)"),
 }
 
 
@@ -216,6 +219,7 @@ def test_an_empty_path_or_a_file_as_the_run_directory_is_refused_before_anything
 ) -> None:
     path, env = workdir
     (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
+    (path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
     args, expected = PATH_CASES[case]
     before = tree(path)
     assert_one_line(run_ctl(*args, cwd=path, env=env), EXIT_BAD_INPUT, expected)
