@@ -6,6 +6,7 @@ PyTorchJob (or Trainer v2 TrainJob, `apiKind`) around it. `--set dotted.key=valu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import posixpath
 import re
@@ -838,7 +839,9 @@ def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), l
     name = spec_name(path)
     texts = [(name, read_stdin() if name == STDIN else read_spec_text(path))]
     texts += [(str(layer), read_spec_text(layer)) for layer in layers]
-    values, *layered = [parse_yaml_mapping(text, file) for file, text in texts]
+    values, *layered = [parse_yaml_mapping(text, file) for file, text in texts[:1]] + [
+        values_layer(text, file) for file, text in texts[1:]
+    ]
     for layer in layered:
         values = merge_values(values, layer)
     sources = Sources(texts, read_overrides(sets, files))
@@ -854,6 +857,14 @@ def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), l
             return JobSpec.model_validate(values)
     except ValidationError as exc:
         raise SpecError(f"{sources.of(error_path(exc))}: {describe_validation_error(exc, JobSpec)}") from None
+
+
+def values_layer(text: str, name: str) -> dict[str, Any]:
+    """A --values file's mapping; nothing (empty, or comments only: every key commented out) is none, as helm's -f."""
+    with contextlib.suppress(yaml.YAMLError):
+        if yaml.safe_load(text) is None:
+            return {}
+    return parse_yaml_mapping(text, name)
 
 
 def with_keys(job: JobSpec, keys: dict[str, Any], spec: Path) -> JobSpec:

@@ -107,6 +107,9 @@ def test_values_files_layer_over_the_spec_in_order_before_set(tmp_path: Path, co
     )
     missing = run_ctl("render", "spec.yaml", "--values", "absent.yaml", cwd=tmp_path)
     assert (missing.returncode, missing.stderr) == (2, "error: absent.yaml: no such file\n")
+    # Every key commented out: a layer of none, as helm's -f takes it (it was "expected a mapping of keys").
+    (tmp_path / "commented.yaml").write_text("# nodes: 4\n")
+    assert load_spec(tmp_path / "spec.yaml", layers=[tmp_path / "commented.yaml"]).nodes == 1
 
 
 def test_spec_round_trips_through_camel_case_values(corpus_file: Path) -> None:
