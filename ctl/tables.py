@@ -83,11 +83,29 @@ def trainer_status_text(status: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def age(seconds: int) -> str:
+    """A duration as kubectl's AGE column gives it (its HumanDuration): 45s, 5m30s, 42m, 3h20m, 20h, 5d4h, 336d, 3y."""
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 120:
+        return f"{seconds}s"
+    if minutes < 10:
+        return f"{minutes}m{seconds % 60}s" if seconds % 60 else f"{minutes}m"
+    if minutes < 180:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 192:
+        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
+    return f"{days}d" if days < 730 else f"{days // 365}y"
+
+
 def list_table(rows: list[JobRow]) -> str:
     lines = [f"{'NAMESPACE':<20} {'NAME':<32} {'KIND':<10} {'STATE':<11} {'NODES x PROCS':<14} {'AGE':<8} PROGRESS"]
     lines += [
         f"{r.namespace:<20} {r.name:<32} {r.kind:<10} {r.state.value:<11}"
-        f" {r.nodes} x {r.procs_per_node:<10} {str(r.age_seconds) + 's':<8}"
+        f" {r.nodes} x {r.procs_per_node:<10} {age(r.age_seconds):<8}"
         f" {progress_text(r.progress) if r.progress else ''}"
         for r in rows
     ]

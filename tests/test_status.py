@@ -8,6 +8,7 @@ from typing import Any
 
 from ctl.kinds.pytorchjob import PYTORCHJOB, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
 from ctl.status import failure_cause, pod_status, quoted_cause
+from ctl.tables import age
 
 NO_FILE = "error: training.data.train: no file matches '/data/x.txt'"
 STOPPED = "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
@@ -67,3 +68,9 @@ def test_the_operators_events_quote_the_termination_message_whose_last_line_is_t
     assert quoted_cause(events) == f"j-worker-0: {NO_FILE.removeprefix('error: ')}"
     assert quoted_cause(events[:1]) == f"j-master-0: {STOPPED}"
     assert quoted_cause(events[3:]) is None
+
+
+def test_ages_read_as_kubectl_gives_them() -> None:
+    """`ctl list` gave seconds: 29069957s, wider than its column."""
+    seconds = [45, 330, 600, 2520, 12000, 28800, 72000, 446400, 29069957, 94608000]
+    assert [age(s) for s in seconds] == ["45s", "5m30s", "10m", "42m", "3h20m", "8h", "20h", "5d4h", "336d", "3y"]
