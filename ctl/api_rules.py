@@ -45,6 +45,8 @@ def mismatch(value: Any, regex: str) -> str | None:
     """`value` is not what `regex` (one of the patterns above) asks for: that in words, or None."""
     if isinstance(value, str) and re.match(regex, value):
         return None
+    if value is None:  # a required key left out (`.get` of it): said as such, not as `None is not ...`
+        return f"missing: {PATTERN_MEANINGS[regex]}"
     return f"{value!r} is not {PATTERN_MEANINGS[regex]}"
 
 

@@ -236,6 +236,13 @@ BAD_SPECS = [
         [],
         "training.data.labels.1: a YAML boolean (yes, no, on, off, true or false unquoted), not a label: quote it",
     ),
+    # A required key left out was `None is not a Secret's or ConfigMap's key`.
+    (
+        "secret-key-missing",
+        {"env": [{"name": "FOO", "valueFrom": {"secretKeyRef": {"name": "s"}}}]},
+        [],
+        "env.0.valueFrom.secretKeyRef.key: missing: a Secret's or ConfigMap's key",
+    ),
     ("set-without-value", {}, ["--set", "nodes"], "--set 'nodes': expected dotted.key=value"),
     ("set-into-scalar", {}, ["--set", "nodes.count=2"], "--set 'nodes.count=2': nodes is not a mapping"),
     ("set-bad-value", {}, ["--set", "training.batchSize=-1"], "training.batchSize: Input should be greater"),
