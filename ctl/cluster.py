@@ -177,6 +177,7 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
             api = config.new_client_from_config(kubeconfig, chosen["name"], client_configuration=client_configuration())
         if errors:  # its credentials plugin (user.exec) failed: the client logs it and goes on without credentials
             raise plugin_failed(user, errors)
+        check_server(api.configuration.host, chosen["name"])
         if not api.configuration.verify_ssl:  # insecure-skip-tls-verify, asked for: no warning per request (kubectl's)
             urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         refresh = api.configuration.refresh_api_key_hook
@@ -215,6 +216,16 @@ def kubeconfig_contexts(kubeconfig: str | None, context: str | None) -> tuple[li
     except config.ConfigException:
         raise KubeconfigError(f"--context {context!r}: no such context in the kubeconfig") from None
     return loader.list_contexts(), None
+
+
+def check_server(host: str, context: str) -> None:
+    """The context's cluster's server is a URL: one that is not was a failure to reach it (exit 1), not bad input."""
+    try:
+        url = urllib3.util.parse_url(host)
+    except urllib3.exceptions.LocationParseError:
+        url = None
+    if url is None or not url.host:
+        raise KubeconfigError(f"kubeconfig: context {context!r}: its cluster's server {host!r} is not a URL")
 
 
 # The client's words for a kubeconfig without the context it makes current, in kubectl's.

@@ -276,6 +276,12 @@ KUBECONFIG_CASES = {
         "error: kubeconfig broken.yaml, line 2: not valid YAML: expected the node content, but found '<stream end>'",
     ),
     "not-a-kubeconfig": (["--kubeconfig", "list.yaml"], {}, "error: kubeconfig list.yaml: not a kubeconfig (TypeError"),
+    # It was a failure to reach it (exit 1): `cannot reach the API server not a url: Failed to parse: ...`.
+    "server-not-a-url": (
+        ["--kubeconfig", "badurl.yaml"],
+        {},
+        "error: kubeconfig: context 'here': its cluster's server 'not a url' is not a URL",
+    ),
     "no-such-current-context": (
         ["--kubeconfig", "elsewhere.yaml"],
         {},
@@ -332,6 +338,7 @@ def test_a_kubeconfig_ctl_cannot_use_is_one_line_and_exit_2(tmp_path: Path, case
     (tmp_path / "config.yaml").write_text(KUBECONFIG)
     (tmp_path / "elsewhere.yaml").write_text(KUBECONFIG.replace("current-context: here", "current-context: there"))
     (tmp_path / "unset.yaml").write_text(KUBECONFIG.replace("current-context: here\n", ""))
+    (tmp_path / "badurl.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", "not a url"))
     (tmp_path / "expired.sh").write_text("#!/bin/sh\necho 'the login expired:' >&2\necho 'run sso login' >&2\nexit 1\n")
     (tmp_path / "expiring.sh").write_text(EXPIRING)
     for plugin in ("expired.sh", "expiring.sh"):
