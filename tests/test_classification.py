@@ -236,6 +236,14 @@ def test_the_printed_matrix_is_the_whole_matrix() -> None:
     ]
 
 
+def test_the_printed_table_aligns_wide_labels_by_their_columns() -> None:
+    """Labels of wide characters (CJK, emoji) took two columns each, counted as one: the rows and the matrix's
+    columns no longer lined up."""
+    printed = format_report(classification_report(["電子メール", "json"], [0, 1, 1], [0, 1, 0])).splitlines()
+    assert printed[1] == "  電子メール     0.500     1.000     0.667         1"
+    assert printed[-3:] == ["              電子  json", "  電子メール     1     0", "        json     1     1"]
+
+
 def test_the_printed_report_quotes_a_label_with_blanks_at_an_end() -> None:
     """ " pos" and "pos" (a CSV's `neg, pos`) are two classes: printed alike, they could not be told apart."""
     printed = format_report(classification_report(["pos", " pos"], [0, 1], [0, 0]))

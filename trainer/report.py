@@ -6,6 +6,7 @@ however many processes produced them.
 
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 from typing import Any
 
@@ -59,6 +60,23 @@ def shown_label(label: str) -> str:
     return label if label and label == label.strip() else repr(label)
 
 
+def columns(text: str) -> int:
+    """The terminal columns `text` takes: two for a wide character (CJK, most emoji), none for a combining one."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def right(text: str, width: int) -> str:
+    """`text` right-aligned in `width` columns (str's `>` counts characters, so wide labels pushed the table out)."""
+    return " " * max(0, width - columns(text)) + text
+
+
+def cut(text: str, width: int) -> str:
+    """The start of `text` that fits `width` columns."""
+    while columns(text) > width:
+        text = text[:-1]
+    return text
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a text table, like sklearn's classification_report plus the confusion matrix; with more than
     CLASSES_SHOWN classes, the best supported classes' rows and no matrix (report.json has all of it)."""
@@ -67,12 +85,11 @@ def format_report(report: dict[str, Any]) -> str:
     many = len(rows) > CLASSES_SHOWN
     if many:  # the most examples first; the label order among equals
         rows = sorted(rows, key=lambda pair: -pair[1]["support"])[:CLASSES_SHOWN]
-    width = max(12, *(len(label) for label, _ in rows))
+    width = max(12, *(columns(label) for label, _ in rows))
     lines = [f"{'':>{width}} {'precision':>9} {'recall':>9} {'f1':>9} {'support':>9}"]
     for label, row in rows:
-        lines.append(
-            f"{label:>{width}} {row['precision']:>9.3f} {row['recall']:>9.3f} {row['f1']:>9.3f} {row['support']:>9d}"
-        )
+        scores = f"{row['precision']:>9.3f} {row['recall']:>9.3f} {row['f1']:>9.3f} {row['support']:>9d}"
+        lines.append(f"{right(label, width)} {scores}")
     if many:
         lines.append(f"({len(labels) - CLASSES_SHOWN} more classes, none with more examples: report.json has them)")
     lines.append("")
@@ -90,7 +107,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("confusion matrix (rows: true, columns: predicted)")
     matrix = confusion_matrix(report)
     cell = max(5, *(len(str(n)) for row in matrix for n in row))
-    lines.append(f"{'':>{width}} " + " ".join(f"{label[:cell]:>{cell}}" for label in labels))
+    lines.append(f"{'':>{width}} " + " ".join(right(cut(label, cell), cell) for label in labels))
     for label, row in zip(labels, matrix, strict=True):
-        lines.append(f"{label:>{width}} " + " ".join(f"{n:>{cell}d}" for n in row))
+        lines.append(f"{right(label, width)} " + " ".join(f"{n:>{cell}d}" for n in row))
     return "\n".join(lines)
