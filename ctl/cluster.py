@@ -202,12 +202,13 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
 
 def kubeconfig_contexts(kubeconfig: str | None, context: str | None) -> tuple[list[dict[str, Any]], Any]:
     """The kubeconfig's contexts and its current one. With --context, as kubectl, a kubeconfig without a current
-    context will do: the client's lister refuses it, its loader (private) takes the context to make current."""
+    context, or whose current context is none of its contexts, will do: the client's lister refuses it, its loader
+    (private) takes the context to make current."""
     config = kubernetes.config
     try:
         return config.list_kube_config_contexts(config_file=kubeconfig)
     except config.ConfigException as exc:
-        if not (context and NO_CURRENT.match(str(exc))):
+        if not (context and (NO_CURRENT.match(str(exc)) or NO_SUCH_CURRENT.match(str(exc)))):
             raise
     try:
         loader = config.kube_config._get_kube_config_loader(

@@ -464,12 +464,14 @@ def test_a_job_on_a_cluster_without_the_operator_is_said_so_not_not_found(tmp_pa
 def test_context_is_taken_from_a_kubeconfig_without_a_current_one_and_insecure_tls_warns_nothing(
     tmp_path: Path,
 ) -> None:
-    """--context was refused ("no current-context (--context names one)") where kubectl takes it; and with
-    insecure-skip-tls-verify, urllib3 wrote two warning lines per request."""
+    """--context was refused ("no current-context (--context names one)", or a current-context that names no
+    context) where kubectl takes it; and with insecure-skip-tls-verify, urllib3 wrote two warning lines per request."""
     unset = KUBECONFIG.replace("current-context: here\n", "")
     (tmp_path / "unset.yaml").write_text(unset)
-    result = run_ctl("status", "tiny", "--kubeconfig", "unset.yaml", "--context", "here", cwd=tmp_path)
-    assert_one_line(result, EXIT_ERROR, "error: cannot reach the API server https://127.0.0.1:1: ")
+    (tmp_path / "elsewhere.yaml").write_text(KUBECONFIG.replace("current-context: here", "current-context: there"))
+    for kubeconfig in ("unset.yaml", "elsewhere.yaml"):
+        result = run_ctl("status", "tiny", "--kubeconfig", kubeconfig, "--context", "here", cwd=tmp_path)
+        assert_one_line(result, EXIT_ERROR, "error: cannot reach the API server https://127.0.0.1:1: ")
     result = run_ctl("status", "tiny", "--kubeconfig", "unset.yaml", "--context", "there", cwd=tmp_path)
     assert_one_line(result, EXIT_BAD_INPUT, "error: --context 'there': no such context in the kubeconfig")
     missing = {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404, "details": {"name": "tiny"}}
