@@ -252,17 +252,26 @@ def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
     assert 0 < before < resumed and report["train_seconds"] >= resumed
 
 
-@pytest.mark.parametrize(("epochs", "planned"), [(2, 8), (4, 12), (1, 7)])
-def test_a_resume_on_another_global_batch_plans_the_epochs_the_spec_asks(epochs: int, planned: int) -> None:
+@pytest.mark.parametrize(
+    ("epochs", "step", "epoch", "position", "planned"),
+    [(2, 7, 1, 16, 8), (4, 7, 1, 16, 12), (1, 7, 1, 16, 7), (1, 3, 0, 12, 4), (2, 3, 0, 12, 6), (1, 9, 2, 0, 9)],
+)
+def test_a_resume_on_another_global_batch_plans_the_epochs_the_spec_asks(
+    epochs: int, step: int, epoch: int, position: int, planned: int
+) -> None:
     """The plan kept the saved plan's samples, so more `epochs` (allowConfigChange) on another global batch were
-    ignored: exit 0, training stopped short. 40 samples; saved after 7 steps of 8 (an epoch of 5 steps), now 16 a
-    step (2 steps, 32 samples, an epoch), 16 samples into epoch 1."""
+    ignored: exit 0, training stopped short. And it counted the rest of an epoch in samples, not in the full batches
+    the data gives: a step past `epochs`. 40 examples, saved with 4 or 8 a step, now 16 a step: 2 batches an epoch;
+    12 examples into epoch 0, one batch is left of it (28 examples)."""
     from trainer.loop import planned_steps
     from trainer.spec import TrainingSpec
 
     spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "a.txt"}, "epochs": epochs})
-    saved = TrainerState(step=7, max_steps=10, epoch=1, position=16, samples=56, samples_per_step=8)
-    assert planned_steps(spec, steps_per_epoch=2, samples_per_step=16, saved=saved) == planned
+    saved = TrainerState(step=step, epoch=epoch, position=position, samples_per_step=4 if position == 12 else 8)
+    assert planned_steps(spec, examples=40, global_batch=16, saved=saved) == planned
+    # The same global batch: the epochs' steps, from epoch 0.
+    saved.samples_per_step = 16
+    assert planned_steps(spec, examples=40, global_batch=16, saved=saved) == 2 * epochs
 
 
 def test_resume_with_changed_settings_is_refused_unless_allowed(

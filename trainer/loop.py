@@ -176,15 +176,19 @@ def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> l
     return [by_index[i] for i in range(size)]
 
 
-def planned_steps(spec: TrainingSpec, steps_per_epoch: int, samples_per_step: int, saved: TrainerState | None) -> int:
-    """`maxSteps`, else `epochs` worth of steps. A resume on another global batch (world size, or settings changed
-    under allowConfigChange) takes the steps of this batch that finish `epochs` from where the checkpoint stands."""
+def planned_steps(spec: TrainingSpec, examples: int, global_batch: int, saved: TrainerState | None) -> int:
+    """`maxSteps`, else `epochs` worth of steps over `examples` training examples. A resume on another global batch
+    (world size, or settings changed under allowConfigChange) takes the steps of this batch that finish `epochs` from
+    where the checkpoint stands, counted as TrainBatches gives them: the full global batches left of each epoch."""
     if spec.max_steps:
         return spec.max_steps
-    if saved is None or saved.samples_per_step == samples_per_step:
-        return max(1, spec.epochs * steps_per_epoch)
-    remaining = (spec.epochs - saved.epoch) * steps_per_epoch * samples_per_step - saved.position
-    return saved.step + max(0, math.ceil(remaining / samples_per_step))
+    batches_per_epoch = examples // global_batch
+    if saved is None or saved.samples_per_step == global_batch * spec.grad_accum:
+        return max(1, spec.epochs * (batches_per_epoch // spec.grad_accum))
+    if saved.epoch >= spec.epochs:
+        return saved.step
+    rest = (examples - saved.position) // global_batch + (spec.epochs - saved.epoch - 1) * batches_per_epoch
+    return saved.step + rest // spec.grad_accum
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,7 @@ class Trainer:
         """The planned steps, from where the resumed checkpoint stood (the attached state holds it); a line on them."""
         state, dist = self.state, self.dist
         steps_per_epoch = self.batches.batches_per_epoch // self.spec.grad_accum
-        state.max_steps = planned_steps(self.spec, steps_per_epoch, self.samples_per_step, resumed)
+        state.max_steps = planned_steps(self.spec, len(self.batches.dataset), self.batches.global_batch, resumed)
         state.world_size, state.samples_per_step = dist.world_size, self.samples_per_step
         if resumed is not None:
             self.batches.epoch, self.batches.position = resumed.epoch, resumed.position
