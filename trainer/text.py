@@ -5,11 +5,13 @@ Every problem is a SpecError naming the spec key: the trainer turns it into one 
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import glob
 import json
 import os
 import socket
+import stat
 import sysconfig
 import urllib.parse
 import urllib.request
@@ -49,7 +51,7 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
         if not folder and os.path.isfile(expanded):  # a file, even one whose name has `[`, `*` or `?` in it
             files.add(Path(expanded))
             continue
-        found = glob.glob(os.path.join(glob.escape(expanded), "**", "*") if folder else expanded, recursive=True)
+        found = recursive_glob(expanded, ["**", "*"]) if folder else pattern_matches(expanded)
         matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
             raise SpecError(f"{key}: {no_match(expanded, folder)}")
@@ -57,9 +59,54 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
     return once_each(files)
 
 
+def pattern_matches(pattern: str) -> list[str]:
+    """What `pattern` names, as `glob.glob(pattern, recursive=True)`; one with a `**` in it, by recursive_glob."""
+    parts = pattern.split(os.sep)
+    if "**" not in parts:
+        return glob.glob(pattern)
+    literal = next(index for index, part in enumerate(parts) if glob.has_magic(part))  # the folder it begins in
+    if literal == 0:  # relative, from here: named as glob names them, without a leading "./"
+        return [path.removeprefix(os.curdir + os.sep) for path in recursive_glob(os.curdir, parts)]
+    return recursive_glob(os.sep.join(parts[:literal]) or os.sep, parts[literal:])
+
+
+def recursive_glob(folder: str, parts: list[str], above: frozenset[tuple[int, int]] = frozenset()) -> list[str]:
+    """The paths under `folder` that match the pattern's `parts`, as glob's (`**`: any folders, hidden ones aside;
+    `*`: no hidden name), except that a link to a folder above is not followed: glob follows each to the system's
+    limit of 40 links, which with two of them is 2^40 paths (a hang). `once_each` makes one of the other names."""
+    try:
+        info = os.stat(folder)
+    except OSError:
+        return []
+    here = (info.st_dev, info.st_ino)
+    if not stat.S_ISDIR(info.st_mode) or here in above:
+        return []
+    return folder_matches(folder, parts, above | {here})
+
+
+def folder_matches(folder: str, parts: list[str], above: frozenset[tuple[int, int]]) -> list[str]:
+    """recursive_glob's matches in `folder`, a folder not above itself."""
+    head, rest = parts[0], parts[1:] or (["*"] if parts[0] == "**" else [])  # files are what a trailing `**` gives
+    try:
+        if head == "**":
+            with os.scandir(folder) as entries:
+                subfolders = sorted(e.path for e in entries if not e.name.startswith(".") and e.is_dir())
+            found = folder_matches(folder, rest, above)  # no folder between
+            return found + [path for sub in subfolders for path in recursive_glob(sub, parts, above)]
+        if glob.has_magic(head):
+            hidden = head.startswith(".")
+            names = [n for n in os.listdir(folder) if fnmatch.fnmatchcase(n, head) and (hidden or n[0] != ".")]
+        else:
+            names = [head] if os.path.lexists(os.path.join(folder, head)) else []
+    except OSError:  # a folder this process may not list: as glob, nothing in it matches
+        return []
+    paths = [os.path.join(folder, name) for name in names]
+    return [found for path in paths for found in recursive_glob(path, rest, above)] if rest else paths
+
+
 def once_each(files: set[Path]) -> list[Path]:
-    """`files` sorted, each file once: named two ways (relative and absolute, `..`, a link to it, a folder that
-    links to itself, which `**` follows to the system's limit), it would be read, and trained on, once per name.
+    """`files` sorted, each file once: named two ways (relative and absolute, `..`, a link to it or to a folder it is
+    in), it would be read, and trained on, once per name.
     The shortest name stays (the plainest, mostly). By device and inode: one `stat` a file."""
     kept: dict[object, Path] = {}
     for path in sorted(files, key=lambda path: (len(str(path)), str(path))):
