@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
-from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from ctl.api_rules import (
     ANNOTATION_KEY,
@@ -68,6 +76,8 @@ DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Variables that carry credentials (W&B's WANDB_API_KEY, MLflow's MLFLOW_TRACKING_TOKEN/_PASSWORD, HF_TOKEN,
 # AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
 # or Helm's release record.
+# The validation context's key that says the spec is for a cluster (load_spec's `cluster`).
+CLUSTER = "cluster"
 CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
 PROMETHEUS_DURATION = pattern(r"^([0-9]+(ms|s|m|h|d|w|y))+$", "a Prometheus duration, e.g. 30s, 5m or 1h30m")
 PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name: letters, digits, _; no digit first")
@@ -576,7 +586,7 @@ class JobSpec(SpecModel):
         return env
 
     @model_validator(mode="after")
-    def _consistent(self) -> JobSpec:
+    def _consistent(self, info: ValidationInfo) -> JobSpec:
         if refused := self.kind.refusal(self):
             raise KeyProblem(*refused)
         if self.elastic.enabled and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
@@ -609,6 +619,8 @@ class JobSpec(SpecModel):
         longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:
             raise stated(POD_NAME_TOO_LONG % (longest, len(longest), DNS_LABEL_MAX))
+        if (info.context or {}).get(CLUSTER) and (problem := self.cluster_problem()):
+            raise problem
         return self
 
     @property
@@ -625,24 +637,30 @@ class JobSpec(SpecModel):
         """The longest pod hostname the operator derives (the chart's `ddpjob.fullname` checks the same)."""
         return self.kind.longest_replica(self).pod_name(self.name)
 
-    def cluster_run_dir_problem(self) -> str | None:
-        """Why training.checkpoint.dir cannot be the run directory of the job in a cluster, as `key: problem`; None
-        when it can. Not a problem for `ctl run`, which trains into any local folder."""
-        folder = self.training.checkpoint.dir
-        if not folder or is_s3(folder):
-            return None
+    def cluster_problem(self) -> KeyProblem | None:
+        """Why the job's run directory (or the dataset cache its prepare Job fills) would not be where every pod finds
+        it in a cluster; None when it is. Not a problem for `ctl run`, which trains into any local folder."""
+        folder, cache = self.training.checkpoint.dir, self.training.data.cache_dir
+        mount = posixpath.normpath(self.storage.mount_path)
         lost = "each pod would keep its checkpoints in its own file system, lost with the pod"
-        if self.storage.uri:
-            return (
-                f"training.checkpoint.dir: {folder} is a path, and with storage.uri the pods mount no volume: {lost};"
-                " name an s3:// URI, or leave it unset for <storage.uri>/<name>"
+        if folder and not is_s3(folder) and self.storage.uri:
+            return KeyProblem(
+                "training.checkpoint.dir",
+                f"{folder} is a path, and with storage.uri the pods mount no volume: {lost}; name an s3:// URI, or"
+                " leave it unset for <storage.uri>/<name>",
             )
-        mount = self.storage.mount_path
         # The volume's root is no run directory either: the default dataset cache, beside it, would be off the volume.
-        if not posixpath.normpath(folder).startswith(f"{mount}/"):
-            return (
-                f"training.checkpoint.dir: {folder} is not a folder under storage.mountPath ({mount}), the volume the"
-                f" pods share: {lost}; name a folder under it, or an s3:// URI"
+        if folder and not is_s3(folder) and not posixpath.normpath(folder).startswith(f"{mount}/"):
+            return KeyProblem(
+                "training.checkpoint.dir",
+                f"{folder} is not a folder under storage.mountPath ({mount}), the volume the pods share: {lost}; name"
+                " a folder under it, or an s3:// URI",
+            )
+        if self.prepare.enabled and cache and not f"{posixpath.normpath(cache)}/".startswith(f"{mount}/"):
+            return KeyProblem(
+                "training.data.cacheDir",
+                f"{cache} is not under storage.mountPath ({mount}): the prepare Job (prepare.enabled) hands its dataset"
+                " to the pods through the volume; name a folder under it, or leave it unset",
             )
         return None
 
@@ -832,10 +850,17 @@ def written_at(text: str, path: Sequence[str]) -> tuple[int, int]:
     return depth, line
 
 
-def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), layers: Sequence[Path] = ()) -> JobSpec:
+def load_spec(
+    path: Path,
+    sets: Sequence[str] = (),
+    files: Sequence[str] = (),
+    layers: Sequence[Path] = (),
+    cluster: bool = False,
+) -> JobSpec:
     """Read (`-`: standard input, as `kubectl apply -f -`), layer (--values files, in order), override (--set, then
     --set-file) and validate a job spec, in helm's order; every problem is one SpecError line, which names the flag,
-    or the file and line, that gave the key."""
+    or the file and line, that gave the key. `cluster`: for a cluster (render, submit), whose pods keep only what is
+    on their volume or in a bucket."""
     name = spec_name(path)
     texts = [(name, read_stdin() if name == STDIN else read_spec_text(path))]
     texts += [(str(layer), read_spec_text(layer)) for layer in layers]
@@ -848,13 +873,14 @@ def load_spec(path: Path, sets: Sequence[str] = (), files: Sequence[str] = (), l
     nulls = [path for layer in layered for path in null_paths(layer)]
     refuse_unknown_nulls(nulls + [o.path for o in sources.overrides if o.value is None], sources)
     values = apply_overrides(values, sources.overrides)
+    context = {CLUSTER: cluster}
     try:
         try:
-            return JobSpec.model_validate(values)
+            return JobSpec.model_validate(values, context=context)
         except ValidationError as exc:
             if not keep_text(values, sources.overrides, exc):
                 raise
-            return JobSpec.model_validate(values)
+            return JobSpec.model_validate(values, context=context)
     except ValidationError as exc:
         raise SpecError(f"{sources.of(error_path(exc))}: {describe_validation_error(exc, JobSpec)}") from None
 

@@ -549,6 +549,14 @@ def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path,
             "training.checkpoint.dir: /runs/../tmp/job is not a folder under storage.mountPath (/runs)",
         ),
         ({"training": TRAIN | {"checkpoint": {"dir": "/checkpoints/"}}}, "training.checkpoint.dir: /checkpoints/ is"),
+        (
+            {"storage": {"mountPath": "/runs/../ckpt"}, "training": TRAIN | {"checkpoint": {"dir": "/tmp/job"}}},
+            "training.checkpoint.dir: /tmp/job is not a folder under storage.mountPath (/ckpt)",
+        ),
+        (
+            {"prepare": {"enabled": True}, "training": TRAIN | {"data": TRAIN["data"] | {"cacheDir": "/cache"}}},
+            "training.data.cacheDir: /cache is not under storage.mountPath (/checkpoints): the prepare Job",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", [["render"], ["submit", "--dry-run", "client"]])
@@ -556,13 +564,27 @@ def test_a_run_directory_on_no_shared_volume_is_refused_for_a_cluster(
     tmp_path: Path, values: dict, message: str, command: list[str]
 ) -> None:
     """The pods saved their checkpoints into their own file systems (a path off the volume, or any path with
-    storage.uri, which mounts none) and lost them with each pod. `ctl run` trains into any local folder."""
+    storage.uri, which mounts none) and lost them with each pod; a prepare Job filled a cache the trainers never saw.
+    The line names the file's line, or the flag, that gave the key, as every other. `ctl run` trains into any local
+    folder."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"name": "job", "training": TRAIN} | values))
-    result = run_ctl(*command, str(spec), cwd=tmp_path)
+    text = yaml.safe_dump({"name": "job", "training": TRAIN} | values)
+    spec.write_text(text)
+    key = message.split(":")[0].rpartition(".")[2] + ":"
+    number = next(n for n, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith(key))
+    result = run_ctl(*command, "spec.yaml", cwd=tmp_path)
     assert result.returncode == EXIT_BAD_INPUT and not result.stdout
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"error: {message}"), line
+    assert line.startswith(f"error: spec.yaml:{number}: {message}"), line
+    assert load_spec(spec).training.checkpoint  # for `ctl run`: no problem
+
+
+def test_a_run_directory_set_by_a_flag_off_the_volume_names_the_flag(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "job", "training": TRAIN}))
+    result = run_ctl("render", str(spec), "--set", "training.checkpoint.dir=/x/job", cwd=tmp_path)
+    assert result.returncode == EXIT_BAD_INPUT and not result.stdout
+    assert result.stderr.startswith("error: --set 'training.checkpoint.dir=/x/job': training.checkpoint.dir: /x/job")
 
 
 def test_created_claim_is_kept_on_uninstall() -> None:

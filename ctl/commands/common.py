@@ -217,22 +217,15 @@ def command(cluster: bool = False) -> Callable[[Callable[..., None]], Callable[.
     return wrap
 
 
-def load_job(spec: Path, values: list[Path], set_values: list[str], set_files: list[str]) -> JobSpec:
-    """The validated spec (a SpecError: exit 2 with its one-line problem)."""
+def load_job(
+    spec: Path, values: list[Path], set_values: list[str], set_files: list[str], cluster: bool = False
+) -> JobSpec:
+    """The validated spec (a SpecError: exit 2 with its one-line problem); `cluster`: for render and submit, also
+    refused when the job would keep nothing there."""
     # Imported here: pydantic's import is most of `ctl --help`'s time otherwise.
     from ctl.spec import load_spec
 
-    return load_spec(spec, set_values, set_files, values)
-
-
-def load_cluster_job(spec: Path, values: list[Path], set_values: list[str], set_files: list[str]) -> JobSpec:
-    """load_job for a cluster (render, submit): also refused when the job would keep nothing there."""
-    job = load_job(spec, values, set_values, set_files)
-    if problem := job.cluster_run_dir_problem():
-        from trainer.spec import SpecError
-
-        raise SpecError(problem)
-    return job
+    return load_spec(spec, set_values, set_files, values, cluster)
 
 
 def note(message: str) -> None:

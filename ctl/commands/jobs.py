@@ -18,7 +18,7 @@ from ctl.commands.common import (
     ValuesOpt,
     command,
     fail,
-    load_cluster_job,
+    load_job,
     note,
     object_name,
     one_of,
@@ -73,7 +73,7 @@ def submit(
     if dry_run == "client" and replace:
         why = "--dry-run client only prints the objects (--dry-run server checks a replacement)"
         raise typer.BadParameter(why, param_hint="'--replace'")
-    job = load_cluster_job(spec, values, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files, cluster=True)
     target = None if dry_run == "client" else cluster.connect()
     if target is not None and "api_kind" not in job.model_fields_set:
         job = served_kind(target, job, spec)

@@ -17,7 +17,6 @@ from ctl.commands.common import (
     command,
     fail,
     given_path,
-    load_cluster_job,
     load_job,
     note,
     one_of,
@@ -185,7 +184,7 @@ def render(
 
     The objects carry no namespace: `kubectl apply -n NS` (or `ctl submit -n NS`) chooses it.
     """
-    job = load_cluster_job(spec, values, set_values, set_files)
+    job = load_job(spec, values, set_values, set_files, cluster=True)
     from ctl.render import render as render_spec
     from ctl.render import to_json, to_yaml
     from ctl.storage import render_note
