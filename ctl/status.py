@@ -21,6 +21,7 @@ from ctl.jobs import prepare_jobs, prepare_state
 from ctl.kinds import KINDS, JobKind, State, kind_of
 from ctl.names import EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND
 from ctl.progress import Progress, progress
+from ctl.tables import one_line
 
 BATCH_JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 SIGKILL_EXIT_CODE = 128 + signal.SIGKILL  # a container killed by SIGKILL, as the OOM killer does
@@ -249,7 +250,7 @@ def failure_cause(
         return cause
     condition = next((c for c in conditions if c["type"] == "Failed" and c["status"] == "True"), None)
     if condition:  # its message may hold lines (another controller's, a log's tail): one line here
-        return " ".join(f"{condition['reason']}: {condition['message']}".split())
+        return f"{condition['reason']}: {one_line(condition['message'])}"
     return "no pod says why (ctl status and ctl logs show what there is)"
 
 

@@ -20,7 +20,7 @@ def status_table(status: JobStatus) -> str:
     if status.prepare:
         lines.append(f"  prepare: {prepare_text(status.prepare)}")
     lines += [
-        f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {c['message'] or ''}" for c in status.conditions
+        f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {one_line(c['message'])}" for c in status.conditions
     ]
     lines.append(f"  {'POD':<32} {'PHASE':<10} {'RESTARTS':>8} {'EXIT':>5}  REASON")
     lines += [
@@ -34,8 +34,8 @@ def status_table(status: JobStatus) -> str:
 
 
 def one_line(text: str | None) -> str:
-    """A message of several lines (an operator's event quotes a container's termination message whole) as its first
-    and last: one line of the table each."""
+    """A message of several lines (an operator's event quotes a container's termination message whole; a condition
+    may hold another controller's lines) as its first and last: one line of a table, or of a cause."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
 
@@ -68,7 +68,7 @@ def progress_text(progress: Progress) -> str:
 def prepare_text(prepare: PrepareStatus) -> str:
     """The prepare Job in one line: `job/NAME Failed (exit code 137; BackoffLimitExceeded: ...)`."""
     why = [f"exit code {prepare.pod.exit_code}"] if prepare.pod and prepare.pod.exit_code else []
-    why += [f"{prepare.reason}: {prepare.message}"] if prepare.reason else []
+    why += [f"{prepare.reason}: {one_line(prepare.message)}"] if prepare.reason else []
     return f"job/{prepare.name} {prepare.state.value}" + (f" ({'; '.join(why)})" if why else "")
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ctl.kinds import State
 from ctl.kinds.pytorchjob import PYTORCHJOB, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
-from ctl.status import failure_cause, pod_status, quoted_cause
-from ctl.tables import age
+from ctl.status import JobStatus, PrepareStatus, failure_cause, pod_status, quoted_cause
+from ctl.tables import age, status_table
 
 NO_FILE = "error: training.data.train: no file matches '/data/x.txt'"
 STOPPED = "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
@@ -48,7 +49,12 @@ def test_the_cause_is_a_failure_before_a_stop_whichever_pod_comes_first() -> Non
     assert failure_cause([], None, FAILED, None) == "PyTorchJobFailed: backoff limit reached"
     # A condition's message of several lines made `ctl wait`'s line, and `status`'s cause, several.
     lines = [FAILED[0] | {"message": "1 Master replica(s) failed.\nsecond line\n"}]
-    assert failure_cause([], None, lines, None) == "PyTorchJobFailed: 1 Master replica(s) failed. second line"
+    assert failure_cause([], None, lines, None) == "PyTorchJobFailed: 1 Master replica(s) failed. ... second line"
+    # And the table's line of that condition, and of a prepare Job's, were several.
+    prepare = PrepareStatus("j-prepare", State.FAILED, "BackoffLimitExceeded", "first\nlast", None)
+    table = status_table(JobStatus("j", "ns", "PyTorchJob", State.FAILED, None, None, prepare, lines, {}, [], [], None))
+    assert "  Failed      True   PyTorchJobFailed: 1 Master replica(s) failed. ... second line" in table.splitlines()
+    assert "  prepare: job/j-prepare Failed (BackoffLimitExceeded: first ... last)" in table.splitlines()
 
 
 def event(pod_name: str, code: int, message: str, at: str) -> dict[str, Any]:
