@@ -28,9 +28,10 @@ from ctl.kinds import DEFAULT_KIND, KINDS, JobKind
 
 FIELD_MANAGER = "ctl"
 DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUBECONFIG
-# An API server that does not answer is one line after these, not a hang. Reaching it (TCP and TLS): kubectl's
-# TLS handshake bound; a failed attempt is tried once more (urllib3's default: 3 more, each waiting as long), and
-# so is a request without an answer: urllib3 counts a TLS handshake that never ends as one.
+# An API server that does not answer is one line after these, not a hang. Reaching it (TCP): kubectl's TLS
+# handshake bound; a failed attempt is tried once more (urllib3's default: 3 more, each waiting as long), and so is
+# a read without an answer (GET, DELETE; urllib3 sends an apply's PATCH once). A TLS handshake that never ends is
+# bounded by the connect timeout but reported by urllib3 as a read's ("no answer from", read timeout=10.0).
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_RETRIES = 1
 READ_TIMEOUT_S = 60.0  # one answer to a request (a list, an apply, a delete), streamed bodies aside
@@ -118,6 +119,8 @@ class Target:
 def unreachable(exc: Exception) -> str:
     """Why a request got no answer, without urllib3's wrapping (the pool, the URL, the connection object)."""
     cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason else exc  # the last try's
+    if isinstance(cause, urllib3.exceptions.PoolError):  # a read timeout: "<pool>: why", one argument
+        return str(cause).removeprefix(f"{cause.pool}: ")
     last = cause.args[-1] if cause.args else None
     return last if isinstance(last, str) and isinstance(cause, urllib3.exceptions.HTTPError) else str(cause)
 

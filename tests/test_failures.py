@@ -397,7 +397,8 @@ def test_an_answer_that_never_comes_ends_at_the_read_timeout(tmp_path: Path, mon
         (tmp_path / "config.yaml").write_text(KUBECONFIG.replace("https://127.0.0.1:1", f"http://127.0.0.1:{port}"))
         target = cluster.connect(str(tmp_path / "config.yaml"), None, None)
         # Reached, and it did not answer: not "cannot reach".
-        with pytest.raises(cluster.ClusterError, match=r"^no answer from .*: Read timed out. \(read timeout=0.5\)$"):
+        no_answer = rf"^no answer from the API server http://127.0.0.1:{port}: Read timed out. \(read timeout=0.5\)$"
+        with pytest.raises(cluster.ClusterError, match=no_answer):
             pool.submit(target.call, "/api/v1/namespaces").result(timeout=10)
         with pytest.raises(cluster.ClusterError, match=r": Read timed out. \(read timeout=0.25\)$"):
             pool.submit(target.open, metrics, [], timeout=0.25).result(timeout=10)
