@@ -569,7 +569,18 @@ BAD = {
     "json-array-not-closed": (
         "rows.json",
         lambda p: p.write_text('[{"text": "a"}, {"text": "b"'),
-        "rows.json:1: invalid",
+        "rows.json:1: invalid JSON: Expecting ',' delimiter at column 29",
+    ),
+    # All on one line, as json.dump writes it: the column, also past the first chunk read (1 MiB).
+    "json-array-on-one-line": (
+        "rows.json",
+        lambda p: p.write_text('[{"text": "a"}, {"text": tru}]'),
+        "rows.json:1: invalid JSON: Expecting value at column 26",
+    ),
+    "json-array-on-one-line-past-a-chunk": (
+        "rows.json",
+        lambda p: p.write_text(f'[{{"text": "a"}}, {{"text": "{"x" * (1 << 20)}"}}, {{"text": tru}}]'),
+        f"rows.json:1: invalid JSON: Expecting value at column {(1 << 20) + 40}",
     ),
     "json-array-extra": (
         "rows.json",

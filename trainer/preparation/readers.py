@@ -237,10 +237,11 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     parser = json.JSONDecoder()
     buffer, start, line, offset = "", 0, 1, 0  # offset: bytes read; line: the line of buffer[start]
+    column = 1  # of buffer[0], in its line
 
     def more() -> bool:
         """Read on (at least as much as is unread, so a long element costs a few decodes, not one per chunk)."""
-        nonlocal buffer, start, offset
+        nonlocal buffer, start, offset, column
         raw = file.read(max(JSON_CHUNK, len(buffer) - start))
         try:
             text = decoder.decode(raw, final=not raw)
@@ -250,6 +251,8 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
         if not raw:  # the end: what was read stays as it is, for a message's line
             return False
         offset += len(raw)
+        newline = buffer.rfind("\n", 0, start)
+        column = start - newline if newline >= 0 else column + start
         buffer, start = buffer[start:] + text, 0
         return True
 
@@ -268,9 +271,9 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
 
     def invalid(message: str, position: int) -> SpecError:
         where = line + buffer.count("\n", start, position)
-        newline = buffer.rfind("\n", 0, position)  # the buffer may begin inside the line: then its column is unknown
-        column = position - newline if newline >= 0 else None
-        return SpecError(f"{key}: {path}:{where}: invalid JSON: {json_problem(message, column)}")
+        newline = buffer.rfind("\n", 0, position)  # none: the line began before the buffer, at buffer[0]'s column
+        at = position - newline if newline >= 0 else column + position
+        return SpecError(f"{key}: {path}:{where}: invalid JSON: {json_problem(message, at)}")
 
     with _opened(path, key) as (file, consumed):
         next_character()  # the array's "[", as _first_character found
@@ -304,11 +307,9 @@ def _json_array(path: Path, key: str) -> Iterator[tuple[str, dict[str, Any], int
             raise invalid("Extra data", start)
 
 
-def json_problem(message: str, column: int | None) -> str:
-    """json's message with its column where known: some end in "at" ("Unterminated string starting at"), for the
-    position that json's own text of the error adds."""
-    if column is None:
-        return message.removesuffix(" starting at").removesuffix(" at")
+def json_problem(message: str, column: int) -> str:
+    """json's message with its column: some end in "at" ("Unterminated string starting at"), for the position that
+    json's own text of the error adds."""
     return f"{message} column {column}" if message.endswith(" at") else f"{message} at column {column}"
 
 
