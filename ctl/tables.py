@@ -84,8 +84,11 @@ def trainer_status_text(status: dict[str, Any]) -> str:
 
 
 def age(seconds: int) -> str:
-    """A duration as kubectl's AGE column gives it (its HumanDuration): 45s, 5m30s, 42m, 3h20m, 20h, 5d4h, 336d, 3y."""
+    """A duration as kubectl's AGE column gives it (its HumanDuration): 45s, 5m30s, 42m, 3h20m, 20h, 5d4h, 336d,
+    2y70d, 9y; a creation time ahead of this clock by a second is 0s, by more <invalid>."""
     minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 0:
+        return "0s" if seconds == -1 else "<invalid>"
     if seconds < 120:
         return f"{seconds}s"
     if minutes < 10:
@@ -98,7 +101,9 @@ def age(seconds: int) -> str:
         return f"{hours}h"
     if hours < 192:
         return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
-    return f"{days}d" if days < 730 else f"{days // 365}y"
+    if days < 730:
+        return f"{days}d"
+    return f"{days // 365}y{days % 365}d" if days < 2920 and days % 365 else f"{days // 365}y"
 
 
 def list_table(rows: list[JobRow]) -> str:

@@ -77,6 +77,9 @@ def test_the_operators_events_quote_the_termination_message_whose_last_line_is_t
 
 
 def test_ages_read_as_kubectl_gives_them() -> None:
-    """`ctl list` gave seconds: 29069957s, wider than its column."""
-    seconds = [45, 330, 600, 2520, 12000, 28800, 72000, 446400, 29069957, 94608000]
-    assert [age(s) for s in seconds] == ["45s", "5m30s", "10m", "42m", "3h20m", "8h", "20h", "5d4h", "336d", "3y"]
+    """`ctl list` gave seconds: 29069957s, wider than its column; then 2y for 2y70d, and -5s for a job created ahead
+    of this machine's clock (as k8s.io/apimachinery's HumanDuration gives them)."""
+    seconds = [45, 330, 600, 2520, 12000, 28800, 72000, 446400, 29069957, 94608000, 800 * 86400, 3290 * 86400, -1, -5]
+    assert [age(s) for s in seconds] == [
+        *("45s", "5m30s", "10m", "42m", "3h20m", "8h", "20h", "5d4h", "336d", "3y", "2y70d", "9y", "0s", "<invalid>")
+    ]
