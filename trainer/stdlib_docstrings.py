@@ -52,7 +52,7 @@ def build(out_dir: Path) -> dict[str, Path]:
         path = out_dir / f"{split}.jsonl"
         rows = [json.dumps({"text": e["text"], "label": e["label"]}) for e in examples if e["split"] == split]
         text = "\n".join(rows) + "\n"
-        # Unchanged files keep their modification time: the prepared data's fingerprint stays valid.
+        # Written only when new or changed: a start writes nothing it need not.
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             staging = path.with_suffix(".tmp")
             staging.write_text(text, encoding="utf-8")
