@@ -272,12 +272,19 @@ class Checkpointer:
 
     def committed(self) -> list[tuple[int, str]]:
         """(step, folder name) of every complete checkpoint, oldest first."""
-        found = []
+        return self.survey()[0]
+
+    def survey(self) -> tuple[list[tuple[int, str]], list[str]]:
+        """The complete checkpoints, as `committed`, and the names of the store's other checkpoint folders (a save
+        or a prune cut short) and temporary ones."""
+        complete, other = [], []
         for name in self.store.names():
             match = CHECKPOINT_NAME.fullmatch(name)
             if match and self.is_complete(name):
-                found.append((int(match.group(1)), name))
-        return sorted(found)
+                complete.append((int(match.group(1)), name))
+            elif match or name.startswith((".step-", ".trash-")):
+                other.append(name)
+        return sorted(complete), other
 
     def is_complete(self, name: str) -> bool:
         """Whether `name` is a checkpoint: its marker, and every file it lists at its size. One that is not is
@@ -294,18 +301,14 @@ class Checkpointer:
         """Rank 0 removes what interrupted saves and prunes left behind (in the bucket too: an upload cut before its
         marker); every rank waits for it. The checkpoint folders it removed, by name (rank 0's), for the log: one on a
         volume was complete once (a save renames a finished folder into place), and its loss is worth a line."""
-        removed, complete = [], []
+        removed: list[str] = []
         if self.dist.is_main:
-            for name in self.store.names():
-                match = CHECKPOINT_NAME.fullmatch(name)
-                if match and self.is_complete(name):
-                    complete.append((int(match.group(1)), name))
-                elif match or name.startswith((".step-", ".trash-")):
-                    self.store.delete(name, MARKER)
-                    if match:
-                        removed.append(name)
+            complete, other = self.survey()
+            for name in other:
+                self.store.delete(name, MARKER)
+            removed = [name for name in other if CHECKPOINT_NAME.fullmatch(name)]
             if complete:
-                self.name_latest(max(complete)[1])
+                self.name_latest(complete[-1][1])
         barrier(self.dist)
         return removed
 
