@@ -254,7 +254,12 @@ def test_resume_on_a_smaller_world_size_continues_from_the_same_step(
 
 @pytest.mark.parametrize(
     ("epochs", "step", "epoch", "position", "planned"),
-    [(2, 7, 1, 16, 8), (4, 7, 1, 16, 12), (1, 7, 1, 16, 7), (1, 3, 0, 12, 4), (2, 3, 0, 12, 6), (1, 9, 2, 0, 9)],
+    [
+        *((2, 7, 1, 16, 8), (4, 7, 1, 16, 12), (1, 7, 1, 16, 7), (1, 3, 0, 12, 4), (2, 3, 0, 12, 6), (1, 9, 2, 0, 9)),
+        # Saved past the end of this split (it shrank under allowConfigChange): the next epoch begins; never a plan
+        # below the saved step.
+        *((1, 7, 0, 48, 7), (2, 7, 0, 48, 9)),
+    ],
 )
 def test_a_resume_on_another_global_batch_plans_the_epochs_the_spec_asks(
     epochs: int, step: int, epoch: int, position: int, planned: int
@@ -272,6 +277,23 @@ def test_a_resume_on_another_global_batch_plans_the_epochs_the_spec_asks(
     # The same global batch: the epochs' steps, from epoch 0.
     saved.samples_per_step = 16
     assert planned_steps(spec, examples=40, global_batch=16, saved=saved) == 2 * epochs
+
+
+@pytest.mark.parametrize(("epochs", "accum", "planned"), [(2, 2, 5), (10, 3, 16), (10, 6, 8), (3, 1, 15)])
+def test_the_plan_with_gradient_accumulation_is_the_batches_the_data_gives(
+    epochs: int, accum: int, planned: int
+) -> None:
+    """A step's gradAccum batches cross an epoch's end (TrainBatches is one stream): `epochs` epochs of 5 batches are
+    epochs x 5 batches, and the plan rounded each epoch down (2 epochs, accum 2: 4 steps, 1.6 epochs; accum 6 over
+    10 epochs: 1 step). A resume on another global batch counts the same."""
+    from trainer.loop import planned_steps
+    from trainer.spec import TrainingSpec
+
+    values = {"task": "char-gpt", "data": {"train": "a.txt"}, "epochs": epochs, "gradAccum": accum}
+    spec = TrainingSpec.model_validate(values)
+    assert planned_steps(spec, examples=40, global_batch=8, saved=None) == planned
+    resumed = TrainerState(step=0, epoch=0, position=0, samples_per_step=4 * accum)
+    assert planned_steps(spec, examples=40, global_batch=8, saved=resumed) == planned
 
 
 def test_resume_with_changed_settings_is_refused_unless_allowed(

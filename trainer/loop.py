@@ -177,17 +177,19 @@ def gather_predictions(pairs: list[tuple[int, int]], dist: Dist, size: int) -> l
 
 
 def planned_steps(spec: TrainingSpec, examples: int, global_batch: int, saved: TrainerState | None) -> int:
-    """`maxSteps`, else `epochs` worth of steps over `examples` training examples. A resume on another global batch
-    (world size, or settings changed under allowConfigChange) takes the steps of this batch that finish `epochs` from
-    where the checkpoint stands, counted as TrainBatches gives them: the full global batches left of each epoch."""
+    """`maxSteps`, else the steps that take `epochs` of `examples` training examples as TrainBatches gives them: the
+    full global batches of each epoch, in one stream that a step's gradAccum batches may cross an epoch's end in. A
+    resume on another global batch (world size, or settings changed under allowConfigChange) takes the steps of this
+    batch that finish `epochs` from where the checkpoint stands."""
     if spec.max_steps:
         return spec.max_steps
     batches_per_epoch = examples // global_batch
     if saved is None or saved.samples_per_step == global_batch * spec.grad_accum:
-        return max(1, spec.epochs * (batches_per_epoch // spec.grad_accum))
+        return max(1, spec.epochs * batches_per_epoch // spec.grad_accum)
     if saved.epoch >= spec.epochs:
         return saved.step
-    rest = (examples - saved.position) // global_batch + (spec.epochs - saved.epoch - 1) * batches_per_epoch
+    # A saved place past this split's end (it shrank under allowConfigChange): TrainBatches begins the next epoch.
+    rest = max(0, examples - saved.position) // global_batch + (spec.epochs - saved.epoch - 1) * batches_per_epoch
     return saved.step + rest // spec.grad_accum
 
 
@@ -303,7 +305,7 @@ class Trainer:
     def plan(self, resumed: TrainerState | None) -> None:
         """The planned steps, from where the resumed checkpoint stood (the attached state holds it); a line on them."""
         state, dist = self.state, self.dist
-        steps_per_epoch = self.batches.batches_per_epoch // self.spec.grad_accum
+        steps_per_epoch = self.batches.batches_per_epoch / self.spec.grad_accum  # >= 1 batch: TrainBatches checks it
         state.max_steps = planned_steps(self.spec, len(self.batches.dataset), self.batches.global_batch, resumed)
         state.world_size, state.samples_per_step = dist.world_size, self.samples_per_step
         if resumed is not None:
@@ -314,7 +316,7 @@ class Trainer:
             )
         to_go = f", {max(0, state.max_steps - state.step)} to go" if resumed is not None else ""
         self.log(
-            f"training {state.max_steps} steps ({state.max_steps / max(steps_per_epoch, 1):.2f} epochs){to_go}: world"
+            f"training {state.max_steps} steps ({state.max_steps / steps_per_epoch:.2f} epochs){to_go}: world"
             f" size {dist.world_size}, {self.samples_per_step} examples per step,"
             f" {len(self.batches.dataset)} train / {len(self.val_set)} val"
         )
