@@ -462,8 +462,9 @@ def test_each_file_is_read_once_however_named_and_a_name_with_glob_characters_is
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file named relative and absolute, through `..` or a link, was read (and trained on) once per name; a folder
-    linking to itself, 41 times (`**` follows it to the system's limit), and two such links were 2^40 paths: a hang.
-    `b[1].txt`, given as it is, was refused as "not a regular file": its name was read as a glob only."""
+    linking to itself, 41 times (`**` follows it to the system's limit), and two such links were 2^40 paths: a hang;
+    so were folders linking to each other (n! paths). `b[1].txt`, given as it is, was refused as "not a regular
+    file": its name was read as a glob only."""
     from trainer.text import expand_paths
 
     data = tmp_path / "data"
@@ -471,23 +472,26 @@ def test_each_file_is_read_once_however_named_and_a_name_with_glob_characters_is
     for name in ("a.txt", "b[1].txt", "b1.txt"):
         (data / name).write_text(name)
     (data / "link.txt").symlink_to(data / "a.txt")
-    (data / "sub").mkdir()
-    (data / "sub" / "c.txt").write_text("c")
+    siblings = [data / f"s{i}" for i in range(12)]
+    for folder in [data / "sub", *siblings]:
+        folder.mkdir()
+        (folder / f"{folder.name}.txt").write_text(folder.name)
     for link, folder in (("loop", data), ("loop2", data), ("sub/up", data), ("sub/.hidden", data)):
         (data / link).symlink_to(folder)
+    for one, other in itertools.permutations(siblings, 2):
+        (one / other.name).symlink_to(other)
     monkeypatch.chdir(tmp_path)
     names = ["data/a.txt", str(data / "a.txt"), f"{data}/../data/a.txt", str(data / "link.txt")]
     assert expand_paths(names, "k") == [Path("data/a.txt")]
-    assert expand_paths([str(data)], "k") == [
-        data / "a.txt",
-        data / "b1.txt",
-        data / "b[1].txt",
-        data / "sub" / "c.txt",
-    ]
-    assert expand_paths(["data/**/c.txt", "**/a.txt", "data/sub/*"], "k") == [
+    plain = [data / name for name in ("a.txt", "b1.txt", "b[1].txt")]
+    assert expand_paths([str(data)], "k") == sorted([*plain, *(f / f"{f.name}.txt" for f in [data / "sub", *siblings])])
+    assert expand_paths(["data/**/sub.txt", "**/a.txt", "data/sub/*"], "k") == [
         Path("data/a.txt"),
-        Path("data/sub/c.txt"),
+        Path("data/sub/sub.txt"),
     ]
+    # What names a folder itself after a `**` (`.`, `..`, an empty part) is no link to follow.
+    assert expand_paths(["data/**//a.txt", "data/**/./b1.txt"], "k") == [Path("data/a.txt"), Path("data/b1.txt")]
+    assert [path.resolve() for path in expand_paths(["data/**/../sub/*.txt"], "k")] == [data / "sub" / "sub.txt"]
     assert expand_paths([str(data / "b[1].txt")], "k") == [data / "b[1].txt"]
     assert expand_paths([str(data / "b[1]*")], "k") == [data / "b1.txt"]  # a glob still, when no file has the name
 

@@ -178,9 +178,9 @@ class DataSpec(SpecModel):
     )
     train: list[Source] = Field(
         default_factory=list,
-        description="Training files: paths, directories (the files under one), globs (`**` recurses, but not into a"
-        " link to a folder above), or s3:// URIs (an object, a prefix ending in /, or a glob), downloaded once into the"
-        " node's cache. A file is read once, however many of these name it (a link, another spelling).",
+        description="Training files: paths, directories (the files under one), globs (`**` recurses, into each folder"
+        " once however many links lead there), or s3:// URIs (an object, a prefix ending in /, or a glob), downloaded"
+        " once into the node's cache. A file is read once, however many of these name it (a link, another spelling).",
     )
     val: list[Source] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[Source] = Field(default_factory=list, description="classification: files for the final report.")

@@ -11,10 +11,10 @@ import glob
 import json
 import os
 import socket
-import stat
 import sysconfig
 import urllib.parse
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,10 @@ def expand_paths(patterns: list[str], key: str) -> list[Path]:
         if not folder and os.path.isfile(expanded):  # a file, even one whose name has `[`, `*` or `?` in it
             files.add(Path(expanded))
             continue
-        found = recursive_glob(expanded, ["**", "*"]) if folder else pattern_matches(expanded)
+        try:
+            found = recursive_glob(expanded, ["**", "*"]) if folder else pattern_matches(expanded)
+        except RecursionError:  # a Python frame or two a folder
+            raise SpecError(f"{key}: {expanded!r}: its folders nest deeper than can be walked") from None
         matches = [Path(p) for p in found if Path(p).is_file()]
         if not matches:
             raise SpecError(f"{key}: {no_match(expanded, folder)}")
@@ -70,38 +73,49 @@ def pattern_matches(pattern: str) -> list[str]:
     return recursive_glob(os.sep.join(parts[:literal]) or os.sep, parts[literal:])
 
 
-def recursive_glob(folder: str, parts: list[str], above: frozenset[tuple[int, int]] = frozenset()) -> list[str]:
+def recursive_glob(folder: str, parts: list[str]) -> list[str]:
     """The paths under `folder` that match the pattern's `parts`, as glob's (`**`: any folders, hidden ones aside;
-    `*`: no hidden name), except that a link to a folder above is not followed: glob follows each to the system's
-    limit of 40 links, which with two of them is 2^40 paths (a hang). `once_each` makes one of the other names."""
-    try:
-        info = os.stat(folder)
-    except OSError:
-        return []
-    here = (info.st_dev, info.st_ino)
-    if not stat.S_ISDIR(info.st_mode) or here in above:
-        return []
-    return folder_matches(folder, parts, above | {here})
+    `*`: no hidden name), except that a `**` enters each folder once: glob follows links to folders above to the
+    system's limit of 40 (two of them: 2^40 paths, a hang), and links between folders along every path (n folders
+    that link to each other: n! paths). Links are followed after every real folder, so a file keeps its plainest
+    name."""
+    walked: set[tuple[int, int, int]] = set()  # (device, inode, parts left) of the folders a `**` entered
+    links: deque[tuple[str, list[str]]] = deque()  # the links to folders a `**` is to enter after the real ones
 
+    def matches(folder: str, parts: list[str]) -> list[str]:
+        head, rest = parts[0], parts[1:] or (["*"] if parts[0] == "**" else [])  # files: what a trailing `**` gives
+        try:
+            if head == "**":
+                with os.scandir(folder) as entries:
+                    subfolders = [(e.path, e.is_symlink()) for e in entries if e.name[0] != "." and e.is_dir()]
+                links.extend((sub, parts) for sub, link in sorted(subfolders) if link)
+                found = matches(folder, rest)  # no folder between
+                return found + [path for sub, link in sorted(subfolders) if not link for path in walk(sub, parts)]
+            if glob.has_magic(head):
+                hidden = head.startswith(".")
+                names = [n for n in os.listdir(folder) if fnmatch.fnmatchcase(n, head) and (hidden or n[0] != ".")]
+            else:
+                names = [head] if os.path.lexists(os.path.join(folder, head)) else []
+        except OSError:  # a folder this process may not list, or no folder: as glob, nothing in it matches
+            return []
+        paths = [os.path.join(folder, name) for name in names]
+        return [found for path in paths for found in matches(path, rest)] if rest else paths
 
-def folder_matches(folder: str, parts: list[str], above: frozenset[tuple[int, int]]) -> list[str]:
-    """recursive_glob's matches in `folder`, a folder not above itself."""
-    head, rest = parts[0], parts[1:] or (["*"] if parts[0] == "**" else [])  # files are what a trailing `**` gives
-    try:
-        if head == "**":
-            with os.scandir(folder) as entries:
-                subfolders = sorted(e.path for e in entries if not e.name.startswith(".") and e.is_dir())
-            found = folder_matches(folder, rest, above)  # no folder between
-            return found + [path for sub in subfolders for path in recursive_glob(sub, parts, above)]
-        if glob.has_magic(head):
-            hidden = head.startswith(".")
-            names = [n for n in os.listdir(folder) if fnmatch.fnmatchcase(n, head) and (hidden or n[0] != ".")]
-        else:
-            names = [head] if os.path.lexists(os.path.join(folder, head)) else []
-    except OSError:  # a folder this process may not list: as glob, nothing in it matches
-        return []
-    paths = [os.path.join(folder, name) for name in names]
-    return [found for path in paths for found in recursive_glob(path, rest, above)] if rest else paths
+    def walk(folder: str, parts: list[str]) -> list[str]:
+        """A folder a `**` goes into, unless it went into it before."""
+        try:
+            info = os.stat(folder)
+        except OSError:
+            return []
+        if (info.st_dev, info.st_ino, len(parts)) in walked:
+            return []
+        walked.add((info.st_dev, info.st_ino, len(parts)))
+        return matches(folder, parts)
+
+    found = walk(folder, parts) if parts[0] == "**" else matches(folder, parts)
+    while links:
+        found += walk(*links.popleft())
+    return found
 
 
 def once_each(files: set[Path]) -> list[Path]:
