@@ -29,7 +29,7 @@ def rendered_example(example: Path) -> str:
         f"#   ctl render {relative} --set image.repository=REGISTRY/ddpjob \\\n"
         "#     | kubectl apply --server-side -n ddpjob -f -\n"
     )
-    return header + to_yaml(render(load_spec(example)))
+    return header + to_yaml(render(load_spec(example, cluster=True)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -251,10 +251,13 @@ class StorageSpec(SpecModel):
     @field_validator("mount_path")
     @classmethod
     def _not_the_pods_own(cls, path: str) -> str:
-        """Two volumes at one path: the API server refuses the pods when the operator creates them."""
+        """Two volumes at one path: the API server refuses the pods when the operator creates them. And a path with
+        `.`, `..` or `//` in it, which the API server takes as it is: the run directory's checks compare plain paths."""
         if match := re.match(POD_MOUNT_PATH, path):
             own = next(name for name, mount in POD_MOUNTS.items() if mount == match.group(1))
             raise ValueError(f"{path!r} is where every pod mounts its {own} volume: choose another, e.g. /checkpoints")
+        if (plain := posixpath.normpath(path)) != path:
+            raise ValueError(f"{path!r} is {plain!r} once its '.', '..' and '//' are resolved: write that")
         return path
 
     @field_validator("uri")
@@ -641,7 +644,7 @@ class JobSpec(SpecModel):
         """Why the job's run directory (or the dataset cache its prepare Job fills) would not be where every pod finds
         it in a cluster; None when it is. Not a problem for `ctl run`, which trains into any local folder."""
         folder, cache = self.training.checkpoint.dir, self.training.data.cache_dir
-        mount = posixpath.normpath(self.storage.mount_path)
+        mount = self.storage.mount_path
         lost = "each pod would keep its checkpoints in its own file system, lost with the pod"
         if folder and not is_s3(folder) and self.storage.uri:
             return KeyProblem(
