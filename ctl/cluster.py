@@ -110,15 +110,19 @@ class Target:
                 raise NotFound(f"{method} {path}: not found: {api_message(exc)}") from None
             raise ClusterError(f"{method} {path}: {exc.status} {exc.reason}: {api_message(exc)}") from None
         except (OSError, urllib3.exceptions.HTTPError) as exc:  # connection refused, DNS, TLS; or no answer in time
-            cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
+            cause = last_try(exc)
             reached = isinstance(cause, urllib3.exceptions.ReadTimeoutError)
             what = "no answer from the API server" if reached else "cannot reach the API server"
-            raise ClusterError(f"{what} {self.api.configuration.host}: {unreachable(exc)}") from None
+            raise ClusterError(f"{what} {self.api.configuration.host}: {unreachable(cause)}") from None
 
 
-def unreachable(exc: Exception) -> str:
-    """Why a request got no answer, without urllib3's wrapping (the pool, the URL, the connection object)."""
-    cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason else exc  # the last try's
+def last_try(exc: Exception) -> Exception:
+    """The error of a request's last try (urllib3 wraps it when it was tried more than once)."""
+    return exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason else exc
+
+
+def unreachable(cause: Exception) -> str:
+    """Why a request's try got no answer, without urllib3's wrapping (the pool, the URL, the connection object)."""
     if isinstance(cause, urllib3.exceptions.PoolError):  # a read timeout: "<pool>: why", one argument
         return str(cause).removeprefix(f"{cause.pool}: ")
     last = cause.args[-1] if cause.args else None
