@@ -73,11 +73,11 @@ HELM_LIST = re.compile(r"\{([^:{}\[\]]*[^:{}\[\]\s][^:{}\[\]]*)\}")
 HELM_PAIRS = re.compile(r",\s*([A-Za-z][\w.]*)=")  # helm's --set a=1,b=2: two keys in one flag
 # Kubernetes object names derived from the job name must stay valid DNS-1035 labels.
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# The validation context's key that says the spec is for a cluster (load_spec's `cluster`).
+CLUSTER = "cluster"
 # Variables that carry credentials (W&B's WANDB_API_KEY, MLflow's MLFLOW_TRACKING_TOKEN/_PASSWORD, HF_TOKEN,
 # AWS_SECRET_ACCESS_KEY...): by reference only, so that no secret is a value in the spec, the rendered objects
 # or Helm's release record.
-# The validation context's key that says the spec is for a cluster (load_spec's `cluster`).
-CLUSTER = "cluster"
 CREDENTIAL_ENV = re.compile(r"(^|_)(TOKEN|API_KEY|PASSWORD|SECRET|ACCESS_KEY)$")
 PROMETHEUS_DURATION = pattern(r"^([0-9]+(ms|s|m|h|d|w|y))+$", "a Prometheus duration, e.g. 30s, 5m or 1h30m")
 PROMETHEUS_LABEL = pattern(r"^[a-zA-Z_][a-zA-Z0-9_]*$", "a Prometheus label name: letters, digits, _; no digit first")
