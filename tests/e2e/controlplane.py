@@ -63,6 +63,7 @@ from ctl.kinds import KINDS
 from ctl.processes import free_port
 
 ADMIN_USER = "ddpjob-e2e-admin"
+PLANE_STOP_GRACE_S = 2
 # The controller-manager's own identity, bound by the API server's bootstrap RBAC policy (role and binding
 # system:kube-controller-manager); its controllers act as their kube-system service accounts.
 CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
@@ -222,8 +223,10 @@ class ControlPlane:
         # server, etcd: the reverse of the start.
         if self.node is not None:
             self.node.stop()
+        # A plane is thrown away with its directory, so its processes get 2 s, not 10: the controller-manager, the
+        # JobSet controller and etcd each used the whole 10 before the SIGKILL (20-30 s a plane, 3 planes a run).
         for name in reversed(list(self.processes)):
-            terminate_group(self.processes.pop(name))
+            terminate_group(self.processes.pop(name), grace_s=PLANE_STOP_GRACE_S)
 
 
 def pki(directory: Path) -> dict[str, KeyPair]:
