@@ -137,9 +137,10 @@ def test_rows_labelled_with_numbers_keep_them_in_order(tmp_path, docstrings) -> 
     assert [config["id2label"][str(i)] for i in range(len(labels))] == labels
 
 
-@pytest.mark.parametrize("procs", [1, 2, 3])
+@pytest.mark.parametrize("procs", [1, 3])
 def test_report_is_the_same_for_any_number_of_processes(tmp_path, trained, docstrings, procs) -> None:
-    """The trained model re-evaluated (one step at a negligible LR) on 1, 2 and 3 ranks: 7 test documents."""
+    """The trained model re-evaluated (one step at a negligible LR) on 1 and 3 ranks gives the report its training on
+    2 ranks gave (the reference: a third run on 2 would repeat it): 7 test documents, uneven over 3."""
     spec = classification_spec(
         docstrings, model={"pretrained": str(trained / "final"), "blockSize": 64}, maxSteps=1, batchSize=2
     ) | {"procsPerNode": procs}
