@@ -1491,11 +1491,13 @@ def test_a_pod_that_cannot_start_says_why(cluster: Cluster, namespace: str, tmp_
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
 
-    followed = ctl("submit", str(spec), "--follow", "--timeout", "25")  # the pull is refused at once
+    timeout_s = 25  # the pull is refused at once
+    followed = ctl("submit", str(spec), "--follow", "--timeout", str(timeout_s))
     assert followed.returncode == EXIT_NOT_FINISHED, followed.stderr
     told = rf"^master-0 of {name} is not starting: (ErrImagePull|ImagePullBackOff): \S"
     assert re.search(told, followed.stderr, re.M), followed.stderr
-    assert re.search(rf"error: {name} is still \w+ after 25 s \(--timeout\)\n$", followed.stderr), followed.stderr
+    ended = rf"error: {name} is still \w+ after {timeout_s} s \(--timeout\)\n$"
+    assert re.search(ended, followed.stderr), followed.stderr
     table = ctl("status", name).stdout
     assert re.search(rf"  {name}-master-0 +Pending +0 +(ErrImagePull|ImagePullBackOff)\n", table), table
     assert re.search(rf"^  {name}-master-0: \S", table, re.M), table  # the runtime's message, one line
