@@ -12,17 +12,24 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-# A test run in miniature: a module fixture standing for the control plane, whose teardown takes a moment, and a
-# test that forks a child (which must still end by SIGTERM as before) and then waits to be stopped.
+# A test run in miniature: a module fixture standing for the control plane (it asks for the plane's SIGTERM handling
+# as controlplane.start does), whose teardown takes a moment, and a test that forks a child (which must still end by
+# SIGTERM as before) and then waits to be stopped.
 STOPPED_RUN = """
 import os, signal, time
 from pathlib import Path
+import controlplane
 import pytest
 
 HERE = Path(__file__).parent
 
+class Plane:
+    def stop(self):
+        (HERE / "stopped-by-handler").touch()
+
 @pytest.fixture(scope="module")
 def plane():
+    controlplane.stop_on_sigterm(Plane())
     yield
     (HERE / "tearing-down").touch()
     time.sleep(1)
@@ -57,7 +64,7 @@ def test_sigterm_stops_a_background_run_as_ctrl_c_does_and_its_teardown_runs(tmp
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "test_stopped.py"],
         cwd=tmp_path,
-        env=os.environ | {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"},
+        env=os.environ | {"PYTHONPATH": f"{REPO / 'tests'}:{REPO / 'tests' / 'e2e'}:{REPO}"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -72,4 +79,5 @@ def test_sigterm_stops_a_background_run_as_ctrl_c_does_and_its_teardown_runs(tmp
     assert run.returncode == pytest.ExitCode.INTERRUPTED, output
     assert "KeyboardInterrupt: stopped by SIGTERM" in output
     assert (tmp_path / "torn-down").exists(), output
+    assert not (tmp_path / "stopped-by-handler").exists()  # the run's handler stays; the teardown stops the plane
     assert (tmp_path / "child").read_text() == str(int(signal.SIGTERM))

@@ -777,13 +777,15 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
 
 def stop_on_sigterm(plane: ControlPlane) -> None:
     """SIGTERM stops the control plane, then exits as the signal would have. (SIGINT raises KeyboardInterrupt,
-    which runs the fixture's finalizer or, for `up`, the atexit hook.)"""
+    which runs the fixture's finalizer or, for `up`, the atexit hook.) A handler already there is kept: the test
+    run's (tests/conftest.py) turns SIGTERM into KeyboardInterrupt, which stops the run and runs the finalizer, where
+    SystemExit would fail one test and the run go on."""
 
     def handler(signum: int, _frame: Any) -> None:
         plane.stop()
         raise SystemExit(128 + signum)
 
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, handler)
 
 
