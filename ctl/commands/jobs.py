@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from ctl.status import JobStatus
 
 WATCH_INTERVAL_S = 2.0
+# status -w: a job ends with its master (or first node), and its other pods' end reaches the API seconds later;
+# the watch waits this long for them, so its last line is each pod's end (a pod still running after it is shown so).
+POD_END_WAIT_S = 30.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 
 NameArg = Annotated[
@@ -159,7 +162,10 @@ def status(
     name: NameArg,
     output: OutputOpt = "table",
     watch: Annotated[
-        bool, typer.Option("--watch", "-w", help="Print each change (table: one line each) until the job has ended.")
+        bool,
+        typer.Option(
+            "--watch", "-w", help="Print each change (table: one line each) until the job and its pods have ended."
+        ),
     ] = False,
     *,
     cluster: Cluster,
@@ -176,12 +182,17 @@ def status(
 
 
 def watch_status(target: Target, name: str, data: JobStatus, output: str) -> None:
-    """status --watch: each change after `data` until the job has ended (a table: one line each)."""
+    """status --watch: each change after `data` until the job and its pods have ended (a table: one line each)."""
     from ctl.status import status as job_status
 
     last = status_line(data) if output == "table" else data
+    pods_end_by: float | None = None  # from when the job is first seen ended
     with interruptible():
-        while not data.state.terminal:
+        while True:
+            if data.state.terminal:
+                pods_end_by = pods_end_by or time.monotonic() + POD_END_WAIT_S
+                if not pods_running(data) or time.monotonic() >= pods_end_by:
+                    return
             time.sleep(WATCH_INTERVAL_S)
             data = job_status(target, name)
             current = status_line(data) if output == "table" else data
@@ -194,6 +205,10 @@ def watch_status(target: Target, name: str, data: JobStatus, output: str) -> Non
             if output == "yaml":
                 typer.echo("---")  # a stream of documents, as `kubectl get -w -o yaml`
             print_data(data, output, table=str)  # json or yaml: no table
+
+
+def pods_running(data: JobStatus) -> bool:
+    return any(pod.phase in ("Pending", "Running") for pod in data.pods)
 
 
 @command(cluster=True)
