@@ -1,7 +1,8 @@
 """A recreated pod's start with `training.compile`: torch.compile's caches in its new scratch volume (empty, as every
 new pod's) against the run directory's folder on the volume that the chart gives them (what the pod compiled before
 it was recreated). `ctl run` of the same spec, interleaved, each start in a run directory of its own; seconds to
-rank 0's first step and to the end, as ratios from one invocation:
+rank 0's first step and to the end, as ratios from one invocation. The data is prepared first (`ctl prepare`), so no
+start prepares it; the first round's scratch folder is the one kept, as a first pod's is:
 
     python bench/compile_cache.py [--rounds 3] [--layers 4] [--steps 20]
 """

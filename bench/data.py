@@ -231,7 +231,7 @@ def job_spec(name: str, corpus: Path, val: Path, tokenizer_dir: Path, cache: Pat
             "task": "causal-lm",
             "model": {"nLayer": 2, "nHead": 2, "nEmbd": 64, "blockSize": 128},
             "tokenizer": {"path": str(tokenizer_dir)},
-            # A small validation file: the final evaluation stays a fixed cost, not a share of the corpus.
+            # A small validation file (1 MB at most): the final evaluation stays a small cost beside the corpus'.
             "data": {"train": str(corpus), "val": str(val), "cacheDir": str(cache)},
             "maxSteps": 3,
             "batchSize": 4,

@@ -79,5 +79,6 @@ def test_sigterm_stops_a_background_run_as_ctrl_c_does_and_its_teardown_runs(tmp
     assert run.returncode == pytest.ExitCode.INTERRUPTED, output
     assert "KeyboardInterrupt: stopped by SIGTERM" in output
     assert (tmp_path / "torn-down").exists(), output
-    assert not (tmp_path / "stopped-by-handler").exists()  # the run's handler stays; the teardown stops the plane
+    # The run's handler stayed: a plane is stopped by its fixture's teardown, as the run ends.
+    assert not (tmp_path / "stopped-by-handler").exists(), output
     assert (tmp_path / "child").read_text() == str(int(signal.SIGTERM))
