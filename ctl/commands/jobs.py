@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 WATCH_INTERVAL_S = 2.0
 # status -w: a job ends with its master (or first node), and its other pods' end reaches the API seconds later;
-# the watch waits this long for them, so its last line is each pod's end (a pod still running after it is shown so).
+# the watch waits this long for them, so that its last line is each pod's end (a pod still running then shows so).
 POD_END_WAIT_S = 30.0
 LOG_DRAIN_S = 10.0  # submit --follow: how long the log may still print after the job's outcome is known
 
@@ -164,7 +164,10 @@ def status(
     watch: Annotated[
         bool,
         typer.Option(
-            "--watch", "-w", help="Print each change (table: one line each) until the job and its pods have ended."
+            "--watch",
+            "-w",
+            help="Print each change (table: one line each) until the job has ended, then its pods' end"
+            f" (at most {POD_END_WAIT_S:.0f} s more).",
         ),
     ] = False,
     *,
@@ -182,19 +185,26 @@ def status(
 
 
 def watch_status(target: Target, name: str, data: JobStatus, output: str) -> None:
-    """status --watch: each change after `data` until the job and its pods have ended (a table: one line each)."""
+    """status --watch: each change after `data` until the job has ended (a table: one line each), then its pods'
+    end, for at most POD_END_WAIT_S. A job that had ended before the watch began is not watched."""
+    from ctl.cluster import JobNotFound
     from ctl.status import status as job_status
 
+    if data.state.terminal:
+        return
     last = status_line(data) if output == "table" else data
-    pods_end_by: float | None = None  # from when the job is first seen ended
+    pods_end_by: float | None = None  # set when the job is seen to end
     with interruptible():
-        while True:
-            if data.state.terminal:
-                pods_end_by = pods_end_by or time.monotonic() + POD_END_WAIT_S
-                if not pods_running(data) or time.monotonic() >= pods_end_by:
-                    return
+        while pods_end_by is None or (pods_running(data) and time.monotonic() < pods_end_by):
             time.sleep(WATCH_INTERVAL_S)
-            data = job_status(target, name)
+            try:
+                data = job_status(target, name)
+            except JobNotFound:
+                if pods_end_by is None:
+                    raise
+                return  # deleted once it had ended (ttlSecondsAfterFinished, ctl delete)
+            if data.state.terminal and pods_end_by is None:
+                pods_end_by = time.monotonic() + POD_END_WAIT_S
             current = status_line(data) if output == "table" else data
             if current == last:
                 continue
