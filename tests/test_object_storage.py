@@ -317,6 +317,20 @@ def test_no_keys_and_no_cloud_identity_is_said_so_not_blamed_on_the_endpoint() -
     )
 
 
+@pytest.mark.parametrize(("elapsed", "seconds"), [("1.2s", "1.2"), ("420.5ms", "0.4"), ("997.611\u00b5s", "0.0")])
+def test_a_request_answered_in_any_unit_of_time_is_named_with_its_cause(elapsed: str, seconds: str) -> None:
+    """The client writes the request's time in Rust's units: a local server's 404 came back in `997.611\u00b5s`, and the
+    line was the client's first, with no cause (CI, once in the 404 case of the test above)."""
+    answered = RuntimeError(
+        f"Generic S3 error: Error performing list request: Error performing GET http://127.0.0.1:33115/runs?delimiter"
+        f"=%2F&list-type=2&prefix=a%2F in {elapsed} - Server returned non-2xx status code: 404 Not Found: <!DOCTYPE"
+    )
+    assert reason(answered) == (
+        f"GET http://127.0.0.1:33115/runs: 404 Not Found, an answer that is no S3 error (is the endpoint an S3 server?)"
+        f" (in {seconds} s)"
+    )
+
+
 def test_one_key_without_the_other_is_bad_input_naming_the_missing_one(
     monkeypatch: pytest.MonkeyPatch, s3: S3Server, tmp_path: Path
 ) -> None:

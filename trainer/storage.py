@@ -55,7 +55,9 @@ S3_CODE = re.compile(r"<Code>(\w+)</Code>")
 S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 # A request that got no S3 answer: the client's first line names it and its retries, the root cause is in the error
 # chain it appends in Rust's debug form (the system's own words, a TLS error's name, or the kind of HTTP error).
-REQUEST = re.compile(r"Error performing (\w+) ([^?\s]+)\S* in ([\d.]+)(m?s)(?:, after (\d+) retries)?")
+REQUEST = re.compile(r"Error performing (\w+) ([^?\s]+)\S* in ([\d.]+)(ns|µs|ms|s)(?:, after (\d+) retries)?")
+# The units of Rust's Duration in its debug form (`997.611µs` for a local server's quick answer), in seconds.
+DURATION_UNITS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 SYSTEM_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
 TLS_ERROR = re.compile(r"(?:error|source): (Invalid\w+)\(([\w\s(]*\w)")
 HTTP_STATUS = re.compile(r"Server returned non-2xx status code: (\d+ [^:]+)")
@@ -215,7 +217,7 @@ def reason(exc: BaseException) -> str:
     if not request or not cause:
         return first
     method, url, elapsed, unit, retries = request.groups()
-    seconds = float(elapsed) / (1000 if unit == "ms" else 1)
+    seconds = float(elapsed) * DURATION_UNITS[unit]
     tries = f"after {retries} retries in {seconds:.1f} s" if retries else f"in {seconds:.1f} s"
     if INSTANCE_METADATA in url:  # no keys set: the client asked the node's cloud identity, not the endpoint
         answer = status[1] if (status := HTTP_STATUS.search(text)) else cause
