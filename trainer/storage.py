@@ -53,11 +53,13 @@ if TYPE_CHECKING:
 # In the XML error body that S3 servers answer with (the client quotes it in its exceptions).
 S3_CODE = re.compile(r"<Code>(\w+)</Code>")
 S3_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
-# A request that got no S3 answer: the client's first line names it and its retries, the root cause is in the error
-# chain it appends in Rust's debug form (the system's own words, a TLS error's name, or the kind of HTTP error).
-REQUEST = re.compile(r"Error performing (\w+) ([^?\s]+)\S* in ([\d.]+)(ns|µs|ms|s)(?:, after (\d+) retries)?")
 # The units of Rust's Duration in its debug form (`997.611µs` for a local server's quick answer), in seconds.
 DURATION_UNITS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+# A request that got no S3 answer: the client's first line names it and its retries, the root cause is in the error
+# chain it appends in Rust's debug form (the system's own words, a TLS error's name, or the kind of HTTP error).
+REQUEST = re.compile(
+    rf"Error performing (\w+) ([^?\s]+)\S* in ([\d.]+)({'|'.join(DURATION_UNITS)})(?:, after (\d+) retries)?"
+)
 SYSTEM_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
 TLS_ERROR = re.compile(r"(?:error|source): (Invalid\w+)\(([\w\s(]*\w)")
 HTTP_STATUS = re.compile(r"Server returned non-2xx status code: (\d+ [^:]+)")
