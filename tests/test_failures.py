@@ -44,10 +44,11 @@ from ctl.commands.common import seconds
 from ctl.local import keep_logs
 from ctl.processes import free_port
 from trainer import owned, scratch
-from trainer.failures import Failure, root_cause
+from trainer.failures import Failure, read_record, root_cause
 from trainer.location import NODE_CACHE_ENV
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, LATEST_CHECKPOINT
+from trainer.rendezvous import unresolved
 from trainer.spec import ModelSpec, SpecError
 from trainer.text import hub_out_of_reach, load_tokenizer, pretrained_options
 
@@ -780,6 +781,52 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
         "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
     ), stderr
     assert scratch_folders(tmp_path) == []
+
+
+def test_a_launcher_whose_rendezvous_host_never_resolves_says_so_in_one_line(tmp_path: Path) -> None:
+    """Before torchrun, the launcher looks the rendezvous host up until it has an address (a TrainJob's worker can
+    start before its master's pod has one). One that never resolves ends at the rendezvous' timeout (torchrun's
+    `--rdzv-conf timeout=`) with the host and the lookup's error, in one line and in the error file; torch never
+    tried, so its `gai error` warnings are not there either, and nothing is left in the temporary directory."""
+    error_file = tmp_path / "error.json"
+    env = os.environ | {"TMPDIR": str(tmp_path), "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=1"]
+    launch += ["--master-addr=master.invalid", "--rdzv-conf=timeout=2", "-m", "trainer", "--config", "unused.yaml"]
+    done = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    with pytest.raises(socket.gaierror) as lookup:  # RFC 6761: a `.invalid` name never resolves
+        socket.getaddrinfo("master.invalid", 29500, type=socket.SOCK_STREAM)
+    cause = f"the rendezvous host master.invalid has no address after 2 s: {lookup.value.strerror}"
+    assert done.returncode == EXIT_ERROR and done.stderr.splitlines() == [f"error: {cause}"], done.stderr
+    recorded = read_record(error_file, EXIT_ERROR)
+    assert recorded is not None and recorded.message == cause
+    assert scratch_folders(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_the_rendezvous_host_is_looked_up_until_it_resolves_quietly(capfd: pytest.CaptureFixture[str]) -> None:
+    """A name that resolves on the third lookup (the master's pod got its address meanwhile): no word of the two that
+    failed. One that never does: after the timeout, the last lookup's error."""
+    lookups: list[str] = []
+
+    def resolve(host: str, port: int, type: int) -> list:
+        lookups.append(host)
+        if len(lookups) < 3:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [(socket.AF_INET, type, 6, "", ("10.0.0.7", port))]
+
+    assert unresolved("job-node-0-0.job", 29500, timeout=60, resolve=resolve, poll_seconds=0.01) is None
+    assert lookups == ["job-node-0-0.job"] * 3
+    assert capfd.readouterr() == ("", "")
+    lookups.clear()
+
+    def never(host: str, port: int, type: int) -> list:
+        lookups.append(host)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    started = time.monotonic()
+    assert unresolved("job-node-0-0.job", 29500, timeout=0.2, resolve=never, poll_seconds=0.05) == (
+        "Temporary failure in name resolution"
+    )
+    assert 0.2 <= time.monotonic() - started < 5 and len(lookups) >= 2
 
 
 def test_a_killed_launchers_scratch_folders_stay_until_the_next_launcher_and_a_live_ones_stay(tmp_path: Path) -> None:

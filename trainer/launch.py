@@ -16,6 +16,9 @@ a peer's "Connection closed by peer". Here the node's root cause is picked by
   watchdog included, is killed here and counts as hung (trainer.frozen);
 - any other failure: torchrun's own report, then the root cause's line, exit 1.
 
+Before torchrun, the rendezvous host's name is looked up until it has an address (trainer/rendezvous.py): a
+TrainJob's worker can start before its master's pod has one.
+
 The root cause is written to this process's TORCHELASTIC_ERROR_FILE when it has one (`ctl run` sets it).
 """
 
@@ -29,6 +32,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -79,19 +83,23 @@ gc.disable()  # while torch imports: trainer/heap.py
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import _default_timeout_seconds as RENDEZVOUS_TIMEOUT
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
+from torch.distributed.run import get_rdzv_endpoint, parse_args
 from torch.distributed.run import main as torchrun
-from torch.distributed.run import parse_args
 
 from trainer.failures import Failure, Kind, read_record, root_cause, write_record
 from trainer.frozen import FrozenRanks
 from trainer.heap import resume_collection
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
+from trainer.rendezvous import unresolved
 
 resume_collection()
 
 
 def main() -> None:
+    wait_for_the_rendezvous_host()
     give_torchrun_a_scratch_log_dir()
     frozen = FrozenRanks().start()
     give_the_ranks_a_scratch_tmpdir()
@@ -113,6 +121,21 @@ def main() -> None:
         if cause.kind == Kind.BAD_INPUT:
             quick_exit(EXIT_BAD_INPUT, f"error: {cause.message}")
         traceback.print_exc()  # torchrun's report, then the root cause as the last line (a pod's termination message)
+        quick_exit(EXIT_ERROR, f"error: {cause.message}")
+
+
+def wait_for_the_rendezvous_host() -> None:
+    """Until the host that torchrun will connect to has an address (trainer/rendezvous.py), at most the rendezvous'
+    timeout (`--rdzv-conf timeout=`, else torch's default); past it, the host and the lookup's error, exit 1."""
+    args = parse_args(sys.argv[1:])
+    args.master_port = args.master_port or 0  # none given: torchrun picks one later; only the host is looked up
+    host, port = parse_rendezvous_endpoint(get_rdzv_endpoint(args), default_port=0)
+    timeout = int(_parse_rendezvous_config(args.rdzv_conf).get("timeout", RENDEZVOUS_TIMEOUT))
+    if (error := unresolved(host, port, timeout)) is not None:
+        reason = f"the rendezvous host {host} has no address after {timeout} s: {error}"
+        cause = Failure(EXIT_ERROR, reason, time.time())
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            write_record(Path(error_file), cause)
         quick_exit(EXIT_ERROR, f"error: {cause.message}")
 
 

@@ -1280,9 +1280,11 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
         if label.startswith("["):  # the rest is ctl's notes (stderr is merged here)
             by_node[label[1:]].append(text)
     assert f"step {PROGRESS_STEPS}/{PROGRESS_STEPS}" in "\n".join(by_node[master])
-    # Each process says where it runs. Not always the worker's first line: a TrainJob's worker can start before its
-    # master's pod has an address, and torch warns while the name does not resolve yet (a CI run met it).
+    # Each process says where it runs. A TrainJob's worker can start before its master's pod has an address (a CI
+    # run met it, the master waiting 14 s for its claim): its launcher waits for the name without a word, where
+    # torch's lookups had warned (trainer/rendezvous.py).
     assert any(line.startswith(f"rank 1 of 2 on {name}-") for line in by_node[worker]), by_node
+    assert not [line for lines in by_node.values() for line in lines if "cannot be retrieved" in line], by_node
     assert "\x1b[" not in followed  # no colour without a terminal
     watched, _ = watcher.communicate(timeout=60)
     assert watcher.returncode == 0 and watched.startswith(f"{name} ({namespace}): ")
