@@ -314,6 +314,17 @@ def test_resume_with_changed_settings_is_refused_unless_allowed(
     changed["checkpoint"]["allowConfigChange"] = True
     output = run(changed)
     assert f"resuming from {step_name(step)}: " in output and f"step {STEPS}/{STEPS}" in output
+    # The plan's epochs count from where the checkpoint stood, whose steps were of the old global batch; they had been
+    # every planned step at the new one.
+    epoch, position = map(int, re.search(r"resuming from .*: epoch (\d+), (\d+) samples into it", output).groups())
+    planned = re.search(
+        r"training (\d+) steps \(([\d.]+) epochs\), (\d+) to go: .*, (\d+) examples per step, (\d+) train", output
+    )
+    steps, epochs, to_go, per_step, examples = (float(value) for value in planned.groups())
+    per_epoch = examples // per_step  # full global batches
+    assert (
+        epochs == round(epoch + position / (per_epoch * per_step) + to_go / per_epoch, 2) != round(steps / per_epoch, 2)
+    )
 
 
 @pytest.mark.timeout(400)

@@ -314,9 +314,12 @@ class Trainer:
                 f"resuming from {step_name(resumed.step)}: epoch {resumed.epoch}, {resumed.position} samples into it,"
                 f" {resumed.tokens:,} tokens seen; world size {resumed.world_size} then, {dist.world_size} now"
             )
-        to_go = f", {max(0, state.max_steps - state.step)} to go" if resumed is not None else ""
+        steps_to_go = max(0, state.max_steps - state.step)
+        to_go = f", {steps_to_go} to go" if resumed is not None else ""
+        # Where the plan ends, from where the checkpoint stood: its steps may have been of another global batch.
+        epochs = self.batches.epochs_done + steps_to_go / steps_per_epoch
         self.log(
-            f"training {state.max_steps} steps ({state.max_steps / steps_per_epoch:.2f} epochs){to_go}: world"
+            f"training {state.max_steps} steps ({epochs:.2f} epochs){to_go}: world"
             f" size {dist.world_size}, {self.samples_per_step} examples per step,"
             f" {len(self.batches.dataset)} train / {len(self.val_set)} val"
         )
