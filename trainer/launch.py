@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
@@ -99,8 +100,9 @@ resume_collection()
 
 
 def main() -> None:
-    wait_for_the_rendezvous_host()
-    give_torchrun_a_scratch_log_dir()
+    args = parse_args(sys.argv[1:])  # torchrun's arguments, read once for what is done before it
+    wait_for_the_rendezvous_host(args)
+    give_torchrun_a_scratch_log_dir(args)
     frozen = FrozenRanks().start()
     give_the_ranks_a_scratch_tmpdir()
     try:
@@ -124,12 +126,12 @@ def main() -> None:
         quick_exit(EXIT_ERROR, f"error: {cause.message}")
 
 
-def wait_for_the_rendezvous_host() -> None:
+def wait_for_the_rendezvous_host(args: Namespace) -> None:
     """Until the host that torchrun will connect to has an address (trainer/rendezvous.py), at most the rendezvous'
     timeout (`--rdzv-conf timeout=`, else torch's default); past it, the host and the lookup's error, exit 1."""
-    args = parse_args(sys.argv[1:])
-    args.master_port = args.master_port or 0  # none given: torchrun picks one later; only the host is looked up
-    host, port = parse_rendezvous_endpoint(get_rdzv_endpoint(args), default_port=0)
+    # No port given: torchrun picks one later; only the host is looked up.
+    endpoint = get_rdzv_endpoint(Namespace(**vars(args) | {"master_port": args.master_port or 0}))
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=0)
     timeout = int(_parse_rendezvous_config(args.rdzv_conf).get("timeout", RENDEZVOUS_TIMEOUT))
     if (error := unresolved(host, port, timeout)) is not None:
         reason = f"the rendezvous host {host} has no address after {timeout} s: {error}"
@@ -139,11 +141,10 @@ def wait_for_the_rendezvous_host() -> None:
         quick_exit(EXIT_ERROR, f"error: {cause.message}")
 
 
-def give_torchrun_a_scratch_log_dir() -> None:
+def give_torchrun_a_scratch_log_dir(args: Namespace) -> None:
     """Without a log directory, torchrun makes one per start in /tmp (its ranks' error files) and leaves it there.
     In a pod /tmp is the scratch volume, which outlives the container: every restart would add one. Given none,
     torchrun gets a folder that goes with this process; with --redirects or --tee it is the ranks' logs, and kept."""
-    args = parse_args(sys.argv[1:])
     if args.log_dir is None and args.redirects == args.tee == "0":
         os.environ["PET_LOG_DIR"] = str(scratch.make(scratch.TORCHRUN))
 
