@@ -783,15 +783,30 @@ def test_a_launcher_as_pid_1_stops_at_sigterm_before_its_trainers_start(
     assert scratch_folders(tmp_path) == []
 
 
-def test_a_launcher_whose_rendezvous_host_never_resolves_says_so_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "rendezvous",
+    [
+        ["--nnodes=2", "--node-rank=1", "--master-addr=master.invalid", "--rdzv-conf=timeout=2"],
+        # An elastic job's: c10d's time to join; its other timeouts are not this wait's.
+        [
+            *("--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=master.invalid:29400", "--rdzv-id=job"),
+            "--rdzv-conf=join_timeout=2,timeout=30,read_timeout=30",
+        ],
+    ],
+    ids=["static", "c10d"],
+)
+def test_a_launcher_whose_rendezvous_host_never_resolves_says_so_in_one_line(
+    tmp_path: Path, rendezvous: list[str]
+) -> None:
     """Before torchrun, the launcher looks the rendezvous host up until it has an address (a TrainJob's worker can
-    start before its master's pod has one). One that never resolves ends at the rendezvous' timeout (torchrun's
-    `--rdzv-conf timeout=`) with the host and the lookup's error, in one line and in the error file; torch never
-    tried, so its `gai error` warnings are not there either, and nothing is left in the temporary directory."""
+    start before its master's pod has one). One that never resolves ends when the rendezvous would stop waiting
+    for a node to join (torchrun's `--rdzv-conf timeout=`, c10d's `join_timeout=`) with the host and the lookup's
+    error, in one line and in the error file; torch never tried, so its `gai error` warnings are not there either,
+    and nothing is left in the temporary directory."""
     error_file = tmp_path / "error.json"
     env = os.environ | {"TMPDIR": str(tmp_path), "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    launch = [sys.executable, "-m", "trainer.launch", "--nnodes=2", "--nproc-per-node=1", "--node-rank=1"]
-    launch += ["--master-addr=master.invalid", "--rdzv-conf=timeout=2", "-m", "trainer", "--config", "unused.yaml"]
+    launch = [sys.executable, "-m", "trainer.launch", "--nproc-per-node=1", *rendezvous]
+    launch += ["-m", "trainer", "--config", "unused.yaml"]
     done = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     with pytest.raises(socket.gaierror) as lookup:  # RFC 6761: a `.invalid` name never resolves
         socket.getaddrinfo("master.invalid", 29500, type=socket.SOCK_STREAM)

@@ -84,7 +84,8 @@ gc.disable()  # while torch imports: trainer/heap.py
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import _default_timeout_seconds as RENDEZVOUS_TIMEOUT
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import _default_timeout_seconds as STATIC_TIMEOUT
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
 from torch.distributed.run import get_rdzv_endpoint, parse_args
 from torch.distributed.run import main as torchrun
@@ -127,18 +128,27 @@ def main() -> None:
 
 
 def wait_for_the_rendezvous_host(args: Namespace) -> None:
-    """Until the host that torchrun will connect to has an address (trainer/rendezvous.py), at most the rendezvous'
-    timeout (`--rdzv-conf timeout=`, else torch's default); past it, the host and the lookup's error, exit 1."""
+    """Until the host that torchrun will connect to has an address (trainer/rendezvous.py), at most the time the
+    rendezvous gives a node to join (rendezvous_timeout); past it, the host and the lookup's error, exit 1."""
     # No port given: torchrun picks one later; only the host is looked up.
     endpoint = get_rdzv_endpoint(Namespace(**vars(args) | {"master_port": args.master_port or 0}))
     host, port = parse_rendezvous_endpoint(endpoint, default_port=0)
-    timeout = int(_parse_rendezvous_config(args.rdzv_conf).get("timeout", RENDEZVOUS_TIMEOUT))
+    timeout = rendezvous_timeout(args)
     if (error := unresolved(host, port, timeout)) is not None:
         reason = f"the rendezvous host {host} has no address after {timeout} s: {error}"
         cause = Failure(EXIT_ERROR, reason, time.time())
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
             write_record(Path(error_file), cause)
         quick_exit(EXIT_ERROR, f"error: {cause.message}")
+
+
+def rendezvous_timeout(args: Namespace) -> int:
+    """Seconds: c10d's `join_timeout` (an elastic job's), else the static rendezvous' `timeout`, each from
+    `--rdzv-conf` or torch's own default for it."""
+    config = _parse_rendezvous_config(args.rdzv_conf)
+    if args.rdzv_backend == "c10d":
+        return int(config.get("join_timeout", RendezvousTimeout().join.total_seconds()))
+    return int(config.get("timeout", STATIC_TIMEOUT))
 
 
 def give_torchrun_a_scratch_log_dir(args: Namespace) -> None:
