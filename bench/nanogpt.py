@@ -14,9 +14,10 @@ end with the validation loss of the final model over the whole validation split 
 non-overlapping blocks (the reference's over its ranks, as ddpjob's).
 
 The data is prepared once (`ctl prepare`) before anything is timed and both read the same token file:
-preparation is excluded on both sides. Runs are interleaved, ddpjob then the reference, round after round,
-at 1 and 2 processes, with and without `training.compile` (nanoGPT's `compile`); round r seeds both sides with
-1336 + r, so that the final losses are compared over seeds rather than on one. Threads are each
+preparation is excluded on both sides. Runs are interleaved round after round, each round starting with the
+runner that ran second in the one before, at 1 and 2 processes, with and without `training.compile` (nanoGPT's
+`compile`); round r seeds both sides with 1336 + r, so that the final losses are compared over seeds rather than
+on one. Threads are each
 runner's own choice (`ctl run` and torchrun set OMP_NUM_THREADS per process; one process gets torch's
 default). Reported per configuration: wall time from start to exit (median over rounds) and to the step
 N line, the final validation loss (mean over the rounds), the time to a target validation loss (first
@@ -55,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.throughput import Run, measure_with_retry, torchrun  # noqa: E402
+from bench.throughput import Run, in_turn, measure_with_retry, torchrun  # noqa: E402
 
 # About 1 MB of the standard library's sources (in every CPython 3.10-3.13); the toy's 48 KB.
 CORPORA = {
@@ -361,7 +362,7 @@ def main() -> None:
                     spec.write_text(yaml.safe_dump(job_spec(workdir, size, procs, compile_, steps, seed)))
                     fields = {"compile": compile_, "steps": steps, "out": str(out), "seed": seed}
                     settings.write_text(json.dumps(data | lengths | fields))
-                    for runner, command in commands(workdir, name, procs, round_number).items():
+                    for runner, command in in_turn(commands(workdir, name, procs, round_number), round_number):
                         warmup = lengths["log_every"]
                         run = measure_with_retry(
                             runner, command, workdir, warmup, steps, round_number, retried, threads

@@ -1,7 +1,7 @@
 """Training throughput of this project's trainer against a bare DDP loop and transformers' Trainer.
 
-One workload, three ways, in one invocation, interleaved A/B/C/A/B/C so that machine drift
-hits all three alike: GPT-2 causal LM from a config on Python's standard library sources,
+One workload, three ways, in one invocation, interleaved A/B/C/B/C/A/C/A/B so that machine drift
+hits all three alike and none always runs first: GPT-2 causal LM from a config on Python's standard library sources,
 the same tokenizer, blocks, global batch, optimizer (AdamW, no weight decay, clip 1.0) and
 step count.
 
@@ -349,6 +349,15 @@ def commands(workdir: Path, procs: int) -> dict[str, list[str]]:
     }
 
 
+def in_turn(runners: dict[str, list[str]], round_number: int) -> list[tuple[str, list[str]]]:
+    """A round's runners in the order they run: each round starts one runner further on, so that no runner is always
+    the first (after the machine was idle, or on cold caches: ddpjob's first round on the H200) nor always after
+    the same other."""
+    order = list(runners.items())
+    first = (round_number - 1) % len(order)
+    return order[first:] + order[:first]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -388,7 +397,7 @@ def main() -> None:
         tokens_per_step = procs * settings["batch"] * settings["block"]
         runs: dict[str, list[Run]] = {}
         for round_index in range(rounds):
-            for runner, command in commands(workdir, procs).items():
+            for runner, command in in_turn(commands(workdir, procs), round_index + 1):
                 command = [c.replace("RUN_DIR", str(workdir / f"run-{round_index}")) for c in command]
                 run = measure_with_retry(runner, command, workdir, warmup, steps, round_index + 1, retried)
                 runs.setdefault(runner, []).append(run)

@@ -217,3 +217,15 @@ def test_a_window_whose_lines_came_at_once_is_refused_not_divided_by(throughput:
         RuntimeError, match=r"ddpjob: steps 3 to 6 used no CPU time between their lines, which came 1 ms"
     ):
         run.usage_per_step()
+
+
+def test_each_round_starts_with_the_next_runner(throughput: Any) -> None:
+    runners = throughput.commands(Path("work"), 2)
+    orders = [[name for name, _ in throughput.in_turn(runners, n)] for n in (1, 2, 3, 4)]
+    assert orders == [
+        ["ddpjob", "reference", "hf-trainer"],
+        ["reference", "hf-trainer", "ddpjob"],
+        ["hf-trainer", "ddpjob", "reference"],
+        ["ddpjob", "reference", "hf-trainer"],
+    ]
+    assert dict(throughput.in_turn(runners, 2)) == runners  # each with its own command
