@@ -183,6 +183,9 @@ as `kubectl apply -f -`), then, in helm's order:
   (`nodeSelector.kubernetes\\.io/arch=amd64`).
 - `--set-file dotted.key=path`, a key set to a file's text (`--set-file storage.caBundle=ca.crt`).
 
+Numbers and booleans are YAML's own, read as Helm reads them: `lr: 3e-4` is a number, while a quoted `"0.002"` or
+`"true"`, or `false` for a number, is refused, as values.schema.json refuses it.
+
 A bad spec gets one line naming the key and the problem, and exit code 2; `helm install` refuses the same
 (values.schema.json). The line begins with where the key was given: its `--set` or `--set-file` flag, else the file
 and line that wrote it (the last of the spec and its `--values` files that does; for a missing key, its mapping's):

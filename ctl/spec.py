@@ -54,6 +54,7 @@ from trainer.spec import (
     Flag,
     Int,
     KeyProblem,
+    Number,
     SpecError,
     SpecModel,
     TrainingSpec,
@@ -64,6 +65,7 @@ from trainer.spec import (
     parse_yaml_mapping,
     pattern,
     read_spec_text,
+    read_yaml,
 )
 
 LIST_INDEX = re.compile(r"\[\d*\]$")  # helm's --set a.list[0]=value
@@ -441,7 +443,7 @@ class AlertsSpec(SpecModel):
         description="Where the alerts' runbook_url annotations point: your published copy of this project's"
         " docs/operations.md (each alert adds its own #anchor); empty: the alerts carry no runbook_url.",
     )
-    loss_explosion_factor: float = Field(
+    loss_explosion_factor: Number = Field(
         3.0, gt=1.0, description="TrainingLossExploding: loss above this many times its minimum of the last hour."
     )
     checkpoint_max_age_seconds: Int = Field(
@@ -453,7 +455,7 @@ class AlertsSpec(SpecModel):
         description="TrainingRestarted: a restart within this window (a container restarted in place or a pod"
         " recreated: evicted, preempted, retried by restartPolicy).",
     )
-    slow_rank_factor: float = Field(
+    slow_rank_factor: Number = Field(
         1.5,
         gt=1.0,
         description="SlowRank: a rank's busy time per step (without the wait for the others) above this many"
@@ -721,7 +723,7 @@ def read_set(assignment: str) -> Override:
 def yaml_value(raw: str) -> Any:
     """`raw` read as YAML (a number, a boolean, a list), or the text itself where it is not YAML; nothing is ''."""
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
 

@@ -1055,3 +1055,16 @@ def test_a_prepared_dataset_clears_the_failure_recorded_for_it(tmp_path, monkeyp
     done = prepare_job(config, tmp_path)
     assert done.returncode == 0 and "already prepared" in done.stderr, done.stderr
     assert not plan.error_path.exists()
+
+
+@pytest.mark.parametrize("under", ["", "/datasets"], ids=["the-file", "under-the-file"])
+def test_a_dataset_cache_that_is_a_file_is_bad_input_and_nothing_is_created(tmp_path, corpus_file, under) -> None:
+    """It was a traceback of the first write there (`ctl prepare`), or a rank's exit 1 with a run directory left."""
+    (tmp_path / "datasets.txt").write_text("not a folder\n")
+    spec = tiny_spec(corpus_file, data={"train": str(corpus_file), "cacheDir": f"datasets.txt{under}"})
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    for command in (["prepare"], ["run"], ["run", "--set", "prepare.enabled=true"]):
+        result = run_ctl(command[0], "spec.yaml", *command[1:], cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == "", (command, result.stdout, result.stderr)
+        assert result.stderr.splitlines() == ["error: training.data.cacheDir: datasets.txt is a file, not a folder"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["datasets.txt", "spec.yaml"], command

@@ -154,6 +154,10 @@ BAD_SPECS = [
         "procsPerNode: expected a whole number, but YAML read true",
     ),
     ("fraction-integer", {"training": {"maxSteps": 2.0}}, [], "training.maxSteps: expected a whole number, not the"),
+    ("quoted-number", {"training": {"optimizer": {"lr": "0.002"}}}, [], "lr: expected a number, but '0.002' is quoted"),
+    # Clipping was turned off (false as 0), and yes read as 1.
+    ("boolean-number", {}, ["--set", "training.gradClip=false"], "gradClip: expected a number, but YAML read false"),
+    ("quoted-beta", {}, ["--set", "training.optimizer.betas={'0.9',0.95}"], "betas.0: expected a number, but '0.9'"),
     ("quoted-boolean", {"training": {"compile": "false"}}, [], "training.compile: expected true or false, but 'false'"),
     ("number-boolean", {}, ["--set", "training.compile=1"], "training.compile: expected true or false, not the number"),
     # Beyond an int32: Helm wrapped such a number (a negative grace period) or wrote 1e+23, which YAML reads as text.
@@ -173,6 +177,20 @@ BAD_SPECS = [
         "training.tokenizer: char-gpt's vocabulary is its text's characters: no tokenizer to set",
     ),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
+    # Both were found only after training: the sample failed to encode nothing (exit 1); the cache was a folder named
+    # s3: in the working directory.
+    (
+        "empty-prompt",
+        {"training": {"sample": {"prompt": ""}}},
+        [],
+        "training.sample.prompt: String should have at least",
+    ),
+    (
+        "cache-in-a-bucket",
+        {"training": {"data": {"cacheDir": "s3://bucket/datasets"}}},
+        [],
+        "training.data.cacheDir: 's3://bucket/datasets' is an S3 URI; the dataset cache is a folder on each node",
+    ),
     ("name-not-dns", {"name": "News_Classifier"}, [], "name: 'News_Classifier' is not a DNS-1035 label"),
     ("name-too-long", {"name": LONG_NAME, "nodes": 2}, [], f'name: too long: pod name "{LONG_NAME}-worker-0"'),
     (
@@ -287,7 +305,7 @@ BAD_SPECS = [
 def strictness(node: Any, at: str = "") -> Iterator[tuple[str, bool]]:
     """(where, strict) of every integer and boolean in a pydantic core schema, nested models' definitions too."""
     if isinstance(node, dict):
-        if node.get("type") in ("int", "bool"):
+        if node.get("type") in ("int", "float", "bool"):
             yield at, bool(node.get("strict"))
         for key, value in node.items():
             yield from strictness(value, f"{at}/{key}")
@@ -296,11 +314,29 @@ def strictness(node: Any, at: str = "") -> Iterator[tuple[str, bool]]:
             yield from strictness(value, f"{at}/{index}")
 
 
-def test_every_integer_and_boolean_of_the_spec_is_strict() -> None:
-    """A field declared `int` or `bool`, not trainer.spec's Int or Flag, would take "2" and true for numbers again."""
+def test_every_number_and_boolean_of_the_spec_is_strict() -> None:
+    """A field declared `int`, `float` or `bool`, not trainer.spec's Int, Number or Flag, would take "2" and true for
+    numbers again."""
     found = dict(strictness(JobSpec.__pydantic_core_schema__))
-    assert len(found) > 50
+    assert len(found) > 60
     assert [at for at, strict in found.items() if not strict] == []
+
+
+def test_numbers_with_an_exponent_are_numbers_as_helm_reads_them(tmp_path: Path, corpus_file: Path) -> None:
+    """`lr: 3e-4` is text to PyYAML (YAML 1.1) and a number to Helm; Helm's toYaml writes 1e-08 into the training
+    config the trainer reads. Quoted, it is text, and refused."""
+    spec = tmp_path / "spec.yaml"
+    values = tiny_spec(corpus_file)
+    spec.write_text(
+        yaml.safe_dump(values).replace("training:\n", "training:\n  optimizer: {lr: 3e-4, eps: 1e-08}\n", 1)
+    )
+    loaded = load_spec(spec).training.optimizer
+    assert (loaded.lr, loaded.eps) == (3e-4, 1e-8)
+    assert load_spec(spec, ["training.optimizer.lr=2E+1"]).training.optimizer.lr == 20.0
+    with pytest.raises(
+        SpecError, match=re.escape("lr: expected a number, but '1e-3' is quoted: YAML reads it as text")
+    ):
+        load_spec(spec, ["training.optimizer.lr='1e-3'"])
 
 
 @pytest.mark.parametrize(("patch", "flags", "message"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])

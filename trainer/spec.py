@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -46,9 +47,11 @@ class KeyProblem(ValueError):
         self.key = key
 
 
-# Every whole number and every flag of the spec is YAML's own: not a quoted "2" or "true", not true as 1 (Python's
-# bool is an int), as values.schema.json's "integer" and "boolean" refuse them for helm.
+# Every number and every flag of the spec is YAML's own: not a quoted "2", "0.002" or "true", not true as 1 (Python's
+# bool is an int), as values.schema.json's "integer", "number" and "boolean" refuse them for helm. A whole number
+# is a number (lr: 1).
 Int = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]
 Flag = Annotated[bool, Strict()]
 # And every integer fits an int32 (SpecModel checks it; values.schema.json says it), as the API server's fields and
 # Helm need: beyond int64 Helm wrapped it (a grace period of -9223372036854775808 s) or wrote 1e+23, which YAML reads
@@ -94,10 +97,15 @@ ENDPOINT_URL = pattern(
 )
 
 
+def written_as_s3(value: str | None) -> bool:
+    """`s3:` in any case: meant as an S3 URI, even where it is not a valid one."""
+    return bool(value) and value[:3].lower() == "s3:"
+
+
 def s3_checked(value: str | None) -> str | None:
-    """A value written as an S3 URI (`s3:` in any case) must be a valid one: `S3://b/x` or `s3:/b/x` would be a local
-    path of that name, and a bad bucket name a failure of every rank, not a spec's."""
-    if value and value[:3].lower() == "s3:":
+    """A value written as an S3 URI must be a valid one: `S3://b/x` or `s3:/b/x` would be a local path of that name,
+    and a bad bucket name a failure of every rank, not a spec's."""
+    if written_as_s3(value):
         S3Location.parse(value)
     return value
 
@@ -129,7 +137,7 @@ class ModelSpec(SpecModel):
         description="Context length: the packing block (LM) or truncation length; at most the model's positions"
         " (1024 for a named size).",
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP.")
+    dropout: Number = Field(0.0, ge=0.0, lt=1.0, description="Dropout on embeddings, attention and MLP.")
 
     @field_validator("block_size")
     @classmethod
@@ -184,7 +192,7 @@ class DataSpec(SpecModel):
     )
     val: list[Source] = Field(default_factory=list, description="Validation files; empty: split off the end of train.")
     test: list[Source] = Field(default_factory=list, description="classification: files for the final report.")
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
+    val_fraction: Number = Field(0.1, gt=0.0, lt=0.5, description="Share of train held out when `val` is empty.")
     text_field: str = Field(
         "text", min_length=1, description="The rows' field holding the text (JSONL, JSON, CSV, TSV, Parquet, Arrow)."
     )
@@ -230,6 +238,17 @@ class DataSpec(SpecModel):
             raise ValueError("set train (files or globs) or builtin, one of the two")
         return self
 
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_on_the_node(cls, cache_dir: str | None) -> str | None:
+        # It was taken as a local path: a folder named s3: in the working directory, on a pod's scratch disk.
+        if written_as_s3(cache_dir):
+            raise ValueError(
+                f"{cache_dir!r} is an S3 URI; the dataset cache is a folder on each node (a run in a bucket shares its"
+                " prepared datasets there, beside its run directory): leave cacheDir unset"
+            )
+        return cache_dir
+
     @field_validator("labels")
     @classmethod
     def _each_label_once(cls, labels: list[str] | None) -> list[str] | None:
@@ -239,23 +258,23 @@ class DataSpec(SpecModel):
         return labels
 
 
-Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Beta = Annotated[Number, Field(ge=0.0, lt=1.0)]
 
 
 class OptimizerSpec(SpecModel):
     """AdamW (fused)."""
 
-    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
-    weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay on matrices (not on biases/norms).")
+    lr: Number = Field(1e-3, gt=0.0, description="Peak learning rate.")
+    weight_decay: Number = Field(0.1, ge=0.0, description="Decoupled weight decay on matrices (not on biases/norms).")
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="Adam betas, each in [0, 1).")
-    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    eps: Number = Field(1e-8, gt=0.0, description="Adam epsilon.")
 
 
 class ScheduleSpec(SpecModel):
     """Linear warmup, then cosine decay to `minLrRatio x lr` at the last step."""
 
     warmup_steps: Int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a share of the peak.")
+    min_lr_ratio: Number = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a share of the peak.")
 
 
 class CheckpointSpec(SpecModel):
@@ -310,7 +329,7 @@ class TimeoutsSpec(SpecModel):
         description="Every rank watches for steps that stop completing, names the ranks behind, dumps its"
         f" Python stacks and exits {EXIT_HUNG} (retryable) so the pods restart and resume from the last checkpoint.",
     )
-    hang_factor: float = Field(
+    hang_factor: Number = Field(
         10.0, ge=2.0, description="Watchdog: the job is hung when no step completed for this many recent step times."
     )
     hang_floor_seconds: Int = Field(
@@ -321,9 +340,9 @@ class TimeoutsSpec(SpecModel):
 class SampleSpec(SpecModel):
     """Text generated by rank 0 from the final model (char-gpt)."""
 
-    prompt: str = Field("\n", description="Text the sample starts from.")
+    prompt: str = Field("\n", min_length=1, description="Text the sample starts from (at least one character).")
     max_new_tokens: Int = Field(300, ge=0, description="Tokens to generate; 0 disables the sample.")
-    temperature: float = Field(0.8, gt=0.0, description="Sampling temperature.")
+    temperature: Number = Field(0.8, gt=0.0, description="Sampling temperature.")
     top_k: Int = Field(40, ge=1, description="Sample from the k most likely tokens.")
 
 
@@ -352,7 +371,7 @@ class TrainingSpec(SpecModel):
     max_steps: Int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
     batch_size: Int = Field(16, ge=1, description="Sequences per process per micro-step.")
     grad_accum: Int = Field(1, ge=1, description="Micro-steps per optimizer step.")
-    grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm; 0 disables clipping.")
+    grad_clip: Number = Field(1.0, ge=0.0, description="Max global grad norm; 0 disables clipping.")
     eval_every: Int = Field(0, ge=0, description="Evaluate every N steps; 0: only at the end.")
     eval_batches: Int = Field(
         0,
@@ -442,25 +461,25 @@ def not_text(read: float) -> str:
 
 # What a key takes, in words, by pydantic's error type for a value of another kind; with the type that YAML reads
 # unquoted as one (a quoted "2" or "true").
-WANTED: dict[str, tuple[str, type | None]] = {
-    "int_type": ("a whole number", int),
-    "bool_type": ("true or false", bool),
-    "float_type": ("a number", None),
-    "string_type": ("text", None),  # a number or a boolean has its own line (not_text): this is null, a list...
-    "list_type": ("a list", None),
-    "tuple_type": ("a list", None),
-    "dict_type": ("a mapping of keys", None),
-    "model_type": ("a mapping of keys", None),
+WANTED: dict[str, tuple[str, tuple[type, ...]]] = {
+    "int_type": ("a whole number", (int,)),
+    "bool_type": ("true or false", (bool,)),
+    "float_type": ("a number", (int, float)),
+    "string_type": ("text", ()),  # a number or a boolean has its own line (not_text): this is null, a list...
+    "list_type": ("a list", ()),
+    "tuple_type": ("a list", ()),
+    "dict_type": ("a mapping of keys", ()),
+    "model_type": ("a mapping of keys", ()),
 }
 
 
 def not_of_kind(error_type: str, read: Any) -> str:
     """The problem with a value of another YAML kind than its key takes: quoted, a boolean, a number, null..."""
-    wanted, kind = WANTED[error_type]
+    wanted, kinds = WANTED[error_type]
     if isinstance(read, str):
         with contextlib.suppress(yaml.YAMLError):
-            unquoted = yaml.safe_load(read)
-            if kind is not None and type(unquoted) is kind:  # bool is int's subclass: "true" is no whole number
+            unquoted = read_yaml(read)
+            if type(unquoted) in kinds:  # bool is int's subclass: "true" is no whole number
                 return f"expected {wanted}, but {read!r} is quoted: YAML reads it as text"
         return f"expected {wanted}, not the text {read!r}"
     if isinstance(read, bool):
@@ -535,7 +554,8 @@ def read_spec_text(path: Path) -> str:
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: PyYAML would keep the last silently (a second
-    `training:` drops the first's keys), where helm's and kubectl's parsers refuse the file."""
+    `training:` drops the first's keys), where helm's and kubectl's parsers refuse the file. It reads numbers as
+    they do (below)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
@@ -552,10 +572,22 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# A number with an exponent and no dot (3e-4; 1e-08 as Helm's toYaml writes it), or no sign in its exponent: text to
+# PyYAML's YAML 1.1, a number to YAML 1.2, Helm and kubectl, and so to every spec here (a number key refuses text).
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"), list("-+.0123456789")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """One YAML value as the specs read it (UniqueKeyLoader)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def parse_yaml_mapping(text: str, name: str) -> dict[str, Any]:
     """Parse YAML text that must hold a mapping; every failure is a SpecError naming where the text came from."""
     try:
-        data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader
+        data = read_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""

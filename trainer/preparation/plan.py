@@ -142,7 +142,15 @@ class Plan:
 
 
 def cache_dir(spec: TrainingSpec, run_dir: Path) -> Path:
-    return Path(spec.data.cache_dir) if spec.data.cache_dir else run_dir.parent / CACHE_DIR_NAME
+    """The dataset cache's folder; a `cacheDir` that is (or is under) a file is bad input, found before anything
+    is written (it was a traceback of the first write there)."""
+    if not spec.data.cache_dir:
+        return run_dir.parent / CACHE_DIR_NAME
+    folder = Path(spec.data.cache_dir)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise SpecError(f"training.data.cacheDir: {existing} is a file, not a folder")
+    return folder
 
 
 def tokenizer_hash(tokenizer: Any) -> str | None:
@@ -150,6 +158,7 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
 
 
 def make_plan(spec: TrainingSpec, run_dir: Path, tokenizer: Any, builtin_files: dict[str, Path] | None = None) -> Plan:
+    cache = cache_dir(spec, run_dir)
     files = split_files(spec, builtin_files)
     sources = {split: stat_sources(paths, f"training.data.{split}") for split, paths in files.items()}
     plan = Plan(spec, files, sources, token_settings(spec), tokenizer_hash(tokenizer), "", Path())
@@ -160,7 +169,7 @@ def make_plan(spec: TrainingSpec, run_dir: Path, tokenizer: Any, builtin_files: 
         }
         identity["contents"] = contents(spec, sources)
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return replace(plan, fingerprint=fingerprint, entry=cache_dir(spec, run_dir) / f"{spec.task}-{fingerprint}")
+    return replace(plan, fingerprint=fingerprint, entry=cache / f"{spec.task}-{fingerprint}")
 
 
 def read_manifest(plan: Plan) -> dict[str, Any] | None:
