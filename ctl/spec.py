@@ -620,6 +620,10 @@ class JobSpec(SpecModel):
             )
         if self.metrics.port == self.rendezvous_port:
             port = self.kind.rendezvous_port_name
+            masters = self.master_port == self.rendezvous_port
+            if masters and "master_port" in self.model_fields_set and "port" not in self.metrics.model_fields_set:
+                # The key given names the clash, so that the line points at the file's line or flag that set it.
+                raise KeyProblem("masterPort", f"{self.master_port} is already metrics.port, the metrics port")
             raise KeyProblem("metrics.port", f"{self.metrics.port} is already {port}, the rendezvous port")
         longest = self.longest_pod_name()
         if len(longest) > DNS_LABEL_MAX:

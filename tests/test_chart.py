@@ -1005,6 +1005,8 @@ BAD = [
     (f"image.tag=1.0@sha256:{'a' * 63}", "image.tag: '1.0@sha256:aaaa"),
     ("storage.accessModes=[ReadWriteSometimes]", "storage.accessModes.0: Input should be 'ReadWriteOnce'"),
     ("metrics.port=23456", "metrics.port: 23456 is already masterPort, the rendezvous port"),
+    # The key given, and so its flag: the line blamed the spec file and metrics.port, which nobody had set.
+    ("masterPort=9402", "error: --set 'masterPort=9402': masterPort: 9402 is already metrics.port, the metrics port"),
     (
         "runPolicy.schedulingPolicy.minAvailable=9",
         "runPolicy.schedulingPolicy.minAvailable: 9 pods, and the job has at most 1: the gang would never be scheduled",
