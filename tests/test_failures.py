@@ -529,6 +529,33 @@ def test_a_directory_without_a_tokenizer_is_named_as_such(tmp_path: Path) -> Non
         )
 
 
+def test_a_model_directory_with_broken_files_is_named_in_one_line(tmp_path: Path, corpus_file: Path) -> None:
+    """Weights cut short (a copy that ended early) and a config value of the wrong type: each was a rank's exit 1 with
+    the library's error, the key unnamed (for the config, only its first line: the cause was on the next)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from trainer.models import from_pretrained
+    from trainer.text import train_tokenizer
+
+    model = tmp_path / "model"
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(model)
+    train_tokenizer([corpus_file.read_text()], 300).save_pretrained(model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(SpecError) as refused:
+        from_pretrained(AutoModelForCausalLM, ModelSpec(pretrained=str(model)))
+    assert str(refused.value) == (
+        f"training.model.pretrained: cannot load '{model}': Error while deserializing header: incomplete metadata,"
+        " file not fully covered"
+    )
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"n_layer": "x"}))
+    with pytest.raises(SpecError) as refused:
+        load_tokenizer(str(model), "training.model.pretrained")
+    assert str(refused.value).startswith(f"training.model.pretrained: cannot load a tokenizer from '{model}': ")
+    assert str(refused.value).endswith("Field 'n_layer' expected int, got str (value: 'x')"), refused.value
+
+
 def test_a_hub_id_where_the_hub_cannot_be_reached_is_looked_for_in_its_cache_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

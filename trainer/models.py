@@ -16,7 +16,7 @@ from trainer.gpt import GPT, GPTConfig
 from trainer.heap import importing
 from trainer.names import GPT2_POSITIONS
 from trainer.spec import ModelSpec, SpecError
-from trainer.text import pretrained_failure, pretrained_options
+from trainer.text import pretrained_failure, pretrained_options, unloadable_model_errors
 
 PRETRAINED = "training.model.pretrained"  # the key a pretrained model's problems are named by
 # (layers, heads, width) of the published GPT-2 sizes; all have GPT2_POSITIONS positions.
@@ -53,7 +53,7 @@ def from_pretrained(auto_class: Any, spec: ModelSpec, **kwargs: Any) -> Any:
     try:
         with importing():  # the model's transformers module
             model = auto_class.from_pretrained(spec.pretrained, **options, **kwargs)
-    except (OSError, ValueError) as exc:
+    except unloadable_model_errors() as exc:
         why = pretrained_failure(spec.pretrained, exc, options)
         raise SpecError(f"{PRETRAINED}: cannot load {spec.pretrained!r}: {why}") from None
     check_block_size(spec, config_positions(model.config))
@@ -70,7 +70,7 @@ def check_pretrained_block_size(spec: ModelSpec) -> None:
     try:
         with importing():
             config = AutoConfig.from_pretrained(spec.pretrained, **pretrained_options(spec.pretrained, PRETRAINED))
-    except (OSError, ValueError):
+    except unloadable_model_errors():
         return
     check_block_size(spec, config_positions(config))
 

@@ -253,6 +253,16 @@ def hub_out_of_reach() -> bool:
     return False
 
 
+def unloadable_model_errors() -> tuple[type[Exception], ...]:
+    """What from_pretrained raises for a model directory's bad files: a missing or unreadable one (OSError), bad JSON or
+    values (ValueError), a config value of the wrong type (huggingface_hub's strict dataclasses), weights cut short
+    (safetensors). Imported only then: both come with transformers."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, StrictDataclassError, SafetensorError
+
+
 def pretrained_failure(source: str, exc: Exception, options: dict[str, Any]) -> str:
     """Why from_pretrained failed, whole in one line (transformers' messages list what it tried over several); for a
     name that is no path here, where else it was looked for."""
@@ -280,7 +290,7 @@ def load_tokenizer(source: str, key: str):  # -> PreTrainedTokenizerBase
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(source, **options)
-    except (OSError, ValueError) as exc:
+    except unloadable_model_errors() as exc:  # it reads the model's config too
         why = pretrained_failure(source, exc, options)
         raise SpecError(f"{key}: cannot load a tokenizer from {source!r}: {why}") from None
     if tokenizer.eos_token is None:
