@@ -1068,3 +1068,20 @@ def test_a_dataset_cache_that_is_a_file_is_bad_input_and_nothing_is_created(tmp_
         assert result.returncode == 2 and result.stdout == "", (command, result.stdout, result.stderr)
         assert result.stderr.splitlines() == ["error: training.data.cacheDir: datasets.txt is a file, not a folder"]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["datasets.txt", "spec.yaml"], command
+
+
+def test_a_prepared_file_cut_short_is_named_with_what_to_do(tmp_path, corpus_file) -> None:
+    """It was numpy's `mmap length is greater than file size`, naming neither the file nor the dataset."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file, sample={"maxNewTokens": 0})))
+    prepared = run_ctl("prepare", "spec.yaml", cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    entry = Path(prepared.stdout.strip())
+    tokens = json.loads((entry / MANIFEST).read_text())["splits"]["train"]["tokens"]
+    os.truncate(entry / "train.bin", 1000)
+    run = run_ctl("run", "spec.yaml", cwd=tmp_path)
+    assert run.returncode == 1
+    cause = (
+        f"DamagedDataset: {entry / 'train.bin'} holds 1,000 bytes where its manifest says {tokens * 2:,}: the prepared"
+        f" dataset is damaged; delete {entry} to prepare it again"
+    )
+    assert cause in run.stderr.splitlines()[-1], run.stderr

@@ -74,12 +74,28 @@ class CharVocab:
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+class DamagedDataset(RuntimeError):
+    """A prepared dataset's file is not the size its manifest says (cut short on a full disk, or changed by hand)."""
+
+
+def mapped(path: Path, dtype: Any, count: int) -> np.ndarray:
+    """`count` items of `dtype` from `path`, memory-mapped read-only; a file of another size is named, with what to
+    do (numpy's "mmap length is greater than file size" named neither the file nor the dataset)."""
+    expected, size = count * np.dtype(dtype).itemsize, path.stat().st_size
+    if size != expected:
+        raise DamagedDataset(
+            f"{path} holds {size:,} bytes where its manifest says {expected:,}: the prepared dataset is damaged;"
+            f" delete {path.parent} to prepare it again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
 def open_tokens(entry: Path, split: str, manifest: dict[str, Any]) -> np.ndarray:
     """A split's token ids, memory-mapped read-only."""
     count = manifest["splits"][split]["tokens"]
     if not count:  # mmap cannot map an empty file
         return np.zeros(0, dtype=manifest["dtype"])
-    return np.memmap(entry / f"{split}.bin", dtype=manifest["dtype"], mode="r", shape=(count,))
+    return mapped(entry / f"{split}.bin", manifest["dtype"], count)
 
 
 class TokenBlocks(Dataset):
@@ -105,8 +121,8 @@ class LabelledExamples(Dataset):
     def __init__(self, entry: Path, split: str, manifest: dict[str, Any], rows: np.ndarray | None = None) -> None:
         documents = manifest["splits"][split]["documents"]
         self.tokens = open_tokens(entry, split, manifest)
-        self.ends = np.memmap(entry / f"{split}.idx", dtype=np.int64, mode="r", shape=(documents,))
-        self.label_ids = np.memmap(entry / f"{split}.labels", dtype=np.int32, mode="r", shape=(documents,))
+        self.ends = mapped(entry / f"{split}.idx", np.int64, documents)
+        self.label_ids = mapped(entry / f"{split}.labels", np.int32, documents)
         self.rows = np.arange(documents) if rows is None else rows
 
     def __len__(self) -> int:
