@@ -17,10 +17,9 @@ The data is prepared once (`ctl prepare`) before anything is timed and both read
 preparation is excluded on both sides. Runs are interleaved round after round, each round starting with the
 runner that ran second in the one before, at 1 and 2 processes, with and without `training.compile` (nanoGPT's
 `compile`); round r seeds both sides with 1336 + r, so that the final losses are compared over seeds rather than
-on one. Threads are each
-runner's own choice (`ctl run` and torchrun set OMP_NUM_THREADS per process; one process gets torch's
-default). Reported per configuration: wall time from start to exit (median over rounds) and to the step
-N line, the final validation loss (mean over the rounds), the time to a target validation loss (first
+on one. Threads are each runner's own choice (`ctl run` and torchrun set OMP_NUM_THREADS per process; one
+process gets torch's default). Reported per configuration: wall time from start to exit (median over rounds)
+and to the step N line, the final validation loss (mean over the rounds), the time to a target validation loss (first
 evaluation at or below it; default: 1.02x the highest final loss of the configuration's runs), CPU s/step
 of all of a run's processes, and the ratios ddpjob / reference.
 

@@ -1,9 +1,9 @@
 """Training throughput of this project's trainer against a bare DDP loop and transformers' Trainer.
 
 One workload, three ways, in one invocation, interleaved A/B/C/B/C/A/C/A/B so that machine drift
-hits all three alike and none always runs first: GPT-2 causal LM from a config on Python's standard library sources,
-the same tokenizer, blocks, global batch, optimizer (AdamW, no weight decay, clip 1.0) and
-step count.
+hits all three alike and none always runs first: GPT-2 causal LM from a config on Python's
+standard library sources, the same tokenizer, blocks, global batch, optimizer (AdamW, no weight
+decay, clip 1.0) and step count.
 
 - ddpjob:     `ctl run` of a job spec, as users start it (its final evaluation, checkpoint and
               export included in the wall time: that is what a run costs);
