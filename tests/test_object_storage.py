@@ -135,7 +135,8 @@ def test_each_checkpoint_uploads_only_the_event_files_closed_since_the_one_befor
     state = TrainerState()
     checkpoints.attach(model, optimizer, scaler, state)
     spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "corpus.txt"}})
-    tracker = Tracker(spec, True, checkpoints.run_dir, None)
+    tracker = Tracker(spec, True, checkpoints.run_dir)
+    tracker.start_events(None)
     events = s3_env.root / bucket / "run" / "tensorboard"
 
     def objects() -> dict[str, tuple[int, int]]:

@@ -33,8 +33,9 @@ from conftest import (
 from ctl.spec import CREDENTIAL_ENV
 from trainer.checkpoint import SaveStats
 from trainer.names import EXIT_ERROR, EXIT_HUNG, EXIT_PREEMPTED, SLOW_RANK_ENV
+from trainer.preparation.plan import CACHE_DIR_NAME
 from trainer.spec import TrainingSpec
-from trainer.tracking import WANDB_STEP, Tracker, finish
+from trainer.tracking import SLOW_ANSWER_SECONDS, WANDB_STEP, Tracker, finish
 
 # W&B's run file (`run-<id>.wandb`): a 7-byte header, then 32 KiB blocks of records, each a 7-byte header
 # (CRC-32, length, kind) and a piece of one serialized wandb_internal_pb2.Record (LevelDB's log format).
@@ -216,7 +217,8 @@ def test_a_tracker_named_but_not_installed_is_one_line_and_exit_2(
 def test_wandb_online_without_an_api_key_is_one_line_and_exit_2(
     tmp_path: Path, write_spec, corpus_file: Path, wandb_env: dict[str, str]
 ) -> None:
-    """Online (WANDB_MODE unset) with no key anywhere W&B looks: bad input on rank 0, which the other rank follows."""
+    """Online (WANDB_MODE unset) with no key anywhere W&B looks: bad input on rank 0, which the other rank follows,
+    before rank 0's first line; the run directory is left as it was (none)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("WANDB_", "NETRC"))}
     env |= {key: value for key, value in wandb_env.items() if key != "WANDB_MODE"} | {"HOME": str(tmp_path)}
     spec = tiny_spec(corpus_file, reportTo=["wandb"])
@@ -227,7 +229,49 @@ def test_wandb_online_without_an_api_key_is_one_line_and_exit_2(
         "error: training.reportTo: wandb cannot start its run: No API key configured. Use `wandb login` to log in."
         " (set WANDB_API_KEY from a Secret in the spec's env, or WANDB_MODE=offline)"
     )
-    assert result.stderr.splitlines()[-1] == line, result.stderr
+    assert result.stderr.splitlines() == [line] and result.stdout == "", result.stdout + result.stderr
+    # The run directory is gone again; the dataset prepared beside it stays, for the next start.
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [CACHE_DIR_NAME]
+
+
+def test_an_mlflow_server_that_does_not_answer_is_said_while_mlflow_retries_then_one_line_and_exit_1(
+    tmp_path: Path, write_spec, corpus_file: Path
+) -> None:
+    """Nothing listens at the tracking URI (whose password stays out of every line): a warning once MLflow has
+    tried for SLOW_ANSWER_SECONDS, then, when its retries (here 3: 4 and 8 s apart) give up, the root cause."""
+    env = os.environ | {
+        "MLFLOW_TRACKING_URI": "http://someone:s3cret@127.0.0.1:1",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    }
+    spec = tiny_spec(corpus_file, reportTo=["mlflow"])
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
+    assert result.returncode == EXIT_ERROR, result.stdout + result.stderr
+    assert "s3cret" not in result.stdout + result.stderr + "".join(
+        path.read_text() for path in (tmp_path / "runs").rglob("*.log")
+    )
+    slow = f"[rank 0] warning: mlflow: no answer from http://127.0.0.1:1 in {SLOW_ANSWER_SECONDS:g} s; MLflow goes on"
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith(slow)] == [lines[-2]], result.stderr
+    cause = "failed: training.reportTo: mlflow cannot reach http://127.0.0.1:1: [Errno 111] Connection refused (output"
+    assert lines[-1].startswith("error: rank 0 on node 0 ") and cause in lines[-1], result.stderr
+
+
+def test_an_mlflow_server_that_refuses_the_run_is_one_line_and_exit_2(
+    tmp_path: Path, write_spec, corpus_file: Path, mlflow_env: dict[str, str]
+) -> None:
+    """MLFLOW_EXPERIMENT_ID names no experiment of the store: bad input, in MLflow's words, and no run directory."""
+    spec = tiny_spec(corpus_file, reportTo=["tensorboard", "mlflow"])
+    result = run_ctl(
+        "run", str(write_spec(spec)), cwd=tmp_path, env=os.environ | mlflow_env | {"MLFLOW_EXPERIMENT_ID": "999"}
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    store = mlflow_env["MLFLOW_TRACKING_URI"]
+    line = (
+        f"error: training.reportTo: mlflow cannot start its run at {store}: The provided MLFLOW_EXPERIMENT_ID"
+        " environment variable value `999` does not exist in the tracking server. Provide a valid experiment_id."
+    )
+    assert result.stderr.splitlines() == [line] and result.stdout == "", result.stdout + result.stderr
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [CACHE_DIR_NAME]
 
 
 def test_wandb_offline_gets_the_values_tensorboard_gets_and_a_finished_exit(
@@ -275,7 +319,7 @@ def test_wandb_keeps_a_checkpoint_reported_after_later_steps(
     for name, value in wandb_env.items():
         monkeypatch.setenv(name, value)
     spec = TrainingSpec.model_validate({"task": "char-gpt", "data": {"train": "corpus.txt"}, "reportTo": ["wandb"]})
-    tracker = Tracker(spec, True, tmp_path, None)
+    tracker = Tracker(spec, True, tmp_path)
     tracker.log(3, {"train/loss": 2.5})
     tracker.checkpoint_saved(SaveStats(step=2, seconds=0.25, size_bytes=4096, finished_at=0.0))
     tracker.log(4, {"train/loss": 2.0})

@@ -38,12 +38,12 @@ from trainer.loop import NonFiniteLoss, Trainer
 from trainer.metrics import clear_shared_directory, metrics_endpoint
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from trainer.quick_exit import quick_exit
-from trainer.rundir import export_final, prepare_run_dir, publish, remove_if_empty, restore_run_ids, write_report
+from trainer.rundir import export_final, prepare_run_dir, publish, remove_created, restore_run_ids, write_report
 from trainer.spec import SpecError, TrainingSpec, load_training_spec
 from trainer.storage import S3Store, StorageUnreachable, run_dir_of
 from trainer.tasks import load
-from trainer.tracking import check_installed, finish
-from trainer.workloads import PreparationFailed, check_resumed_data
+from trainer.tracking import Tracker, TrackerUnreachable, check_installed, finish
+from trainer.workloads import PreparationFailed, check_resumed_data, record_dataset
 
 resume_collection()
 
@@ -75,14 +75,18 @@ def run(spec: TrainingSpec, dist: Dist) -> int:
             restore_run_ids(run_dir, checkpoints.store)
         torch.manual_seed(spec.seed)
         task, work = load(spec, dist, run_dir)
+        # Once the data is accepted, before anything is recorded or said: W&B without its API key is bad input too.
+        tracker = Tracker(spec, dist.is_main, run_dir)
     except SpecError:
-        remove_if_empty(created)  # a full disk, bad data: leave nothing behind
+        remove_created(created)  # a full disk, bad data: leave nothing behind
         raise
+    if dist.is_main:
+        record_dataset(work, run_dir)
     for name in checkpoints.clean():
         log(f"removed {name}: not a complete checkpoint ({MARKER} missing, or a file it lists missing or cut short)")
     params = sum(p.numel() for p in work.model.parameters())
     log(f"{spec.task}: {type(work.model).__name__}, {params:,} parameters, vocabulary of {len(work.tokenizer)}")
-    result = Trainer(spec, dist, work, checkpoints, log).train()
+    result = Trainer(spec, dist, work, checkpoints, tracker, log).train()
     if result.final_eval is None:  # preempted: see TrainResult
         if dist.is_main:  # on object storage, the events so far (the export and report do not exist yet)
             publish(run_dir, checkpoints.store)
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_with(EXIT_BAD_INPUT, str(exc))
     except PreparationFailed as exc:  # the data was not prepared, and waiting longer will not change that
         exit_with(EXIT_ERROR, str(exc))
-    except StorageUnreachable as exc:  # the S3 server did not answer: a start after a restart may find it
+    except (StorageUnreachable, TrackerUnreachable) as exc:  # a server did not answer: a later start may find it
         exit_with(EXIT_ERROR, str(exc))
     except NonFiniteLoss as exc:  # every rank stops on it at the same step
         exit_with(EXIT_ERROR, str(exc), everywhere=True)

@@ -270,7 +270,13 @@ class Trainer:
     """
 
     def __init__(
-        self, spec: TrainingSpec, dist: Dist, work: Workload, checkpoints: Checkpointer, log: Callable[[str], None]
+        self,
+        spec: TrainingSpec,
+        dist: Dist,
+        work: Workload,
+        checkpoints: Checkpointer,
+        tracker: Tracker,
+        log: Callable[[str], None],
     ) -> None:
         self.spec, self.dist, self.device, self.model = spec, dist, dist.device, work.model
         self.checkpoints, self.log, self.val_set, self.predict = checkpoints, log, work.val, work.predict
@@ -290,7 +296,8 @@ class Trainer:
         self.plan(resumed)
         self.val_batches, self.estimate_batches = evaluation_loaders(spec, dist, work.val, collate)
         self.metrics = TrainingMetrics(spec, dist, model, self.state.max_steps)
-        self.tracker = Tracker(spec, dist.is_main, checkpoints.run_dir, None if resumed is None else resumed.step)
+        self.tracker = tracker
+        tracker.start_events(None if resumed is None else resumed.step)
         self.progress = ProgressReporter.from_env() if dist.is_main else ProgressReporter(None)  # a TrainJob's status
         self.watchdog = Watchdog(dist, self.sync, self.metrics)
         self.slowdown = test_slowdown(dist.rank)

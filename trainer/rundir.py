@@ -90,9 +90,13 @@ def prepare_run_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def remove_if_empty(created: list[Path]) -> None:
-    """Undo `prepare_run_dir` (deepest first) when a run fails on bad input before writing anything."""
-    for path in created:
+def remove_created(created: list[Path]) -> None:
+    """Undo `prepare_run_dir` when a run fails on bad input: `created` are the folders it made, the run directory
+    first, then its parents. All the run directory holds then was written by this start (a built-in dataset);
+    a parent that holds something else (the dataset cache, other runs) stays."""
+    if created:
+        shutil.rmtree(created[0], ignore_errors=True)
+    for path in created[1:]:
         with contextlib.suppress(OSError):
             path.rmdir()
 

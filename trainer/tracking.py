@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
@@ -40,6 +41,16 @@ PIP_NAME = {"tensorboard": "ddpjob[train]", "mlflow": "mlflow", "wandb": "wandb"
 WANDB_STEP = "trainer/step"
 # What a W&B run needs from the pod's environment (docs/monitoring.md).
 WANDB_SETUP = "set WANDB_API_KEY from a Secret in the spec's env, or WANDB_MODE=offline"
+# A tracking server that has not answered this long is said so on the terminal (MLflow's own retries go on for
+# minutes, silently); a healthy one answers in well under a second.
+SLOW_ANSWER_SECONDS = 5.0
+# How long MLflow tries, set by its own variables in the spec's env.
+MLFLOW_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT"
+
+
+class TrackerUnreachable(Exception):
+    """A tracker's server did not answer: not bad input, since it may be a moment's outage, so rank 0 exits 1 (which
+    the job's restart policy retries) with this one line."""
 
 
 def check_installed(spec: TrainingSpec) -> None:
@@ -86,9 +97,25 @@ class TensorBoard:
 class MLflow:
     def __init__(self, name: str, run_id: str | None) -> None:
         import mlflow
+        from mlflow.exceptions import MlflowException
 
         self.mlflow = mlflow
-        self.run_id = mlflow.start_run(run_id=run_id, run_name=None if run_id else name).info.run_id
+        server = without_credentials(mlflow.get_tracking_uri())
+        slow = f"mlflow: no answer from {server} in {SLOW_ANSWER_SECONDS:g} s; MLflow goes on trying ({MLFLOW_RETRIES})"
+        notice = threading.Timer(SLOW_ANSWER_SECONDS, warn, [slow])
+        notice.daemon = True
+        notice.start()
+        try:
+            self.run_id = mlflow.start_run(run_id=run_id, run_name=None if run_id else name).info.run_id
+        except MlflowException as exc:
+            causes = chain(exc)
+            if any(isinstance(cause, OSError) for cause in causes):  # requests' errors are OSErrors too
+                raise TrackerUnreachable(f"training.reportTo: mlflow cannot reach {server}: {causes[-1]}") from None
+            # The server answered no: a missing MLFLOW_EXPERIMENT_ID, a refused login, a resumed run deleted.
+            reason = next(iter(exc.message.splitlines()), exc.error_code)
+            raise SpecError(f"training.reportTo: mlflow cannot start its run at {server}: {reason}") from None
+        finally:
+            notice.cancel()
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
@@ -121,6 +148,26 @@ class WandB:
         self.run.finish(exit_code=exit_code)
 
 
+def without_credentials(uri: str) -> str:
+    """A tracking URI fit for a log line: a user and password in it are left out."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """The exception and what caused it, down to the root cause (last)."""
+    causes = [exc]
+    while (cause := causes[-1].__cause__ or causes[-1].__context__) is not None and cause not in causes:
+        causes.append(cause)
+    return causes
+
+
+def warn(message: str) -> None:
+    print(f"{WARNING_PREFIX}{message}", file=sys.stderr, flush=True)
+
+
 # This process's open trackers (rank 0's), closed once by `finish`.
 open_trackers: list[Tracker] = []
 
@@ -143,11 +190,14 @@ def close_all(exit_code: int) -> None:
 
 
 class Tracker:
-    """Rank 0's trackers; on every other rank `log` does nothing. Closed by `finish`, or as failed at exit."""
+    """Rank 0's trackers; on every other rank `log` does nothing. MLflow's and W&B's runs start with it (a refusal
+    is bad input), TensorBoard's events at `start_events`. Closed by `finish`, or as failed at exit."""
 
-    def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path, resumed_step: int | None) -> None:
+    def __init__(self, spec: TrainingSpec, is_main: bool, run_dir: Path) -> None:
         self.trackers: dict[str, TensorBoard | MLflow | WandB] = {}  # by their names in reportTo
         self.reported_save: SaveStats | None = None
+        self.run_dir = run_dir
+        self.events = is_main and "tensorboard" in spec.report_to
         if not is_main:
             return
         name = os.environ.get(JOB_NAME_ENV) or run_dir.name
@@ -155,7 +205,6 @@ class Tracker:
         ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
         for kind in dict.fromkeys(spec.report_to):  # once each, if named twice
             if kind == "tensorboard":
-                self.trackers[kind] = TensorBoard(run_dir, resumed_step)
                 continue
             service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
             ids[kind] = service.run_id
@@ -164,6 +213,12 @@ class Tracker:
             ids_file.write_text(json.dumps(ids))
         open_trackers.append(self)
         atexit.register(finish, EXIT_ERROR)  # after main's finish, if any: then there is nothing left to close
+
+    def start_events(self, resumed_step: int | None) -> None:
+        """TensorBoard's writer, once the step the loop starts from is known: what an interrupted attempt logged
+        after it is dropped."""
+        if self.events:
+            self.trackers["tensorboard"] = TensorBoard(self.run_dir, resumed_step)
 
     def log(self, step: int, values: dict[str, float | None]) -> None:
         """Scalars of one step, by name (`train/loss`, `eval/accuracy`...); None values are left out."""
@@ -192,5 +247,5 @@ class Tracker:
                 tracker.close(exit_code)
             except Exception as exc:
                 reason = next(iter(str(exc).splitlines()), "")
-                print(f"{WARNING_PREFIX}{kind}: cannot end its run: {type(exc).__name__}: {reason}", file=sys.stderr)
+                warn(f"{kind}: cannot end its run: {type(exc).__name__}: {reason}")
         self.trackers = {}

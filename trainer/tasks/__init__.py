@@ -19,7 +19,7 @@ from types import ModuleType
 from trainer.dist import Dist
 from trainer.spec import TrainingSpec
 from trainer.tasks import causal_lm, char_gpt, classification
-from trainer.workloads import Workload, check_same_vocabulary, record_dataset
+from trainer.workloads import Workload, check_same_vocabulary
 
 TASKS: dict[str, ModuleType] = {"char-gpt": char_gpt, "causal-lm": causal_lm, "classification": classification}
 
@@ -29,6 +29,4 @@ def load(spec: TrainingSpec, dist: Dist, run_dir: Path) -> tuple[ModuleType, Wor
     task = TASKS[spec.task]
     work = task.load(spec, dist, run_dir)
     check_same_vocabulary(work, run_dir)
-    if dist.is_main:
-        record_dataset(work, run_dir)
     return task, work
