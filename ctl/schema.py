@@ -186,6 +186,12 @@ as `kubectl apply -f -`), then, in helm's order:
 Numbers and booleans are YAML's own, read as Helm reads them: `lr: 3e-4` is a number, while a quoted `"0.002"` or
 `"true"`, or `false` for a number, is refused, as values.schema.json refuses it.
 
+A key that another one makes moot is refused, not ignored: `nLayer`, `nHead` or `nEmbd` with `model.size` or
+`model.pretrained` (whose config sets them), `data.valFraction` with `data.val`, `data.labelField` outside
+classification (or equal to `textField`). A path is written whole: one that starts with `~` is refused, since a spec
+is read in pods too, which have no home of yours (`ctl`'s own path flags, `--run-dir=~/runs`, expand it as a shell
+does). values.schema.json cannot say these; with `helm install` the trainer refuses them when it starts.
+
 A bad spec gets one line naming the key and the problem, and exit code 2; `helm install` refuses the same
 (values.schema.json). The line begins with where the key was given: its `--set` or `--set-file` flag, else the file
 and line that wrote it (the last of the spec and its `--values` files that does; for a missing key, its mapping's):

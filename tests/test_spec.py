@@ -176,6 +176,44 @@ BAD_SPECS = [
         [],
         "training.tokenizer: char-gpt's vocabulary is its text's characters: no tokenizer to set",
     ),
+    # Each was ignored, silently: a key that another one makes moot.
+    (
+        "dimensions-with-a-size",
+        {"training": {"task": "causal-lm", "model": {"size": "gpt2"}}},
+        [],
+        "training.model.nLayer: only without pretrained or size: gpt2's config sets it",
+    ),
+    (
+        "val-fraction-with-val",
+        {"training": {"data": {"val": "val.txt", "valFraction": 0.2}}},
+        [],
+        "training.data.valFraction: only without val: the validation split is val's files",
+    ),
+    (
+        "label-field-for-char-gpt",
+        {},
+        ["--set", "training.data.labelField=topic"],
+        "--set 'training.data.labelField=topic': training.data.labelField: only for task classification",
+    ),
+    (
+        "label-field-is-text-field",
+        {"training": {"task": "classification", "data": {"labelField": "text"}}},
+        [],
+        "training.data.labelField: 'text' is textField too: the label would be the text",
+    ),
+    # `~` was a folder of that name in the working directory (or in the pod), and for data, no file matched.
+    (
+        "home-in-a-run-directory",
+        {"training": {"checkpoint": {"dir": "~/runs/tiny"}}},
+        [],
+        "training.checkpoint.dir: '~/runs/tiny' starts with ~, which a spec does not expand (its pods have no home",
+    ),
+    (
+        "home-in-a-source",
+        {},
+        ["--set", "training.data.train=~/corpus.txt"],
+        "training.data.train.0: '~/corpus.txt' starts with ~, which a spec does not expand",
+    ),
     ("procs-zero", {"procsPerNode": 0}, [], "procsPerNode: Input should be greater than or equal to 1"),
     # Both were found only after training: the sample failed to encode nothing (exit 1); the cache was a folder named
     # s3: in the working directory.

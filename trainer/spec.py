@@ -78,6 +78,14 @@ class SpecModel(BaseModel):
         return self.model_dump(by_alias=True, mode="json")
 
 
+def not_default(section: BaseModel, names: tuple[str, ...]) -> str | None:
+    """The key (camelCase) of the first of `names`, fields of `section`, that holds other than its default: a key
+    given where another one makes it moot. By value, not by what was written: the chart writes every default into
+    training.yaml."""
+    fields = type(section).model_fields
+    return next((fields[name].alias or name for name in names if getattr(section, name) != fields[name].default), None)
+
+
 # The spec's patterns, each with what it asks for in words: an error names that, not the regular expression.
 PATTERN_MEANINGS: dict[str, str] = {}
 
@@ -110,13 +118,28 @@ def s3_checked(value: str | None) -> str | None:
     return value
 
 
+def not_from_home(value: str) -> str:
+    """`~` is a shell's: in a spec's path it was a folder named `~` (and in a pod there is no user's home anyway)."""
+    if value.startswith("~"):
+        raise ValueError(
+            f"{value!r} starts with ~, which a spec does not expand (its pods have no home of yours):"
+            " write the whole path"
+        )
+    return value
+
+
 # A path, directory, glob or s3:// URI: never empty or blank, which match nothing (or a file of that name in
 # the current directory: one nobody means).
 Source = Annotated[
-    str, Field(pattern=pattern(r"\S", "a file, directory, glob or s3:// URI")), AfterValidator(s3_checked)
+    str,
+    Field(pattern=pattern(r"\S", "a file, directory, glob or s3:// URI")),
+    AfterValidator(s3_checked),
+    AfterValidator(not_from_home),
 ]
 # A path of the trainer's own; empty is the default.
-PathText = Annotated[str, Field(pattern=pattern(r"^$|\S", "a path, or empty for the default"))]
+PathText = Annotated[
+    str, Field(pattern=pattern(r"^$|\S", "a path, or empty for the default")), AfterValidator(not_from_home)
+]
 
 
 class ModelSpec(SpecModel):
@@ -236,6 +259,8 @@ class DataSpec(SpecModel):
     def _one_source(self) -> DataSpec:
         if bool(self.train) == bool(self.builtin):
             raise ValueError("set train (files or globs) or builtin, one of the two")
+        if self.val and (given := not_default(self, ("val_fraction",))):
+            raise KeyProblem(given, "only without val: the validation split is val's files")
         return self
 
     @field_validator("cache_dir")
@@ -398,8 +423,19 @@ class TrainingSpec(SpecModel):
             misplaced = [key for key in ("builtin", "test", "labels") if getattr(self.data, key)]
             if misplaced:
                 raise KeyProblem(f"data.{misplaced[0]}", "only for task classification")
+            if given := not_default(self.data, ("label_field",)):
+                raise KeyProblem(f"data.{given}", "only for task classification")
+        elif self.data.label_field == self.data.text_field:
+            raise KeyProblem(
+                "data.labelField", f"{self.data.label_field!r} is textField too: the label would be the text"
+            )
         if self.task == "char-gpt" and (self.model.pretrained or self.model.size):
             raise KeyProblem("model", "char-gpt trains from scratch: no pretrained or size")
+        # A named size's or pretrained model's own config sets these: a value given here would be ignored.
+        model = self.model
+        if (model.pretrained or model.size) and (given := not_default(model, ("n_layer", "n_head", "n_embd"))):
+            config = f"{model.size}'s config" if model.size else "the pretrained model's config"
+            raise KeyProblem(f"model.{given}", f"only without pretrained or size: {config} sets it")
         if self.task == "char-gpt" and self.tokenizer != TokenizerSpec():
             raise KeyProblem("tokenizer", "char-gpt's vocabulary is its text's characters: no tokenizer to set")
         return self
