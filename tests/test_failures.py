@@ -227,6 +227,17 @@ def test_an_empty_path_or_a_file_as_the_run_directory_is_refused_before_anything
     assert tree(path) == before
 
 
+def test_a_tilde_in_a_path_flag_is_the_home_folder_as_a_shell_gives_it(workdir, corpus_file: Path) -> None:
+    """`--run-dir=~/runs` reaches ctl as typed (a shell expands only a word's leading ~): it was a folder named ~."""
+    path, env = workdir
+    (path / "spec.yaml").write_text(yaml.safe_dump(tiny_spec(corpus_file)))
+    home = path / "home"
+    home.mkdir()
+    (home / "taken").write_text("")
+    result = run_ctl("run", "spec.yaml", "--run-dir=~/taken", cwd=path, env=env | {"HOME": str(home)})
+    assert_one_line(result, EXIT_BAD_INPUT, f"Invalid value for '--run-dir': {home}/taken is a file, not a directory")
+
+
 def test_a_flag_s_value_is_checked_before_the_cluster_is_asked(tmp_path: Path) -> None:
     """An -o or --dry-run no command takes is a usage error (exit 2), not a failure to reach the cluster (exit 1)."""
     (tmp_path / "config.yaml").write_text(KUBECONFIG)  # its server's port answers nothing

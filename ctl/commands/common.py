@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 def given_path(text: str) -> Path:
     """A path as typed: an empty one is refused, where Path('') would be the current directory (`--run-dir ''`
-    would train into it)."""
+    would train into it); `~` is the home folder, as the shell gives it (which it does not after `--run-dir=`)."""
     if not text.strip():
         raise typer.BadParameter("an empty path")
-    return Path(text)
+    return Path(text).expanduser()
 
 
 def given_file(text: str) -> str:
