@@ -51,6 +51,7 @@ from trainer.location import PEM_CERTIFICATE, S3Location, is_s3
 from trainer.names import EXIT_HUNG
 from trainer.spec import (
     ENDPOINT_URL,
+    WANTED,
     Flag,
     Int,
     KeyProblem,
@@ -891,7 +892,21 @@ def load_spec(
                 raise
             return JobSpec.model_validate(values, context=context)
     except ValidationError as exc:
-        raise SpecError(f"{sources.of(error_path(exc))}: {describe_validation_error(exc, JobSpec)}") from None
+        problem = file_text_problem(exc, sources.overrides) or describe_validation_error(exc, JobSpec)
+        raise SpecError(f"{sources.of(error_path(exc))}: {problem}") from None
+
+
+def file_text_problem(error: ValidationError, overrides: Sequence[Override]) -> str | None:
+    """A key that takes a number, a boolean or a list, set by --set-file: a file's text stays text, as with helm (its
+    YAML reading would have said `'5\n' is quoted`). None for any other problem."""
+    first = error.errors()[0]
+    path = list(map(str, first["loc"]))
+    if first["type"] not in WANTED or first["type"] == "string_type":
+        return None
+    if not any(o.typed is None and o.path == path for o in overrides):
+        return None
+    key = ".".join(path)
+    return f"{key}: expected {WANTED[first['type']][0]}, and --set-file gives a file's text, as helm's does: use --set"
 
 
 def values_layer(text: str, name: str) -> dict[str, Any]:

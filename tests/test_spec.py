@@ -331,6 +331,14 @@ BAD_SPECS = [
         "--set-file 'storage.caBundle=absent.crt': cannot read absent.crt: No such file or directory",
     ),
     ("set-file-without-path", {}, ["--set-file", "storage.caBundle"], "--set-file 'storage.caBundle': expected"),
+    # It said that the file's text was quoted.
+    (
+        "set-file-for-a-number",
+        {},
+        ["--set-file", "nodes=spec.yaml"],
+        "--set-file 'nodes=spec.yaml': nodes: expected a whole number, and --set-file gives a file's text, as helm's"
+        " does: use --set",
+    ),
     (
         "set-list-item",
         {},
