@@ -257,13 +257,13 @@ def test_an_mlflow_server_that_does_not_answer_is_said_while_mlflow_retries_then
 
 
 def test_an_mlflow_server_that_refuses_the_run_is_one_line_and_exit_2(
-    tmp_path: Path, write_spec, corpus_file: Path, mlflow_env: dict[str, str]
+    tmp_path: Path, write_spec, corpus_file: Path, mlflow_env: dict[str, str], wandb_env: dict[str, str]
 ) -> None:
-    """MLFLOW_EXPERIMENT_ID names no experiment of the store: bad input, in MLflow's words, and no run directory."""
-    spec = tiny_spec(corpus_file, reportTo=["tensorboard", "mlflow"])
-    result = run_ctl(
-        "run", str(write_spec(spec)), cwd=tmp_path, env=os.environ | mlflow_env | {"MLFLOW_EXPERIMENT_ID": "999"}
-    )
+    """MLFLOW_EXPERIMENT_ID names no experiment of the store: bad input, in MLflow's words, and no run directory,
+    though W&B's run had started, with its files in it."""
+    spec = tiny_spec(corpus_file, reportTo=["tensorboard", "wandb", "mlflow"])
+    env = os.environ | mlflow_env | wandb_env | {"MLFLOW_EXPERIMENT_ID": "999"}
+    result = run_ctl("run", str(write_spec(spec)), cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stdout + result.stderr
     store = mlflow_env["MLFLOW_TRACKING_URI"]
     line = (

@@ -203,12 +203,16 @@ class Tracker:
         name = os.environ.get(JOB_NAME_ENV) or run_dir.name
         ids_file = run_dir / RUN_IDS
         ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
-        for kind in dict.fromkeys(spec.report_to):  # once each, if named twice
-            if kind == "tensorboard":
-                continue
-            service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
-            ids[kind] = service.run_id
-            self.trackers[kind] = service
+        try:
+            for kind in dict.fromkeys(spec.report_to):  # once each, if named twice
+                if kind == "tensorboard":
+                    continue
+                service = MLflow(name, ids.get(kind)) if kind == "mlflow" else WandB(name, ids.get(kind), run_dir)
+                ids[kind] = service.run_id
+                self.trackers[kind] = service
+        except BaseException:
+            self.close(EXIT_ERROR)  # those that started before the one refused: ended now, as failed
+            raise
         if ids:
             ids_file.write_text(json.dumps(ids))
         open_trackers.append(self)
