@@ -499,8 +499,10 @@ def test_context_is_taken_from_a_kubeconfig_without_a_current_one_and_insecure_t
 
 
 def causal_lm(corpus: Path, procs: int, **model: object) -> dict:
+    """The tiny spec as causal-lm; `model` keys (a pretrained directory) in place of its dimensions."""
     spec = tiny_spec(corpus, task="causal-lm", sample={"maxNewTokens": 0}) | {"procsPerNode": procs}
-    spec["training"]["model"] |= model
+    if model:
+        spec["training"]["model"] = model
     return spec
 
 
