@@ -420,11 +420,9 @@ class TrainingSpec(SpecModel):
     @model_validator(mode="after")
     def _fits_the_task(self) -> TrainingSpec:
         if self.task != "classification":
-            misplaced = [key for key in ("builtin", "test", "labels") if getattr(self.data, key)]
-            if misplaced:
-                raise KeyProblem(f"data.{misplaced[0]}", "only for task classification")
-            if given := not_default(self.data, ("label_field",)):
-                raise KeyProblem(f"data.{given}", "only for task classification")
+            given = next((key for key in ("builtin", "test", "labels") if getattr(self.data, key)), None)
+            if misplaced := given or not_default(self.data, ("label_field",)):
+                raise KeyProblem(f"data.{misplaced}", "only for task classification")
         elif self.data.label_field == self.data.text_field:
             raise KeyProblem(
                 "data.labelField", f"{self.data.label_field!r} is textField too: the label would be the text"
