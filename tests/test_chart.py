@@ -25,6 +25,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 from conftest import CTL, REPO, prometheus_server, prometheus_tool, run_ctl
+from e2e.cluster_binaries import build_helm
 from pod_security import violations
 
 from ctl.kinds import KINDS, PYTORCHJOB
@@ -1118,21 +1119,14 @@ def test_helm_lint_is_clean(example: Path) -> None:
     assert [m for m in report["messages"] if m["severity"] > 1] == []
 
 
-def helm_binary() -> str | None:
-    """A `helm` on PATH, or one built once with `go install` into ~/.cache/ddpjob/bin (see k8s/README.md)."""
-    cached = Path.home() / ".cache" / "ddpjob" / "bin" / "helm"
-    return shutil.which("helm") or (str(cached) if cached.exists() else None)
-
-
 def test_helm_binary_template_and_lint_match() -> None:
-    """Where a `helm` binary is installed, `helm template` gives the same objects as `ctl render`, and
-    `helm lint --strict` passes (that Helm validates values.schema.json with its own JSON Schema library)."""
-    helm = helm_binary()
-    if helm is None:
-        pytest.skip("no helm binary on PATH (the in-process engine is tested above)")
+    """The `helm` CLI (built from its module, as the e2e tier's binaries are) gives the same objects with
+    `helm template` as `ctl render`, and `helm lint --strict` passes (Helm validates values.schema.json with its own
+    JSON Schema library)."""
+    helm = str(build_helm())
     for example in EXAMPLES:
         spec = load_spec(example)
-        # A `go install`ed helm defaults to Kubernetes v1.20 (releases set it at link time): say which.
+        # A helm built from its module defaults to Kubernetes v1.20 (releases set it at link time): say which.
         args = [str(chart_path()), "-f", str(example), "--kube-version", KUBERNETES_VERSION]
         result = subprocess.run([helm, "template", spec.name, *args], capture_output=True, text=True)
         assert result.returncode == 0, result.stderr

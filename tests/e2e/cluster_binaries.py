@@ -6,6 +6,7 @@
 - the Kubeflow training operator v1, the Kubeflow Trainer v2 controller manager and the JobSet controller (the
   version Trainer v2 requires): each a generated wrapper module requiring its module, building its main package.
 - versitygw, the S3 server of the object-storage tests (tests/s3server.py; the unit tier's too), the same way.
+- helm, the CLI the docs give beside `ctl` (the chart's `helm template`/`lint` test, the e2e tier's `helm install`).
 
 The first build takes minutes. On a shared 2-core machine under load: kube-apiserver 3 min 56 s,
 kube-controller-manager 1 min 17 s, kubectl 46 s, etcd 32 s (partly in the Go build cache already), JobSet
@@ -49,6 +50,9 @@ COREDNS_MODULE = "github.com/coredns/coredns"
 # The S3 server the object-storage tests run against: an S3 gateway over a POSIX directory (Apache-2.0).
 VERSITYGW_VERSION = "v1.8.0"
 VERSITYGW_MODULE = "github.com/versity/versitygw"
+# The Helm release whose engine helm-python-sdk embeds is v4 too: the binary users install beside ctl.
+HELM_VERSION = "v4.3.2"
+HELM_MODULE = "helm.sh/helm/v4"
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
@@ -181,6 +185,7 @@ class Binaries:
     coredns: Path
     pause: Path
     versitygw: Path
+    helm: Path
     # The two modules' source directories: their CRDs and webhook manifests, as their releases install them.
     trainer_source: Path
     jobset_source: Path
@@ -253,21 +258,34 @@ def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
     return module
 
 
+def version_ldflags(version: str) -> str:
+    """The linker flags that stamp `version` into a Kubernetes command, as its release build does
+    (hack/lib/version.sh): unstamped, the API server reports v0.0.0-master at /version, which Helm refuses against
+    a chart's kubeVersion, and the node the same as its kubelet's version."""
+    major, minor = version.removeprefix("v").split(".")[:2]
+    fields = {"gitVersion": version, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean"}
+    packages = ("k8s.io/client-go/pkg/version", "k8s.io/component-base/version")
+    return " ".join(f"-X {package}.{key}={value}" for package in packages for key, value in fields.items())
+
+
 def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD_VERSION) -> dict[str, Path]:
-    """etcd, kubectl and the Kubernetes commands by name, each built on the first call that lacks it."""
+    """etcd, kubectl and the Kubernetes commands by name, each built on the first call that lacks it. The
+    Kubernetes ones are cached as `<name>-<version>-stamped`: those built before the stamp are built again."""
+    stamped = f"{version}-stamped"
     targets = {
         "etcd": cached("etcd", etcd_version),
-        "kubectl": cached("kubectl", version),
-        **{name: cached(name, version) for name in KUBERNETES_COMMANDS},
+        "kubectl": cached("kubectl", stamped),
+        **{name: cached(name, stamped) for name in KUBERNETES_COMMANDS},
     }
     missing = [name for name, target in targets.items() if not target.exists()]
     if missing:
         module = kubernetes_wrapper_module(version, etcd_version)
         run_go("mod", "tidy", cwd=module)
         out = module / "out"
-        build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", "-o"]
         for name in missing:
-            run_go(*build, str(out / name), f"./cmd/{name}", cwd=module)
+            ldflags = "-s -w" if name == "etcd" else f"-s -w {version_ldflags(version)}"
+            build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", f"-ldflags={ldflags}", "-o", str(out / name)]
+            run_go(*build, f"./cmd/{name}", cwd=module)
             install(out / name, targets[name])
     return targets
 
@@ -280,6 +298,7 @@ def build_main(name: str, module: str, package: str, version: str, tags: str = "
     target = cached(name, version)
     if target.exists():
         return target
+    (CACHE / "build").mkdir(parents=True, exist_ok=True)  # also the working directory of `go mod download`
     upstream = (download_module(module, version) / "go.mod").read_text()
     go_directive = re.search(r"^go (\S+)$", upstream, re.MULTILINE)
     wrapper = CACHE / "build" / f"{name}-{version}"
@@ -324,8 +343,11 @@ def build_coredns() -> Path:
 
 
 def build_versitygw() -> Path:
-    (CACHE / "build").mkdir(parents=True, exist_ok=True)
     return build_main("versitygw", VERSITYGW_MODULE, f"{VERSITYGW_MODULE}/cmd/versitygw", VERSITYGW_VERSION)
+
+
+def build_helm() -> Path:
+    return build_main("helm", HELM_MODULE, f"{HELM_MODULE}/cmd/helm", HELM_VERSION)
 
 
 def pytorchjob_crd(version: str = TRAINING_OPERATOR_VERSION) -> Path:
@@ -361,6 +383,7 @@ def ensure_binaries() -> Binaries:
             "coredns": pool.submit(build_coredns),
             "pause": pool.submit(build_pause),
             "versitygw": pool.submit(build_versitygw),
+            "helm": pool.submit(build_helm),
         }
         commands = kubernetes.result()
         paths = {name: future.result() for name, future in built.items()}
