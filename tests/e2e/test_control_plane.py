@@ -34,7 +34,7 @@ import node
 import pytest
 import yaml
 from certs import private_ca
-from cluster_binaries import BuildError, ensure_binaries
+from cluster_binaries import BuildError, build_helm, ensure_binaries
 from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
@@ -46,6 +46,7 @@ from ctl.cluster import ClusterError, Target, apply
 from ctl.jobs import RUNTIME_SEEN_WAIT_S, apply_job
 from ctl.kinds import JobKind
 from ctl.kinds.pytorchjob import REPLICA_TYPE_LABEL
+from ctl.kinds.trainjob import RUNTIME_PLURAL
 from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
@@ -1364,6 +1365,47 @@ def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name
             return progress
         time.sleep(0.5)
     raise AssertionError(f"no progress in {JOB_TIMEOUT_S} s")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_helm_install_by_the_roles_user_runs_the_job_and_uninstall_keeps_the_claim(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """What the docs give beside ctl, as a user with only k8s/rbac.yaml's Role: `helm install` of the chart with a
+    spec (Helm 4, its release records in ConfigMaps: its default driver's Secrets are not granted) makes the job,
+    which succeeds; `helm uninstall` removes it and keeps the checkpoints claim (and a TrainJob's runtime, a hook)."""
+    marker = uuid.uuid4().hex
+    name = f"hi-{marker[:6]}"
+    spec = spec_file(tmp_path, job_spec(marker, name=name, training={"maxSteps": 5}, apiKind=kind.api.kind))
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+
+    def helm(*args: str, driver: str = "configmap") -> subprocess.CompletedProcess:
+        command = [str(build_helm()), *args, "-n", namespace]
+        environment = os.environ | {"KUBECONFIG": str(kubeconfig), "HELM_DRIVER": driver}
+        return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=120)
+
+    install = ("install", name, str(REPO / "helm" / "ddpjob"), "-f", str(spec))
+    if cluster.plane is not None:  # an external cluster's admin may read Secrets
+        refused = helm(*install, driver="secret")  # Helm's default
+        assert refused.returncode == 1 and "secrets is forbidden" in refused.stderr, refused.stderr
+        assert run_ctl_on(kubeconfig, "status", name, "-n", namespace, cwd=tmp_path).returncode == EXIT_NOT_FOUND
+    installed = helm(*install)
+    assert installed.returncode == 0, installed.stderr
+    # Helm rewrites its record once the objects are made (PUT): refused, it says so only in its log, exit 0.
+    assert json.loads(helm("status", name, "-o", "json").stdout)["info"]["status"] == "deployed", installed.stderr
+    done = run_ctl_on(kubeconfig, "wait", name, "--for", "succeeded", "-n", namespace, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+
+    uninstalled = helm("uninstall", name, "--wait")
+    assert uninstalled.returncode == 0, uninstalled.stderr
+    assert helm("status", name).returncode == 1  # no record left
+    assert run_ctl_on(kubeconfig, "status", name, "-n", namespace, cwd=tmp_path).returncode == EXIT_NOT_FOUND
+    client = cluster.client()
+    kubernetes.client.CoreV1Api(client).read_namespaced_persistent_volume_claim(f"{name}-checkpoints", namespace)
+    if kind is TRAINJOB:
+        kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
+            kind.api.group, kind.api.version, namespace, RUNTIME_PLURAL, name
+        )
 
 
 def test_a_trainjob_denied_before_the_webhook_sees_its_runtime_is_applied_again(
