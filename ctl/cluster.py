@@ -25,6 +25,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ctl.kinds import DEFAULT_KIND, KINDS, JobKind
+from trainer.failures import first_line
 
 FIELD_MANAGER = "ctl"
 DEFAULT_KUBECONFIG = "~/.kube/config"  # kubectl's without --kubeconfig and $KUBECONFIG
@@ -194,7 +195,7 @@ def read_kubeconfig(kubeconfig: str | None, context: str | None) -> tuple[dict[s
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}" if mark else files or DEFAULT_KUBECONFIG
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(exc)
         raise KubeconfigError(f"kubeconfig {where}: not valid YAML: {problem}") from None
     except config.ConfigException as exc:
         raise KubeconfigError(client_problem(str(exc))) from None

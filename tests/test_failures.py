@@ -44,7 +44,7 @@ from ctl.commands.common import seconds
 from ctl.local import keep_logs
 from ctl.processes import free_port
 from trainer import owned, scratch
-from trainer.failures import Failure, read_record, root_cause
+from trainer.failures import Failure, first_line, read_record, root_cause
 from trainer.location import NODE_CACHE_ENV
 from trainer.models import gpt_config
 from trainer.names import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, LATEST_CHECKPOINT
@@ -754,6 +754,15 @@ def test_a_resume_on_another_vocabulary_is_refused_even_when_settings_may_change
 
 
 # -- the root cause, and where the rest is --------------------------------------------------------------------
+
+
+def test_a_cause_quotes_the_first_line_with_text_and_names_an_exception_without_any() -> None:
+    """What every one-line cause quotes of a longer message (a client's, a reader's, a rank's record): blank lines
+    skipped; an exception without text is its type, where `str(exc).splitlines()[0]` raised IndexError."""
+    assert first_line("\n  Connection refused  \nTraceback (most recent call last):") == "Connection refused"
+    assert first_line(OSError()) == "OSError" and first_line(ValueError(" \n")) == "ValueError"
+    assert first_line(KeyError("sources")) == "'sources'"
+    assert first_line("", "exited with code 3") == "exited with code 3" and first_line("") == ""
 
 
 def test_root_cause_prefers_bad_input_then_own_errors_then_stops_then_lost_peers() -> None:

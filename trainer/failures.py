@@ -33,6 +33,13 @@ TRACEBACK = "Traceback (most recent call last)"
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "ncclRemoteError")
 
 
+def first_line(what: str | BaseException, fallback: str = "") -> str:
+    """The first line of a message (of an exception: its text) that has anything on it, stripped: what a one-line
+    cause quotes of a longer one. Without one: `fallback`, else an exception's type name."""
+    line = next((line.strip() for line in str(what).splitlines() if line.strip()), "")
+    return line or fallback or (type(what).__name__ if isinstance(what, BaseException) else "")
+
+
 class Kind(IntEnum):
     """What a failure is, in the order in which it is the root cause."""
 
@@ -119,7 +126,7 @@ def read_record(path: Path, code: int) -> Failure | None:
     rank = extra.get("rank")
     return Failure(
         code=code,
-        message=next(iter(text.strip().splitlines()), "") or f"exited with code {code}",
+        message=first_line(text, f"exited with code {code}"),
         time=float(extra.get("time", written)),  # a rank's own record: when it wrote it
         rank=None if rank is None else int(rank),
         log=extra.get("log"),

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
+from trainer.failures import first_line
 from trainer.location import (
     PEM_CERTIFICATE,
     S3_ACCESS_KEY_ENV,
@@ -213,7 +214,7 @@ def reason(exc: BaseException) -> str:
     code, message = S3_CODE.search(text), S3_MESSAGE.search(text)
     if code:
         return f"{code[1]}: {html.unescape(message[1])}" if message else code[1]  # XML's &#34; is a quote
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    first = first_line(exc)
     request = REQUEST.search(first)
     cause = root_cause(text)
     if not request or not cause:

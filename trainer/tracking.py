@@ -31,6 +31,7 @@ import urllib.parse
 from pathlib import Path
 
 from trainer.checkpoint import SaveStats
+from trainer.failures import first_line
 from trainer.names import EXIT_ERROR, EXIT_PREEMPTED, JOB_NAME_ENV, RUN_IDS, TENSORBOARD_DIR, WARNING_PREFIX
 from trainer.spec import SpecError, TrainingSpec
 
@@ -112,7 +113,7 @@ class MLflow:
             if any(isinstance(cause, OSError) for cause in causes):  # requests' errors are OSErrors too
                 raise TrackerUnreachable(f"training.reportTo: mlflow cannot reach {server}: {causes[-1]}") from None
             # The server answered no: a missing MLFLOW_EXPERIMENT_ID, a refused login, a resumed run deleted.
-            reason = next(iter(exc.message.splitlines()), exc.error_code)
+            reason = first_line(exc.message, exc.error_code)
             raise SpecError(f"training.reportTo: mlflow cannot start its run at {server}: {reason}") from None
         finally:
             notice.cancel()
@@ -136,7 +137,7 @@ class WandB:
         try:
             self.run = wandb.init(name=name, id=run_id, resume="allow", dir=str(run_dir))
         except (AuthenticationError, UsageError) as exc:  # no API key, a malformed one, a bad WANDB_* setting
-            reason = next(iter(str(exc).splitlines()), type(exc).__name__)
+            reason = first_line(exc)
             raise SpecError(f"training.reportTo: wandb cannot start its run: {reason} ({WANDB_SETUP})") from None
         self.run_id = self.run.id
         self.run.define_metric("*", step_metric=WANDB_STEP)
@@ -250,6 +251,6 @@ class Tracker:
             try:
                 tracker.close(exit_code)
             except Exception as exc:
-                reason = next(iter(str(exc).splitlines()), "")
+                reason = first_line(str(exc))
                 warn(f"{kind}: cannot end its run: {type(exc).__name__}: {reason}")
         self.trackers = {}

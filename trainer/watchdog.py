@@ -38,7 +38,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from trainer.dist import Dist
-from trainer.failures import Failure, write_record
+from trainer.failures import Failure, first_line, write_record
 from trainer.frozen import MARGIN_POLLS, Beat, beat_path, write_beat
 from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RANK_ENV
 from trainer.tracking import finish as finish_tracking
@@ -152,7 +152,7 @@ class Watchdog:
             beat_path(self.beats, os.getpid()).unlink(missing_ok=True)
         if not isinstance(exc, Exception) or self.dist.store is None:
             return
-        failed = str(exc).splitlines()[0]
+        failed = first_line(exc)
         # A collective that failed because a peer found the job hung and exited: this rank is hung too.
         if report := self.read(HUNG):
             self.exit_hung(f"{report} (this rank's collective then failed: {failed})")
@@ -317,7 +317,7 @@ class Watchdog:
             try:
                 behind.append(self.behind(self.heartbeats()))
             except Exception as exc:  # the store's host is gone too
-                behind.append(f"the other ranks' heartbeats are unreadable ({str(exc).splitlines()[0]})")
+                behind.append(f"the other ranks' heartbeats are unreadable ({first_line(exc)})")
             with contextlib.suppress(Exception):  # the first finder's report is the one all ranks give
                 self.dist.store.compare_set(HUNG, "", f"{hang}; {behind[0]}")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainer.failures import first_line
 from trainer.location import source_name
 from trainer.spec import DataSpec, SpecError
 
@@ -335,7 +336,7 @@ def _columnar_records(path: Path, fields: list[str], key: str) -> Iterator[tuple
     try:
         columns, batches = (_parquet_batches if kind == "Parquet" else _arrow_batches)(path, fields)
     except (OSError, pyarrow.ArrowException) as exc:
-        raise SpecError(f"{key}: {path}: not a readable {kind} file: {str(exc).splitlines()[0]}") from None
+        raise SpecError(f"{key}: {path}: not a readable {kind} file: {first_line(exc)}") from None
     _check_columns(path, fields, columns, key)
     row = 0
     try:
@@ -346,7 +347,7 @@ def _columnar_records(path: Path, fields: list[str], key: str) -> Iterator[tuple
                     row += 1
                     yield f"{path}: row {row}", record, read
     except (OSError, pyarrow.ArrowException) as exc:
-        raise SpecError(f"{key}: {path}: row {row + 1}: unreadable: {str(exc).splitlines()[0]}") from None
+        raise SpecError(f"{key}: {path}: row {row + 1}: unreadable: {first_line(exc)}") from None
 
 
 Batches = Iterator[tuple[Any, int]]  # (a pyarrow RecordBatch of the spec's columns, bytes of the file read with it)
