@@ -7,10 +7,11 @@
   version Trainer v2 requires): each a generated wrapper module requiring its module, building its main package.
 - versitygw, the S3 server of the object-storage tests (tests/s3server.py; the unit tier's too), the same way.
 - helm, the CLI the docs give beside `ctl` (the chart's `helm template`/`lint` test, the e2e tier's `helm install`).
+- Kueue's controller manager, the batch queue a spec's `queue.kueue` hands its job to, the same way.
 
 The first build takes minutes. On a shared 2-core machine under load: kube-apiserver 3 min 56 s,
 kube-controller-manager 1 min 17 s, kubectl 46 s, etcd 32 s (partly in the Go build cache already), JobSet
-4 min 43 s, Trainer v2 4 min 21 s, plus the module downloads. Each binary missing from
+4 min 43 s, Trainer v2 4 min 21 s, Kueue 2 min 49 s (idle machine), plus the module downloads. Each binary missing from
 `~/.cache/ddpjob/bin/<name>-<version>` is built alone; when none is missing, calls return at once.
 `python tests/e2e/cluster_binaries.py` builds everything (`make e2e-binaries`, a prerequisite of `make test` and
 `make e2e`).
@@ -53,6 +54,9 @@ VERSITYGW_MODULE = "github.com/versity/versitygw"
 # The Helm release whose engine helm-python-sdk embeds is v4 too: the binary users install beside ctl.
 HELM_VERSION = "v4.3.2"
 HELM_MODULE = "helm.sh/helm/v4"
+# The batch queue of `queue.kueue`: a release whose TrainJob integration speaks Trainer v2.3's runtimePatches.
+KUEUE_VERSION = "v0.17.0"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
 CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
@@ -186,9 +190,11 @@ class Binaries:
     pause: Path
     versitygw: Path
     helm: Path
-    # The two modules' source directories: their CRDs and webhook manifests, as their releases install them.
+    kueue: Path
+    # The modules' source directories: their CRDs and webhook manifests, as their releases install them.
     trainer_source: Path
     jobset_source: Path
+    kueue_source: Path
 
 
 def go_toolchain() -> str:
@@ -384,6 +390,7 @@ def ensure_binaries() -> Binaries:
             "pause": pool.submit(build_pause),
             "versitygw": pool.submit(build_versitygw),
             "helm": pool.submit(build_helm),
+            "kueue": pool.submit(build_main, "kueue", KUEUE_MODULE, f"{KUEUE_MODULE}/cmd/kueue", KUEUE_VERSION),
         }
         commands = kubernetes.result()
         paths = {name: future.result() for name, future in built.items()}
@@ -398,6 +405,7 @@ def ensure_binaries() -> Binaries:
         pytorchjob_crd=pytorchjob_crd(),
         trainer_source=download_module(TRAINER_MODULE, TRAINER_VERSION),
         jobset_source=download_module(JOBSET_MODULE, JOBSET_VERSION),
+        kueue_source=download_module(KUEUE_MODULE, KUEUE_VERSION),
         **paths,
     )
 

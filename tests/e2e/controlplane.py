@@ -1,8 +1,9 @@
-"""A real Kubernetes control plane and node on this machine: etcd, kube-apiserver, the PyTorchJob, JobSet and
-Trainer v2 CRDs, kube-controller-manager (the controllers in CONTROLLERS), kube-scheduler, the Kubeflow training
-operator (v1.9), the JobSet controller (v0.12), the Kubeflow Trainer v2 controller manager (v2.3, its
-TrainJobStatus feature on), and one real node (tests/e2e/node.py: kubelet, containerd and runc, the CNI bridge,
-kube-proxy, CoreDNS) whose pods run in containers of the project's image (`make image`).
+"""A real Kubernetes control plane and node on this machine: etcd, kube-apiserver, the PyTorchJob, JobSet,
+Trainer v2 and Kueue CRDs, kube-controller-manager (the controllers in CONTROLLERS), kube-scheduler, the Kubeflow
+training operator (v1.9), the JobSet controller (v0.12), the Kubeflow Trainer v2 controller manager (v2.3, its
+TrainJobStatus feature on), Kueue's controller manager (v0.17, admitting PyTorchJobs and TrainJobs), and one real
+node (tests/e2e/node.py: kubelet, containerd and runc, the CNI bridge, kube-proxy, CoreDNS) whose pods run in
+containers of the project's image (`make image`).
 
     .venv/bin/python tests/e2e/controlplane.py up      # prints `export KUBECONFIG=...`, runs until Ctrl-C
 
@@ -11,9 +12,10 @@ Jobs and a headless Service (JobSet), a Job pods (the Job controller); the sched
 kubelet runs them; deleting a job removes what it made (owner references; a foreground deletion ends once they are
 gone), and a deleted namespace is emptied and removed.
 
-The webhooks of Trainer v2 and JobSet are registered as their releases ship them (their modules' kustomize
+The webhooks of Trainer v2, JobSet and Kueue are registered as their releases ship them (their modules' kustomize
 manifests and patches), each pointing at its server's 127.0.0.1 URL with this plane's CA as the bundle; the
-servers present a certificate of that CA (their own certificate management is off).
+servers present a certificate of that CA (their own certificate management is off). Kueue's CRDs are its bases
+without the conversion webhooks of its release: everything here speaks its storage version, v1beta2.
 
 The API server listens on this machine's end of the node's link (node.HOST_ADDRESS), where the node's kubelet,
 kube-proxy and CoreDNS reach it with client certificates of the plane's CA (the kubelet as
@@ -112,11 +114,18 @@ TRAINER_NAMESPACE = "kubeflow-system"
 TRAINER_WEBHOOK_SECRET = "kubeflow-trainer-webhook-cert"
 TRAINER_SERVICE = "kubeflow-trainer-controller-manager"
 TRAINER_SERVICE_DNS = f"{TRAINER_SERVICE}.{TRAINER_NAMESPACE}.svc"
-# Where the two modules keep their CRDs and webhook kustomizations.
+# Where the modules keep their CRDs and webhook kustomizations (JobSet and Kueue: the same kubebuilder layout).
 TRAINER_CRDS, TRAINER_WEBHOOKS = "manifests/base/crds", "manifests/base/webhook"
-JOBSET_CRDS, JOBSET_WEBHOOKS = "config/components/crd/bases", "config/components/webhook"
-# JobSet's release prefixes its objects' names (config/default's namePrefix); Trainer's patches name its own.
-JOBSET_NAME_PREFIX = "jobset-"
+KUBEBUILDER_CRDS, KUBEBUILDER_WEBHOOKS = "config/components/crd/bases", "config/components/webhook"
+# JobSet's and Kueue's releases prefix their objects' names (config/default's namePrefix); Trainer's patches name
+# its own.
+JOBSET_NAME_PREFIX, KUEUE_NAME_PREFIX = "jobset-", "kueue-"
+# Kueue's release namespace (its webhooks' namespaceSelector leaves it out) and its release's Configuration.
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_CONFIG = "config/components/manager/controller_manager_config.yaml"
+# Where Kueue reads its metrics server's pair when its own certificate management is off (cmd/kueue: fixed, and
+# read at start even with metrics off).
+KUEUE_METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
 # How k8s/README.md installs the operator: k8s/operator's kustomization, whose Deployment patch gives it flags and
 # mounts the ConfigMap made of that directory's files (the init container template of Worker pods).
 OPERATOR_OVERLAY = Path(__file__).resolve().parents[2] / "k8s" / "operator"
@@ -444,9 +453,14 @@ def install_crds(plane: ControlPlane, crd_files: list[Path]) -> None:
 def job_set_and_trainer_crds(binaries: Binaries) -> list[Path]:
     """JobSet's CRD and Trainer v2's (TrainJob, TrainingRuntime, ClusterTrainingRuntime), from their modules."""
     return [
-        *sorted((binaries.jobset_source / JOBSET_CRDS).glob("*.yaml")),
+        *sorted((binaries.jobset_source / KUBEBUILDER_CRDS).glob("*.yaml")),
         *sorted((binaries.trainer_source / TRAINER_CRDS).glob("trainer.kubeflow.org_*.yaml")),
     ]
+
+
+def kueue_crds(binaries: Binaries) -> list[Path]:
+    """Kueue's (ClusterQueue, LocalQueue, Workload, ResourceFlavor, ...), from its module."""
+    return sorted((binaries.kueue_source / KUBEBUILDER_CRDS).glob("kueue.x-k8s.io_*.yaml"))
 
 
 def ensure_namespace(client: kubernetes.client.ApiClient, namespace: str) -> None:
@@ -555,10 +569,20 @@ def shipped_webhooks(directory: Path, name_prefix: str, port: int, ca: Path) -> 
         if obj and obj["kind"].endswith("WebhookConfiguration")
     ]
     for patch in kustomization.get("patches") or []:
-        target = patch["target"]
+        if "path" in patch:  # a JSON patch file and its target (Trainer's, JobSet's)
+            target = patch["target"]
+            for obj in configurations:
+                name = obj["metadata"]["name"]
+                if obj["kind"] == target["kind"] and target.get("name", name) == name:
+                    json_patch(obj, yaml.safe_load((directory / patch["path"]).read_text()))
+            continue
+        # An inline strategic merge patch of webhooks (Kueue's namespaceSelectors): merged by the webhook's name.
+        merge = yaml.safe_load(patch["patch"])
         for obj in configurations:
-            if obj["kind"] == target["kind"] and target.get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]:
-                json_patch(obj, yaml.safe_load((directory / patch["path"]).read_text()))
+            if (obj["kind"], obj["metadata"]["name"]) == (merge["kind"], merge["metadata"]["name"]):
+                by_name = {webhook["name"]: webhook for webhook in obj["webhooks"]}
+                for webhook in merge["webhooks"]:
+                    by_name[webhook["name"]].update(webhook)
     bundle = base64.b64encode(ca.read_bytes()).decode()
     for obj in configurations:
         obj["metadata"]["name"] = name_prefix + obj["metadata"]["name"]
@@ -596,6 +620,29 @@ def start_jobset(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -
         "internalCertManagement": {"enable": False},
     }
     return start_manager(plane, "jobset", [str(binary), "--zap-log-level=info"], config, certs)
+
+
+def start_kueue(plane: ControlPlane, source: Path, binary: Path, certs: dict[str, KeyPair]) -> Callable[[], None]:
+    """Kueue's controller manager with its release's Configuration (its integrations: PyTorchJobs, TrainJobs,
+    JobSets, batch Jobs, ...; each admitted only with its queue label, since manageJobsWithoutQueueName is off), but
+    what this plane sets: no leader election, its own serving pair, and no on-demand visibility API server (it
+    would need the API server's aggregation layer, and binds a fixed port). It finds that pair at
+    KUEUE_METRICS_CERT_DIR in a private mount namespace, where a read-only overlay adds the folder to /etc (this
+    machine's /etc is left as it is)."""
+    ensure_namespace(plane.api_client(), KUEUE_NAMESPACE)
+    etc = plane.work_dir / "kueue-etc"
+    write_serving_pair(etc / KUEUE_METRICS_CERT_DIR.relative_to("/etc"), certs["webhook"])
+    overlay = 'mount -t overlay overlay -o lowerdir="$0":/etc /etc && exec "$@"'
+    command = ["unshare", "--mount", "--propagation=private", "sh", "-c", overlay, str(etc), str(binary)]
+    config = yaml.safe_load((source / KUEUE_CONFIG).read_text()) | {
+        "namespace": KUEUE_NAMESPACE,
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        # Its default is /tmp's folder, not $TMPDIR's: shared by every plane on the machine.
+        "webhook": {"certDir": str(webhook_tmpdir(plane, "kueue", certs) / WEBHOOK_CERT_DIR)},
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+    return start_manager(plane, "kueue", [*command, "--zap-log-level=info"], config, certs)
 
 
 def start_trainer(plane: ControlPlane, binary: Path, certs: dict[str, KeyPair]) -> Callable[[], None]:
@@ -672,7 +719,8 @@ def install_webhooks(plane: ControlPlane, binaries: Binaries, certs: dict[str, K
     client = plane.api_client()
     for source, directory, prefix, manager in (
         (binaries.trainer_source, TRAINER_WEBHOOKS, "", "trainer-controller-manager"),
-        (binaries.jobset_source, JOBSET_WEBHOOKS, JOBSET_NAME_PREFIX, "jobset"),
+        (binaries.jobset_source, KUBEBUILDER_WEBHOOKS, JOBSET_NAME_PREFIX, "jobset"),
+        (binaries.kueue_source, KUBEBUILDER_WEBHOOKS, KUEUE_NAME_PREFIX, "kueue"),
     ):
         for obj in shipped_webhooks(source / directory, prefix, plane.webhook_ports[manager], certs["ca"].cert):
             server_side_apply(client, obj)
@@ -753,7 +801,7 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
         certs = pki(plane.pki_dir)
         start_apiserver(plane, binaries.kube_apiserver, start_etcd(plane, binaries.etcd), certs)
         if with_operator:
-            install_crds(plane, [binaries.pytorchjob_crd, *job_set_and_trainer_crds(binaries)])
+            install_crds(plane, [binaries.pytorchjob_crd, *job_set_and_trainer_crds(binaries), *kueue_crds(binaries)])
         # After the CRDs: the garbage collector knows the jobs' kinds from its first discovery (else after its
         # resync).
         start_controller_manager(plane, binaries.kube_controller_manager, certs)
@@ -763,6 +811,7 @@ def start(work_dir: Path | None = None, binaries: Binaries | None = None, with_o
             ready = [
                 start_jobset(plane, binaries.jobset_controller, certs),
                 start_trainer(plane, binaries.trainer_controller_manager, certs),
+                start_kueue(plane, binaries.kueue_source, binaries.kueue, certs),
             ]
             start_operator(plane, binaries.training_operator, certs, init_image=images[1].reference)
             for wait in ready:

@@ -4,7 +4,7 @@ JobSet v0.12 and the Job controller), their pods scheduled by kube-scheduler and
 of the project's image (tests/e2e/node.py).
 
 With DDPJOB_E2E_KUBECONFIG set, the same tests run against that cluster (kind or any cluster with the operator
-v1.9, Trainer v2.3 and JobSet installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull
+v1.9, Trainer v2.3, JobSet and Kueue installed) instead; DDPJOB_E2E_IMAGE names the training image its nodes can pull
 (default: the chart's, ddpjob:<appVersion>).
 """
 
@@ -1406,6 +1406,108 @@ def test_helm_install_by_the_roles_user_runs_the_job_and_uninstall_keeps_the_cla
         kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
             kind.api.group, kind.api.version, namespace, RUNTIME_PLURAL, name
         )
+
+
+KUEUE_API = ("kueue.x-k8s.io", "v1beta2")
+
+
+def kueue_object(kind: str, name: str, spec: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    metadata = {"name": name} | ({"namespace": namespace} if namespace else {})
+    return {"apiVersion": "/".join(KUEUE_API), "kind": kind, "metadata": metadata, "spec": spec}
+
+
+@contextlib.contextmanager
+def kueue_queue(cluster: Cluster, namespace: str, quota: dict[str, str]) -> Iterator[str]:
+    """A LocalQueue in `namespace` (its name yielded) on a ClusterQueue of its own with `quota` in one flavor; the
+    two cluster-wide objects are deleted afterwards."""
+    client = cluster.client()
+    flavor = kueue_object("ResourceFlavor", namespace, {})
+    resources = [{"name": resource, "nominalQuota": amount} for resource, amount in quota.items()]
+    groups = [{"coveredResources": list(quota), "flavors": [{"name": namespace, "resources": resources}]}]
+    queue = kueue_object("ClusterQueue", namespace, {"namespaceSelector": {}, "resourceGroups": groups})
+    local = kueue_object("LocalQueue", "team", {"clusterQueue": namespace}, namespace)
+    try:
+        for obj in (flavor, queue, local):
+            controlplane.server_side_apply(client, obj)
+        yield local["metadata"]["name"]
+    finally:
+        api = kubernetes.client.CustomObjectsApi(client)
+        for plural in ("clusterqueues", "resourceflavors"):
+            with contextlib.suppress(kubernetes.client.ApiException):
+                api.delete_cluster_custom_object(*KUEUE_API, plural, namespace)
+
+
+def eventually(value: Callable[[], Any], what: str) -> Any:
+    """`value()` once it is truthy (within JOB_TIMEOUT_S)."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (result := value()):
+        assert time.monotonic() < deadline, f"no {what} in {JOB_TIMEOUT_S} s"
+        time.sleep(0.5)
+    return result
+
+
+def job_pods(cluster: Cluster, namespace: str, kind: Kind, job: str) -> list[kubernetes.client.V1Pod]:
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    return core.list_namespaced_pod(namespace, label_selector=kind.api.pods_selector(job)).items
+
+
+def workload_status(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
+    """The status of Kueue's Workload of a job (the one it owns); empty while there is none."""
+    api = kubernetes.client.CustomObjectsApi(cluster.client())
+    workloads = api.list_namespaced_custom_object(*KUEUE_API, namespace, "workloads")["items"]
+    owned = [w for w in workloads if job in {o["name"] for o in w["metadata"].get("ownerReferences", [])}]
+    return owned[0].get("status", {}) if owned else {}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pods(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """`queue.kueue` hands the job to a real Kueue: its webhook creates the job suspended, and Kueue starts it once
+    the ClusterQueue behind the LocalQueue has quota for every pod the job asks for. Two jobs whose pods the node
+    would run side by side, in a queue with room for one: the second waits, suspended and without pods (`ctl
+    status` says Suspended, Kueue's Workload says why), until the first has succeeded, then runs and succeeds."""
+    marker = uuid.uuid4().hex
+    # Each job's 2 pods ask 250m CPU, 1280Mi memory and 1Gi of scratch (job_spec): room for one job, not two.
+    quota = {"cpu": "750m", "memory": "3Gi", "ephemeral-storage": "3Gi"}
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    with kueue_queue(cluster, namespace, quota) as local_queue:
+        first, second = (f"kq{n}-{marker[:6]}" for n in (1, 2))
+        for name in (first, second):
+            spec = job_spec(
+                marker, name=name, training={"maxSteps": 5}, apiKind=kind.api.kind, queue={"kueue": local_queue}
+            )
+            submitted = ctl("submit", str(spec_file(tmp_path, spec)))
+            assert submitted.returncode == 0, submitted.stderr
+            if name == first:  # admitted before the second exists, so the queue's order cannot decide
+                eventually(lambda: workload_status(cluster, namespace, first).get("admission"), f"{first} admitted")
+
+        def held() -> str | None:
+            """Kueue's reason for not admitting the second job, once it has one."""
+            conditions = workload_status(cluster, namespace, second).get("conditions", [])
+            reserved = [c for c in conditions if c["type"] == "QuotaReserved" and c["status"] == "False"]
+            return reserved[0]["message"] if reserved else None
+
+        reason = eventually(held, f"reason why {second} is held")
+        assert "insufficient unused quota" in reason, reason
+        assert json.loads(ctl("status", second, "-o", "json").stdout)["state"] == "Suspended"
+        assert job_pods(cluster, namespace, kind, second) == []
+
+        for name in (first, second):
+            done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S / 60}m")
+            assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+        # Its terminal condition is its newest.
+        ended = max(
+            datetime.datetime.fromisoformat(c["lastTransitionTime"])
+            for c in kind.get(cluster, namespace, first)["status"]["conditions"]
+        )
+        started = min(pod.metadata.creation_timestamp for pod in job_pods(cluster, namespace, kind, second))
+        assert started >= ended, f"{second}'s pods were made at {started}, before {first} ended at {ended}"
+    assert_no_process_left(cluster, marker)
 
 
 def test_a_trainjob_denied_before_the_webhook_sees_its_runtime_is_applied_again(
