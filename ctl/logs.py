@@ -19,8 +19,8 @@ from typing import Any
 import urllib3
 
 from ctl.cluster import ClusterError, Target, get_job
-from ctl.kinds import JobKind, kind_of
-from ctl.status import finished, job_pods, not_starting, trainer_status
+from ctl.kinds import JobKind, State, kind_of
+from ctl.status import finished, job_pods, not_starting, queue_status, trainer_status
 
 POLL_S = 1.0
 CHUNK_BYTES = 64 * 1024
@@ -42,7 +42,7 @@ def node_lines(
     api = kind_of(job)
     job_name = job["metadata"]["name"]
     streamed: tuple[str, int] | None = None  # the container run read last: (pod uid, restart count)
-    waited, told = False, {}
+    waited, told, held = False, {}, None
     while True:
         job = get_job(target, job_name, api)
         pod = next((p for p in reversed(job_pods(target, job)) if api.pod_label(p) == label), None)
@@ -67,6 +67,10 @@ def node_lines(
         if pod is not None and (why := not_starting(pod)) and why != told:  # a pod may wait for ever: say why
             note(f"{label} of {job_name} is not starting: {why['reason']}: {why['message']}")
             told = why
+        queued = queue_status(target, job) if api.state(job) == State.SUSPENDED else None
+        if queued and queued.pending and queued.pending != held:  # so may a job that Kueue holds
+            note(f"{job_name} waits in Kueue's LocalQueue {queued.local_queue}: {queued.pending}")
+            held = queued.pending
         time.sleep(POLL_S)
 
 

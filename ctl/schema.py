@@ -361,6 +361,7 @@ def chart_names() -> dict[str, Any]:
         "refusals": {"podNameTooLong": names.POD_NAME_TOO_LONG, "gpusBelowProcesses": names.GPUS_BELOW_PROCESSES},
         "cpuPerProcess": names.CPU_PER_PROCESS,
         "memoryMiPerProcess": names.MEMORY_MIB_PER_PROCESS,
+        "kueueLabels": {"queue": names.KUEUE_QUEUE_LABEL, "priorityClass": names.KUEUE_PRIORITY_LABEL},
         "kinds": {
             kind.kind: {
                 "container": kind.container,

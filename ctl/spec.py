@@ -43,6 +43,8 @@ from ctl.names import (
     CPU_PER_PROCESS,
     DNS_LABEL_MAX,
     GPUS_BELOW_PROCESSES,
+    KUEUE_PRIORITY_LABEL,
+    KUEUE_QUEUE_LABEL,
     MEMORY_MIB_PER_PROCESS,
     POD_MOUNTS,
     POD_NAME_TOO_LONG,
@@ -333,10 +335,12 @@ class QueueSpec(SpecModel):
     """Admission through a batch queue: Kueue or Volcano (at most one)."""
 
     kueue: LabelValue = Field(
-        "", description="Kueue LocalQueue: sets the `kueue.x-k8s.io/queue-name` label on the job."
+        "",
+        description=f"Kueue LocalQueue: sets the `{KUEUE_QUEUE_LABEL}` label on the job, which Kueue then starts"
+        " (suspended until then) once the LocalQueue's ClusterQueue has quota for all its pods.",
     )
     kueue_priority_class: LabelValue = Field(
-        "", description="Kueue WorkloadPriorityClass: sets the `kueue.x-k8s.io/priority-class` label on the job."
+        "", description=f"Kueue WorkloadPriorityClass: sets the `{KUEUE_PRIORITY_LABEL}` label on the job."
     )
     volcano: ObjectName = Field(
         "",

@@ -16,10 +16,10 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from ctl.cluster import JobNotFound, NotFound, Target, find_job, require_operator, serves
+from ctl.cluster import ClusterError, JobNotFound, NotFound, Target, find_job, require_operator, serves
 from ctl.jobs import prepare_jobs, prepare_state
 from ctl.kinds import KINDS, JobKind, State, kind_of
-from ctl.names import EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND
+from ctl.names import EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND, KUEUE_QUEUE_LABEL
 from ctl.progress import Progress, progress
 from ctl.tables import one_line
 
@@ -30,6 +30,9 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # a container stopped: after a failure
 # left of a root cause once the operator has deleted the pod (restartPolicy OnFailure, at the backoff limit).
 QUOTED_TERMINATION = re.compile(r"Error pod (\S+) container \S+ exitCode: (-?\d+) terminated message: (.*)", re.S)
 EVENTS_SHOWN = 10
+# Kueue's Workloads (one per job it holds), and their label naming the job's uid.
+KUEUE_WORKLOADS = "/apis/kueue.x-k8s.io/v1beta2/namespaces/{namespace}/workloads"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 # `wait --for`: the states that count as reached.
 AWAITED = {
     "succeeded": {State.SUCCEEDED},
@@ -64,6 +67,17 @@ class PrepareStatus:
 
 
 @dataclass(frozen=True)
+class QueueStatus:
+    """A job of `queue.kueue`: its LocalQueue, and whether Kueue has admitted its Workload (the job runs) or why
+    not (it waits suspended, without pods)."""
+
+    local_queue: str
+    workload: str | None  # None until Kueue has made it (or where Kueue's API cannot be read)
+    admitted: bool
+    pending: str | None  # why it is not admitted, in Kueue's words where it has some
+
+
+@dataclass(frozen=True)
 class JobStatus:
     name: str
     namespace: str
@@ -72,6 +86,7 @@ class JobStatus:
     progress: Progress | None  # rank 0's, while the job runs
     trainer_status: dict[str, Any] | None  # a TrainJob's status.trainerStatus, as Trainer v2 has it
     prepare: PrepareStatus | None
+    queue: QueueStatus | None  # with queue.kueue
     conditions: list[dict[str, Any]]
     replicas: dict[str, Any]
     pods: list[PodStatus]
@@ -297,6 +312,7 @@ def status(target: Target, name: str, seen: str | None = None) -> JobStatus:
         progress=rank0_progress(target, job, pods),
         trainer_status=(job.get("status") or {}).get("trainerStatus"),
         prepare=prepare,
+        queue=queue_status(target, job),
         conditions=conditions,
         replicas=kind.replica_counts(job),
         pods=pod_statuses,
@@ -334,6 +350,31 @@ def prepare_status(target: Target, name: str, kind: JobKind) -> PrepareStatus | 
         message=failed.get("message"),
         pod=None if newest is None else pod_status(newest, kind, container["name"]),
     )
+
+
+def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
+    """Kueue's hold on the job, from its Workload: None for a job without a LocalQueue."""
+    local_queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    if not local_queue:
+        return None
+    selector = f"{KUEUE_JOB_UID_LABEL}={job['metadata']['uid']}"
+    try:
+        path = KUEUE_WORKLOADS.format(namespace=target.namespace)
+        workloads = target.call(path, query_params=[("labelSelector", selector)])["items"]
+    except NotFound:  # the label alone holds nothing back
+        return QueueStatus(local_queue, None, False, "the cluster serves no Kueue Workloads: is Kueue installed?")
+    except ClusterError as error:  # e.g. a Role without Kueue's read rights (k8s/rbac.yaml has them)
+        return QueueStatus(local_queue, None, False, f"its Kueue Workload cannot be read: {error}")
+    if not workloads:
+        return QueueStatus(local_queue, None, False, "Kueue has not made its Workload yet")
+    workload = workloads[0]
+    conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
+    if conditions.get("Admitted", {}).get("status") == "True":
+        return QueueStatus(local_queue, workload["metadata"]["name"], True, None)
+    # Quota first: a Workload waits for it, then for its admission checks (if the ClusterQueue has any).
+    held = [c for c in (conditions.get("QuotaReserved"), conditions.get("Admitted")) if c and c["status"] == "False"]
+    pending = held[0]["message"] if held else "waiting for Kueue to consider it"
+    return QueueStatus(local_queue, workload["metadata"]["name"], False, pending)
 
 
 def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> Progress | None:

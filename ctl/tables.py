@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # ctl.status imports the Kubernetes client: not for `ctl --help`
     from ctl.progress import Progress
-    from ctl.status import JobRow, JobStatus, PrepareStatus
+    from ctl.status import JobRow, JobStatus, PrepareStatus, QueueStatus
 
 
 def status_table(status: JobStatus) -> str:
@@ -19,6 +19,8 @@ def status_table(status: JobStatus) -> str:
         lines.append(f"  trainer status: {trainer_status_text(status.trainer_status)}")
     if status.prepare:
         lines.append(f"  prepare: {prepare_text(status.prepare)}")
+    if status.queue:
+        lines.append(f"  queue: {queue_text(status.queue)}")
     lines += [
         f"  {c['type']:<11} {c['status']:<6} {c['reason'] or ''}: {one_line(c['message'])}" for c in status.conditions
     ]
@@ -48,7 +50,8 @@ def status_line(status: JobStatus) -> str:
         for p in status.pods
     )
     progress = status.progress and progress_text(status.progress)
-    return " | ".join(filter(None, [status.state.value, progress, pods]))
+    queued = status.queue and status.queue.pending and queue_text(status.queue)
+    return " | ".join(filter(None, [status.state.value, queued, progress, pods]))
 
 
 def progress_text(progress: Progress) -> str:
@@ -70,6 +73,12 @@ def prepare_text(prepare: PrepareStatus) -> str:
     why = [f"exit code {prepare.pod.exit_code}"] if prepare.pod and prepare.pod.exit_code else []
     why += [f"{prepare.reason}: {one_line(prepare.message)}"] if prepare.reason else []
     return f"job/{prepare.name} {prepare.state.value}" + (f" ({'; '.join(why)})" if why else "")
+
+
+def queue_text(queue: QueueStatus) -> str:
+    """`team (Kueue): admitted`, or `team (Kueue): not admitted: couldn't assign flavors to pod set ...`."""
+    admission = "admitted" if queue.admitted else f"not admitted: {one_line(queue.pending)}"
+    return f"{queue.local_queue} (Kueue): {admission}"
 
 
 def trainer_status_text(status: dict[str, Any]) -> str:

@@ -1317,8 +1317,9 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     }
     assert rendered <= writable, rendered - writable
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
-    # ctl status/logs: pods, their logs, rank 0's metrics (pods/proxy) and events.
-    assert readable - writable == {("", "pods"), ("", "pods/log"), ("", "pods/proxy"), ("", "events")}
+    # ctl status/logs: pods, their logs, rank 0's metrics (pods/proxy), events and Kueue's Workloads.
+    read_only = {("", "pods"), ("", "pods/log"), ("", "pods/proxy"), ("", "events"), ("kueue.x-k8s.io", "workloads")}
+    assert readable - writable == read_only
     assert writable == rendered
     # Written by apply (PATCH); only Helm's release records (HELM_DRIVER=configmap) are rewritten with PUT.
     updated = {

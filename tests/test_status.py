@@ -8,8 +8,8 @@ from typing import Any
 
 from ctl.kinds import State
 from ctl.kinds.pytorchjob import PYTORCHJOB, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
-from ctl.status import JobStatus, PrepareStatus, failure_cause, pod_status, quoted_cause
-from ctl.tables import age, status_table
+from ctl.status import JobStatus, PrepareStatus, QueueStatus, failure_cause, pod_status, quoted_cause
+from ctl.tables import age, status_line, status_table
 
 NO_FILE = "error: training.data.train: no file matches '/data/x.txt'"
 STOPPED = "trainer.launch: stopped by SIGTERM before the trainers started; exiting with code 143"
@@ -52,9 +52,28 @@ def test_the_cause_is_a_failure_before_a_stop_whichever_pod_comes_first() -> Non
     assert failure_cause([], None, lines, None) == "PyTorchJobFailed: 1 Master replica(s) failed. ... second line"
     # And the table's line of that condition, and of a prepare Job's, were several.
     prepare = PrepareStatus("j-prepare", State.FAILED, "BackoffLimitExceeded", "first\nlast", None)
-    table = status_table(JobStatus("j", "ns", "PyTorchJob", State.FAILED, None, None, prepare, lines, {}, [], [], None))
+    table = status_table(job_status(State.FAILED, prepare=prepare, conditions=lines))
     assert "  Failed      True   PyTorchJobFailed: 1 Master replica(s) failed. ... second line" in table.splitlines()
     assert "  prepare: job/j-prepare Failed (BackoffLimitExceeded: first ... last)" in table.splitlines()
+
+
+def job_status(state: State, **fields: Any) -> JobStatus:
+    """A PyTorchJob's status with nothing but `fields`."""
+    empty = {"progress": None, "trainer_status": None, "prepare": None, "queue": None, "conditions": []}
+    empty |= {"replicas": {}, "pods": [], "events": [], "cause": None}
+    return JobStatus(name="j", namespace="ns", kind="PyTorchJob", state=state, **empty | fields)
+
+
+def test_a_job_held_by_kueue_says_why_and_one_it_admitted_says_so() -> None:
+    """queue.kueue: the LocalQueue, and Kueue's reason from the Workload (tests/e2e has a real Kueue say it)."""
+    why = "couldn't assign flavors to pod set master: insufficient unused quota for cpu in flavor f"
+    held = job_status(State.SUSPENDED, queue=QueueStatus("team", "pytorchjob-j-1a2b3", False, why))
+    assert f"  queue: team (Kueue): not admitted: {why}" in status_table(held).splitlines()
+    assert status_line(held) == f"Suspended | team (Kueue): not admitted: {why}"
+    admitted = job_status(State.RUNNING, queue=QueueStatus("team", "pytorchjob-j-1a2b3", True, None))
+    assert "  queue: team (Kueue): admitted" in status_table(admitted).splitlines()
+    assert status_line(admitted) == "Running"
+    assert not any(line.startswith("  queue:") for line in status_table(job_status(State.RUNNING)).splitlines())
 
 
 def event(pod_name: str, code: int, message: str, at: str) -> dict[str, Any]:

@@ -1465,8 +1465,9 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
 ) -> None:
     """`queue.kueue` hands the job to a real Kueue: its webhook creates the job suspended, and Kueue starts it once
     the ClusterQueue behind the LocalQueue has quota for every pod the job asks for. Two jobs whose pods the node
-    would run side by side, in a queue with room for one: the second waits, suspended and without pods (`ctl
-    status` says Suspended, Kueue's Workload says why), until the first has succeeded, then runs and succeeds."""
+    would run side by side, in a queue with room for one: the second waits, suspended and without pods, until the
+    first has succeeded, then runs and succeeds. Meanwhile `ctl status` and `ctl logs -f` (as the Role's user) say
+    why, in Kueue's words from its Workload."""
     marker = uuid.uuid4().hex
     # Each job's 2 pods ask 250m CPU, 1280Mi memory and 1Gi of scratch (job_spec): room for one job, not two.
     quota = {"cpu": "750m", "memory": "3Gi", "ephemeral-storage": "3Gi"}
@@ -1494,12 +1495,24 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
 
         reason = eventually(held, f"reason why {second} is held")
         assert "insufficient unused quota" in reason, reason
-        assert json.loads(ctl("status", second, "-o", "json").stdout)["state"] == "Suspended"
+        follower = start_ctl_on(kubeconfig, "logs", second, "-f", "-n", namespace, cwd=tmp_path)
+        status = json.loads(ctl("status", second, "-o", "json").stdout)
+        assert (status["state"], status["queue"]["localQueue"], status["queue"]["admitted"]) == (
+            "Suspended",
+            local_queue,
+            False,
+        ), status
+        assert "insufficient unused quota" in status["queue"]["pending"], status
+        assert f"  queue: {local_queue} (Kueue): not admitted: " in ctl("status", second).stdout
         assert job_pods(cluster, namespace, kind, second) == []
 
         for name in (first, second):
             done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S / 60}m")
             assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+        followed, _ = follower.communicate(timeout=60)  # its notes and then the log, which ends with the job
+        assert follower.returncode == 0 and "step 5/5" in followed, followed
+        assert f"{second} waits in Kueue's LocalQueue {local_queue}: couldn't assign flavors" in followed, followed
+        assert json.loads(ctl("status", second, "-o", "json").stdout)["queue"]["admitted"] is True
         # Its terminal condition is its newest.
         ended = max(
             datetime.datetime.fromisoformat(c["lastTransitionTime"])

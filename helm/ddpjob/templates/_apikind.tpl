@@ -60,11 +60,12 @@ Pod labels telling a job's pods apart (the PodMonitor's podTargetLabels).
 Kueue labels on the job object (Kueue admits PyTorchJobs and TrainJobs by them).
 */}}
 {{- define "ddpjob.queueLabels" -}}
+{{- $labels := (include "ddpjob.names" . | fromJson).kueueLabels -}}
 {{- with .Values.queue.kueue }}
-kueue.x-k8s.io/queue-name: {{ . | quote }}
+{{ $labels.queue }}: {{ . | quote }}
 {{- end }}
 {{- with .Values.queue.kueuePriorityClass }}
-kueue.x-k8s.io/priority-class: {{ . | quote }}
+{{ $labels.priorityClass }}: {{ . | quote }}
 {{- end }}
 {{- end }}
 
