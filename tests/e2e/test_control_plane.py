@@ -1239,9 +1239,10 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
     status = json.loads(ctl("status", name, "-o", "json").stdout)
     assert set(status) == {
-        "name", "namespace", "kind", "state", "progress", "trainerStatus", "prepare", "conditions", "replicas", "pods",
-        "events", "cause",
+        "name", "namespace", "kind", "state", "progress", "trainerStatus", "prepare", "queue", "conditions",
+        "replicas", "pods", "events", "cause",
     }  # fmt: skip
+    assert status["queue"] is None  # no queue.kueue
     assert (status["name"], status["namespace"], status["kind"], status["state"], status["progress"]) == (
         name,
         namespace,
