@@ -30,8 +30,11 @@ from ctl.names import COMPONENT_LABEL, INSTANCE_LABEL, PREPARE_COMPONENT
 DELETE_WAIT_S = 300
 # The training objects rendered with a TrainJob, deleted with it (selected by the chart's instance label).
 TRAINING_RUNTIMES = (f"/apis/{TRAINJOB.api_version}", RUNTIME_PLURAL)
-# How long a job is applied again while its operator's webhook has not yet seen the runtime applied before it.
+# How long a job is applied again while a webhook has not yet seen the runtime applied before it.
 RUNTIME_SEEN_WAIT_S = 30
+# How the webhooks that look a TrainJob's runtime up in their informer caches deny it while the cache lags: Trainer
+# v2's (the API's NotFound of the TrainingRuntime) and, on a cluster with Kueue, Kueue's (its TrainJob integration).
+RUNTIME_UNSEEN = ('"{runtime}" not found', "runtime '{runtime}' not found")
 # The letters at the end of a recreated object's name that its dry run draws anew (26^5 names to find a free one).
 STAND_IN_LETTERS = 5
 
@@ -166,19 +169,24 @@ def stand_in(target: Target, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_job(target: Target, job: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
-    """Apply the job, its runtime (if its kind has one) applied already. Trainer v2's webhook looks the runtime up in
-    its operator's informer cache, which can lag the API server by a moment: while it denies the job for a runtime
-    the API server has, the job is applied again, for up to RUNTIME_SEEN_WAIT_S."""
+    """Apply the job, its runtime (if its kind has one) applied already. Trainer v2's webhook (and Kueue's) looks the
+    runtime up in its informer cache, which can lag the API server by a moment: while one denies the job for a
+    runtime the API server has, the job is applied again, for up to RUNTIME_SEEN_WAIT_S."""
     runtime = kind_of(job).runtime_name(job)
     deadline = time.monotonic() + RUNTIME_SEEN_WAIT_S
     while True:
         try:
             return apply(target, job, dry_run=dry_run)
         except ClusterError as error:
-            unseen = runtime is not None and f'"{runtime}" not found' in str(error) and runtime_exists(target, runtime)
+            unseen = runtime is not None and runtime_unseen(str(error), runtime) and runtime_exists(target, runtime)
             if not unseen or time.monotonic() > deadline:
                 raise
         time.sleep(0.5)
+
+
+def runtime_unseen(denial: str, runtime: str) -> bool:
+    """Whether a webhook denied a TrainJob because it did not find its runtime (RUNTIME_UNSEEN)."""
+    return any(form.format(runtime=runtime) in denial for form in RUNTIME_UNSEEN)
 
 
 def stale_prepare_jobs(target: Target, name: str, replace: bool) -> list[dict[str, Any]]:
