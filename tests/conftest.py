@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import urllib.error
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -81,6 +82,21 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> Any:
+    """check() until it returns something truthy (an endpoint not up yet counts as nothing); fail naming `what` at
+    the deadline."""
+    while True:
+        try:
+            result = check()
+        except (OSError, urllib.error.URLError):
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(interval)
 
 
 def rank_log(run_dir: Path, node: int, local_rank: int) -> Path:

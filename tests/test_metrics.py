@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheus_server, tiny_spec
+from conftest import CTL, REPO, ctrl_c_reaches, processes_with_marker, prometheus_server, tiny_spec, wait_for
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,20 +70,6 @@ GAUGES = {
 def get(url: str, timeout: float = 5) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read().decode()
-
-
-def wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> Any:
-    """check() until it returns something truthy; fail naming `what` at the deadline."""
-    while True:
-        try:
-            result = check()
-        except (OSError, urllib.error.URLError):
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def families(text: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import pytest
 import yaml
 from certs import private_ca
 from cluster_binaries import BuildError, build_helm, ensure_binaries
-from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec
+from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec, wait_for
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 from s3server import s3_server
@@ -1438,15 +1438,6 @@ def kueue_queue(cluster: Cluster, namespace: str, quota: dict[str, str]) -> Iter
                 api.delete_cluster_custom_object(*KUEUE_API, plural, namespace)
 
 
-def eventually(value: Callable[[], Any], what: str) -> Any:
-    """`value()` once it is truthy (within JOB_TIMEOUT_S)."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (result := value()):
-        assert time.monotonic() < deadline, f"no {what} in {JOB_TIMEOUT_S} s"
-        time.sleep(0.5)
-    return result
-
-
 def job_pods(cluster: Cluster, namespace: str, kind: Kind, job: str) -> list[kubernetes.client.V1Pod]:
     core = kubernetes.client.CoreV1Api(cluster.client())
     return core.list_namespaced_pod(namespace, label_selector=kind.api.pods_selector(job)).items
@@ -1486,7 +1477,11 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
             submitted = ctl("submit", str(spec_file(tmp_path, spec)))
             assert submitted.returncode == 0, submitted.stderr
             if name == first:  # admitted before the second exists, so the queue's order cannot decide
-                eventually(lambda: workload_status(cluster, namespace, first).get("admission"), f"{first} admitted")
+                wait_for(
+                    f"{first} admitted",
+                    lambda: workload_status(cluster, namespace, first).get("admission"),
+                    time.monotonic() + JOB_TIMEOUT_S,
+                )
 
         def held() -> str | None:
             """Kueue's reason for not admitting the second job, once it has one."""
@@ -1494,7 +1489,7 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
             reserved = [c for c in conditions if c["type"] == "QuotaReserved" and c["status"] == "False"]
             return reserved[0]["message"] if reserved else None
 
-        reason = eventually(held, f"reason why {second} is held")
+        reason = wait_for(f"Kueue's reason to hold {second}", held, time.monotonic() + JOB_TIMEOUT_S)
         assert "insufficient unused quota" in reason, reason
         follower = start_ctl_on(kubeconfig, "logs", second, "-f", "-n", namespace, cwd=tmp_path)
         status = json.loads(ctl("status", second, "-o", "json").stdout)
