@@ -21,7 +21,7 @@ from trainer.names import EXIT_BAD_INPUT
 
 EXIT_CODES = (
     "Exit codes: 0 ok, 1 error, 2 usage or bad input; job outcomes (wait, submit --wait/--follow):"
-    " 100 failed, 101 not finished; 102 no such job (status, logs, delete too); run stopped after saving:"
+    " 100 failed, 101 not finished; 102 no such job (any command naming one); run stopped after saving:"
     " 130 Ctrl-C, 143 SIGTERM."
 )
 
@@ -105,6 +105,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "status": jobs.status,
     "list": jobs.list_command,
     "logs": jobs.logs,
+    "suspend": jobs.suspend,
+    "resume": jobs.resume,
     "delete": jobs.delete,
     "completion": completion,
 }

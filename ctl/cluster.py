@@ -316,6 +316,18 @@ def apply(target: Target, obj: dict[str, Any], dry_run: bool = False) -> dict[st
     )
 
 
+def merge_patch(target: Target, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch of the object at the path (field manager `ctl`), as `kubectl patch --type merge`: only the
+    fields it names change, where an apply would drop the fields ctl applied before; the object as stored."""
+    return target.call(
+        path,
+        "PATCH",
+        query_params=[("fieldManager", FIELD_MANAGER)],
+        header_params={"Content-Type": "application/merge-patch+json", "Accept": "application/json"},
+        body=patch,
+    )
+
+
 def exists(target: Target, path: str) -> bool:
     """Whether the cluster has the object at the path (a GET that finds nothing is a no)."""
     try:

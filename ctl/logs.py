@@ -50,8 +50,9 @@ def node_lines(
         if run is not None and options.previous and run[1] == 0:  # else the kubelet's 400, in its words
             raise ClusterError(f"{label} of {job_name} has no previous log: its container has not restarted")
         if run is not None and run != streamed:
-            if streamed is not None:
-                note(f"{label}: container restarted (restart {run[1]})")
+            if streamed is not None:  # the same pod's container again, or a pod made anew (resumed, evicted)
+                again = f"container restarted (restart {run[1]})" if run[0] == streamed[0] else "new pod"
+                note(f"{label}: {again}")
             streamed = run
             yield from read_log(target, pod["metadata"]["name"], api, options)
             if not options.follow or options.previous:
@@ -67,11 +68,20 @@ def node_lines(
         if pod is not None and (why := not_starting(pod)) and why != told:  # a pod may wait for ever: say why
             note(f"{label} of {job_name} is not starting: {why['reason']}: {why['message']}")
             told = why
-        queued = queue_status(target, job) if api.state(job) == State.SUSPENDED else None
-        if queued and queued.pending and queued.pending != held:  # so may a job that Kueue holds
-            note(f"{job_name} waits in Kueue's LocalQueue {queued.local_queue}: {queued.pending}")
-            held = queued.pending
+        why_held = held_by(target, job) if api.state(job) == State.SUSPENDED else None
+        if why_held and why_held != held:  # so may a suspended job
+            note(why_held)
+            held = why_held
         time.sleep(POLL_S)
+
+
+def held_by(target: Target, job: dict[str, Any]) -> str | None:
+    """Why a suspended job has no pods: Kueue's reason (queue.kueue), or its suspend field and what resumes it."""
+    name = job["metadata"]["name"]
+    queued = queue_status(target, job)
+    if queued is None:
+        return f"{name} is suspended: `ctl resume {name} -n {target.namespace}` starts it"
+    return queued.pending and f"{name} waits in Kueue's LocalQueue {queued.local_queue}: {queued.pending}"
 
 
 def container_run(pod: dict[str, Any], api: JobKind) -> tuple[str, int] | None:

@@ -327,7 +327,9 @@ class RunPolicySpec(SpecModel):
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods deleted when the job finishes; None keeps them for `ctl logs`."
     )
-    suspend: Flag = Field(False, description="Create the job suspended (no pods until resumed).")
+    suspend: Flag = Field(
+        False, description="Create the job suspended: no pods until `ctl resume NAME` (as after `ctl suspend NAME`)."
+    )
     scheduling_policy: SchedulingPolicySpec = Field(default_factory=SchedulingPolicySpec)
 
 

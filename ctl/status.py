@@ -368,6 +368,10 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
     if not workloads:
         return QueueStatus(local_queue, None, False, "Kueue has not made its Workload yet")
     workload = workloads[0]
+    if workload["spec"].get("active") is False:  # Kueue's words for it are its eviction's, not what to do
+        name = job["metadata"]["name"]
+        inactive = f"its Workload is inactive (`ctl resume {name} -n {target.namespace}` activates it)"
+        return QueueStatus(local_queue, workload["metadata"]["name"], False, inactive)
     conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
     if conditions.get("Admitted", {}).get("status") == "True":
         return QueueStatus(local_queue, workload["metadata"]["name"], True, None)

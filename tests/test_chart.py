@@ -869,6 +869,15 @@ def test_a_crash_looping_job_fails_after_three_retries_by_default() -> None:
     assert run_policy == {"cleanPodPolicy": "None", "suspend": False, "backoffLimit": 3}
 
 
+@pytest.mark.parametrize("api", KINDS.values(), ids=list(KINDS))
+def test_ctl_suspend_and_resume_patch_the_field_the_chart_renders_from_run_policy_suspend(api: Any) -> None:
+    """`ctl suspend`/`resume` merge-patch each kind's suspend field: the one the spec's runPolicy.suspend sets."""
+    for suspend in (False, True):
+        job = objects(spec_of(nodes=2, apiKind=api.kind, runPolicy={"suspend": suspend}))[api.kind]
+        assert api.suspended(job) is suspend
+        assert api.suspended(api.suspend_patch(suspend)) is suspend  # the patch names the same field
+
+
 def test_kueue_and_volcano_queues() -> None:
     kueue = objects(spec_of(**VARIANTS["kueue"]))["PyTorchJob"]
     assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
@@ -1317,7 +1326,8 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     }
     assert rendered <= writable, rendered - writable
     readable = {(group, resource) for r in rules for group in r["apiGroups"] for resource in r["resources"]}
-    # ctl status/logs: pods, their logs, rank 0's metrics (pods/proxy), events and Kueue's Workloads.
+    # ctl status/logs: pods, their logs, rank 0's metrics (pods/proxy), events and Kueue's Workloads (which ctl
+    # suspend/resume also patch: their spec.active).
     read_only = {("", "pods"), ("", "pods/log"), ("", "pods/proxy"), ("", "events"), ("kueue.x-k8s.io", "workloads")}
     assert readable - writable == read_only
     assert writable == rendered
@@ -1333,8 +1343,10 @@ def test_rbac_is_least_privilege_and_covers_every_object_the_chart_renders() -> 
     for rule in rules:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
-        if not {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= writable:
-            assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule  # read-only beyond what ctl creates
+        resources = {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
+        if not resources <= writable:  # read-only beyond what ctl creates, but for Kueue's Workloads
+            patched = {"patch"} if resources == {("kueue.x-k8s.io", "workloads")} else set()
+            assert set(rule["verbs"]) <= {"get", "list", "watch"} | patched, rule
     assert docs["RoleBinding"]["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
         "kind": "Role",
@@ -1352,6 +1364,8 @@ def test_notes_tell_how_to_follow_the_job() -> None:
     assert "scraped through PodMonitor job." in notes(spec_of(metrics={"podMonitor": {"enabled": True}}))
     elastic = notes(spec_of(**VARIANTS["elastic"]), namespace="ml")
     assert "job-worker-0 -c pytorch" in elastic and "elastic, 1-4 pods" in elastic
+    suspended = notes(spec_of(runPolicy={"suspend": True}), namespace="ml")
+    assert "no pods start until spec.runPolicy.suspend is false: ctl resume job -n ml" in suspended
 
 
 def test_helm_accepts_what_ctl_accepts_for_a_single_path(tmp_path: Path) -> None:

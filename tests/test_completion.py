@@ -30,8 +30,8 @@ def bash_completions(line: str, tmp_path: Path) -> list[str]:
 
 
 def test_bash_completes_commands_and_options(tmp_path: Path) -> None:
-    assert bash_completions("ctl su", tmp_path) == ["submit"]
-    assert set(bash_completions("ctl s", tmp_path)) == {"submit", "status"}
+    assert bash_completions("ctl sub", tmp_path) == ["submit"]
+    assert set(bash_completions("ctl s", tmp_path)) == {"submit", "status", "suspend"}
     assert bash_completions("ctl logs --ta", tmp_path) == ["--tail"]
 
 
@@ -39,7 +39,7 @@ def test_bash_completes_commands_and_options(tmp_path: Path) -> None:
     ("shell", "env", "expected"),
     [
         ("zsh", {"_TYPER_COMPLETE_ARGS": "ctl logs --ta"}, '"--tail"'),
-        ("fish", {"_TYPER_COMPLETE_ARGS": "ctl su", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}, "submit\t"),
+        ("fish", {"_TYPER_COMPLETE_ARGS": "ctl sub", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}, "submit\t"),
     ],
 )
 def test_zsh_and_fish_scripts_ask_ctl_and_get_candidates(

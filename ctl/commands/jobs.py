@@ -1,4 +1,4 @@
-"""The commands of a job on the cluster: submit, wait, status, list, logs, delete."""
+"""The commands of a job on the cluster: submit, wait, status, list, logs, suspend, resume, delete."""
 
 from __future__ import annotations
 
@@ -270,6 +270,37 @@ def logs(
     target = cluster.connect()
     with interruptible():
         print_logs(target, name, all_nodes, rank or 0, options)
+
+
+@command(cluster=True)
+def suspend(name: NameArg, *, cluster: Cluster) -> None:
+    """Stop a job's pods until `ctl resume`: they get SIGTERM, so rank 0 saves a checkpoint first, and the job frees
+    its nodes (a job of queue.kueue: its Workload is deactivated, and Kueue suspends it)."""
+    set_suspended(cluster.connect(), name, True)
+
+
+@command(cluster=True)
+def resume(name: NameArg, *, cluster: Cluster) -> None:
+    """Start a suspended job's pods again: they go on from its last checkpoint (a job of queue.kueue: its Workload
+    is activated, and Kueue starts the job once its queue has quota)."""
+    set_suspended(cluster.connect(), name, False)
+
+
+def set_suspended(target: Target, name: str, suspend: bool) -> None:
+    """suspend/resume: what changed on stdout, as `kubectl patch` says it; what happens next on stderr."""
+    from ctl.suspension import set_suspended as change
+
+    done = change(target, name, suspend)
+    typer.echo(f"{done.reference} {'suspended' if suspend else 'resumed'}" + ("" if done.changed else " (no change)"))
+    by = f"Kueue, its Workload {done.workload} {'inactive' if suspend else 'active'}: " if done.workload else ""
+    if suspend:
+        note(
+            f"{by}its pods get SIGTERM: rank 0 saves a checkpoint, they stop, and"
+            f" `ctl resume {name} -n {target.namespace}` goes on from it"
+        )
+    else:
+        queued = " once its queue has quota" if done.workload else ""
+        note(f"{by}its pods start again{queued} and go on from its last checkpoint")
 
 
 @command(cluster=True)

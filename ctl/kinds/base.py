@@ -100,6 +100,8 @@ class JobKind(ABC):
     pod_key_field: str
     # Whether a foreground deletion (the pods first, then the job) ends; see ctl.cluster.delete_job.
     foreground_deletion: bool = True
+    # Where the job says it is suspended (its controller then deletes its pods, and makes them again once false).
+    suspend_field: tuple[str, ...]
 
     @property
     def api_version(self) -> str:
@@ -108,6 +110,20 @@ class JobKind(ABC):
     def path(self, namespace: str, name: str = "") -> str:
         """The API path of the namespace's jobs of this kind, or of one of them."""
         return f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}" + (f"/{name}" if name else "")
+
+    def suspended(self, job: dict[str, Any]) -> bool:
+        """Whether the job asks to be suspended (its suspend_field)."""
+        value: Any = job
+        for key in self.suspend_field:
+            value = (value or {}).get(key)
+        return bool(value)
+
+    def suspend_patch(self, suspend: bool) -> dict[str, Any]:
+        """The merge patch that suspends the job, or resumes it."""
+        patch: dict[str, Any] = {self.suspend_field[-1]: suspend}
+        for key in reversed(self.suspend_field[:-1]):
+            patch = {key: patch}
+        return patch
 
     def pods_selector(self, name: str) -> str:
         """The label selector of the job's pods: labelled with their replica by its controller, so not the prepare

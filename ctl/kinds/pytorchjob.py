@@ -35,6 +35,7 @@ class PyTorchJob(JobKind):
     replica_types = ("master", "worker")
     index_labels = (REPLICA_TYPE_LABEL, REPLICA_INDEX_LABEL)
     pod_key_field = "metadata.name"  # <job>-master-0, <job>-worker-<i>: a recreated pod keeps its name
+    suspend_field = ("spec", "runPolicy", "suspend")
 
     def replicas(self, spec: JobShape) -> list[Replica]:
         """Master + (nodes-1) Workers; or, elastic, `nodes` Workers and no Master."""

@@ -41,6 +41,7 @@ class TrainJob(JobKind):
     pod_key_field = f"metadata.labels['{COMPLETION_INDEX_LABEL}']"  # a recreated pod gets a new name
     # Trainer v2.3 recreates the JobSet of a TrainJob that a foreground deletion holds, again and again.
     foreground_deletion = False
+    suspend_field = ("spec", "suspend")  # JobSet suspends the Jobs, whose controller deletes their pods
 
     def pod_name_part(self, replica_type: str) -> str:
         """The replicated job, then its one Job's index."""

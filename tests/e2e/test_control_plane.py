@@ -47,7 +47,7 @@ from ctl.jobs import RUNTIME_SEEN_WAIT_S, apply_job
 from ctl.kinds import JobKind
 from ctl.kinds.pytorchjob import REPLICA_TYPE_LABEL
 from ctl.kinds.trainjob import RUNTIME_PLURAL
-from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES
+from ctl.names import COMPILE_CACHE_DIR, COMPILE_CACHES, EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import parent_pid
 from ctl.render import render
@@ -1135,7 +1135,6 @@ def cgroups(pid: int) -> bytes:
 # ---------------------------------------------------------------------------------------------------------------
 # ctl submit | wait | status | list | delete, as a user runs them: exit codes, `-o json` shapes, what stays.
 
-EXIT_JOB_FAILED, EXIT_NOT_FINISHED, EXIT_NOT_FOUND = 100, 101, 102
 PROGRESS_STEPS = 200
 
 
@@ -1516,6 +1515,69 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
         )
         started = min(pod.metadata.creation_timestamp for pod in job_pods(cluster, namespace, kind, second))
         assert started >= ended, f"{second}'s pods were made at {started}, before {first} ended at {ended}"
+    assert_no_process_left(cluster, marker)
+
+
+# Room in a ClusterQueue for every job of the tests at once.
+ROOMY_QUOTA = {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "16Gi"}
+SUSPENDED = [
+    pytest.param(PYTORCHJOB, False, id="PyTorchJob"),
+    pytest.param(TRAINJOB, False, id="TrainJob"),
+    pytest.param(PYTORCHJOB, True, id="PyTorchJob-Kueue"),
+]
+
+
+@pytest.mark.parametrize(("kind", "queued"), SUSPENDED)
+def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_from_it(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind, queued: bool
+) -> None:
+    """`ctl suspend` (as the Role's user) sets the job's suspend field, or, for a job of queue.kueue, deactivates
+    its Workload, and Kueue suspends the job. Either way the controller deletes the pods: their trainers get SIGTERM,
+    stop at one agreed step, and rank 0 saves it. The job waits Suspended, without pods, and `ctl logs -f` says what
+    resumes it. `ctl resume` has the pods made again, and they go on from that checkpoint to the last step. Both
+    commands leave a job already as asked unchanged, and refuse one that has ended."""
+    marker = uuid.uuid4().hex
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    name, deadline = f"sr-{marker[:6]}", time.monotonic() + JOB_TIMEOUT_S
+    with contextlib.ExitStack() as stack:
+        queue = {"kueue": stack.enter_context(kueue_queue(cluster, namespace, ROOMY_QUOTA))} if queued else {}
+        training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
+        spec = job_spec(marker, name=name, training=training, apiKind=kind.api.kind, queue=queue)
+        submitted = ctl("submit", str(spec_file(tmp_path, spec)))
+        assert submitted.returncode == 0, submitted.stderr
+        follower = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=tmp_path)
+        wait_for("step 100", lambda: "step 100/600" in pod_logs(cluster, namespace), deadline)
+
+        suspended = ctl("suspend", name)
+        assert (suspended.returncode, suspended.stdout) == (0, f"{kind.resource}/{name} suspended\n"), suspended.stderr
+        assert "rank 0 saves a checkpoint" in suspended.stderr
+        again = ctl("suspend", name)
+        assert (again.returncode, again.stdout) == (0, f"{kind.resource}/{name} suspended (no change)\n"), again.stderr
+        wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, kind, name), deadline)
+        status = json.loads(ctl("status", name, "-o", "json").stdout)
+        assert status["state"] == "Suspended", status
+        if queued:
+            assert kind.get(cluster, namespace, name)["spec"]["runPolicy"]["suspend"] is True  # by Kueue
+            assert "its Workload is inactive" in status["queue"]["pending"], status
+
+        resumed = ctl("resume", name)
+        assert (resumed.returncode, resumed.stdout) == (0, f"{kind.resource}/{name} resumed\n"), resumed.stderr
+        done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S}s")
+        assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+        followed, _ = follower.communicate(timeout=60)
+        saved = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", followed)
+        assert saved and 100 <= int(saved[2]) < 600, followed
+        assert f"resuming from {saved[1]}:" in followed and "step 600/600" in followed, followed
+        held = "waits in Kueue's LocalQueue team: its Workload is inactive" if queued else "is suspended: `ctl resume"
+        assert f"{name} {held}" in followed and f"{kind.nodes[0]}: new pod" in followed, followed
+        ended = ctl("resume", name)
+        assert ended.returncode == 1, ended.stdout
+        assert f"{kind.api.kind.lower()} {name} has ended (Succeeded): there is nothing to resume" in ended.stderr
+    assert ctl("suspend", f"{name}-none").returncode == EXIT_NOT_FOUND
     assert_no_process_left(cluster, marker)
 
 
