@@ -63,6 +63,8 @@ EXTERNAL_KUBECONFIG = os.environ.get("DDPJOB_E2E_KUBECONFIG", "")
 CHART_IMAGE = f"ddpjob:{yaml.safe_load((REPO / 'helm' / 'ddpjob' / 'Chart.yaml').read_text())['appVersion']}"
 IMAGE = os.environ.get("DDPJOB_E2E_IMAGE", CHART_IMAGE)
 JOB_TIMEOUT_S = 400
+# A job that trains long enough to be stopped midway, saving every 50 steps.
+LONG_TRAINING = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
 POD_EXIT_S = 60  # a pod's processes end within its grace period
 POD_GONE_S = 30  # the operator replaces a pod it deleted within seconds; one gone this long is gone for good
 # Real text that is in the image as much as on this machine: the standard library's json package.
@@ -680,8 +682,7 @@ def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster
     if cluster.plane is None:
         pytest.skip("sends SIGTERM to a container's first process, as its kubelet would: needs the tier's node")
     marker = uuid.uuid4().hex
-    training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
-    spec = job_spec(marker, training=training, restartPolicy="ExitCode")
+    spec = job_spec(marker, training=LONG_TRAINING, restartPolicy="ExitCode")
     apply_rendered(cluster, spec, namespace)
     master = Replica("master", 0).pod_name(spec.name)
     first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
@@ -789,7 +790,7 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     if cluster.plane is None:
         pytest.skip("stops a container's process from this machine: needs the tier's node")
     marker = uuid.uuid4().hex
-    training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}, "timeouts": {"hangFloorSeconds": 5}}
+    training = LONG_TRAINING | {"timeouts": {"hangFloorSeconds": 5}}
     spec = job_spec(marker, training=training, restartPolicy="ExitCode")
     apply_rendered(cluster, spec, namespace)
     master, worker = Replica("master", 0).pod_name(spec.name), Replica("worker", 0).pod_name(spec.name)
@@ -1409,6 +1410,8 @@ def test_helm_install_by_the_roles_user_runs_the_job_and_uninstall_keeps_the_cla
 
 
 KUEUE_API = ("kueue.x-k8s.io", "v1beta2")
+# Each job's 2 pods ask 250m CPU, 1280Mi memory and 1Gi of scratch (job_spec): room for one job, not two.
+ONE_JOB_QUOTA = {"cpu": "750m", "memory": "3Gi", "ephemeral-storage": "3Gi"}
 
 
 def kueue_object(kind: str, name: str, spec: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
@@ -1417,24 +1420,33 @@ def kueue_object(kind: str, name: str, spec: dict[str, Any], namespace: str | No
 
 
 @contextlib.contextmanager
-def kueue_queue(cluster: Cluster, namespace: str, quota: dict[str, str]) -> Iterator[str]:
-    """A LocalQueue in `namespace` (its name yielded) on a ClusterQueue of its own with `quota` in one flavor; the
-    two cluster-wide objects are deleted afterwards."""
+def kueue_queue(
+    cluster: Cluster, namespace: str, quota: dict[str, str], priorities: dict[str, int] | None = None
+) -> Iterator[str]:
+    """A LocalQueue in `namespace` (its name yielded) on a ClusterQueue of its own with `quota` in one flavor; with
+    `priorities`, WorkloadPriorityClasses of those values (named `<namespace>-<key>`), and a ClusterQueue that
+    preempts its lower priorities. The cluster-wide objects are deleted afterwards."""
     client = cluster.client()
     flavor = kueue_object("ResourceFlavor", namespace, {})
     resources = [{"name": resource, "nominalQuota": amount} for resource, amount in quota.items()]
     groups = [{"coveredResources": list(quota), "flavors": [{"name": namespace, "resources": resources}]}]
-    queue = kueue_object("ClusterQueue", namespace, {"namespaceSelector": {}, "resourceGroups": groups})
+    preemption = {"preemption": {"withinClusterQueue": "LowerPriority"}} if priorities else {}
+    queue = kueue_object("ClusterQueue", namespace, {"namespaceSelector": {}, "resourceGroups": groups} | preemption)
     local = kueue_object("LocalQueue", "team", {"clusterQueue": namespace}, namespace)
+    classes = [
+        {"apiVersion": "/".join(KUEUE_API), "kind": "WorkloadPriorityClass", "metadata": {"name": name}, "value": value}
+        for name, value in ((f"{namespace}-{key}", value) for key, value in (priorities or {}).items())
+    ]
     try:
-        for obj in (flavor, queue, local):
+        for obj in (*classes, flavor, queue, local):
             controlplane.server_side_apply(client, obj)
         yield local["metadata"]["name"]
     finally:
         api = kubernetes.client.CustomObjectsApi(client)
-        for plural in ("clusterqueues", "resourceflavors"):
+        cluster_wide = [("clusterqueues", namespace), ("resourceflavors", namespace)]
+        for plural, name in cluster_wide + [("workloadpriorityclasses", c["metadata"]["name"]) for c in classes]:
             with contextlib.suppress(kubernetes.client.ApiException):
-                api.delete_cluster_custom_object(*KUEUE_API, plural, namespace)
+                api.delete_cluster_custom_object(*KUEUE_API, plural, name)
 
 
 def job_pods(cluster: Cluster, namespace: str, kind: Kind, job: str) -> list[kubernetes.client.V1Pod]:
@@ -1460,14 +1472,12 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
     first has succeeded, then runs and succeeds. Meanwhile `ctl status` and `ctl logs -f` (as the Role's user) say
     why, in Kueue's words from its Workload."""
     marker = uuid.uuid4().hex
-    # Each job's 2 pods ask 250m CPU, 1280Mi memory and 1Gi of scratch (job_spec): room for one job, not two.
-    quota = {"cpu": "750m", "memory": "3Gi", "ephemeral-storage": "3Gi"}
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
         return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
 
-    with kueue_queue(cluster, namespace, quota) as local_queue:
+    with kueue_queue(cluster, namespace, ONE_JOB_QUOTA) as local_queue:
         first, second = (f"kq{n}-{marker[:6]}" for n in (1, 2))
         for name in (first, second):
             spec = job_spec(
@@ -1518,6 +1528,53 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
     assert_no_process_left(cluster, marker)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_job_kueue_preempts_for_a_higher_priority_one_saves_and_goes_on_from_its_checkpoint(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """queue.kueuePriorityClass names a real WorkloadPriorityClass, in a ClusterQueue with room for one job that
+    preempts lower priorities. A high-priority job submitted while a low-priority one trains makes Kueue evict the
+    low one: Kueue suspends it, its pods get SIGTERM and rank 0 saves. The high one runs and succeeds; then Kueue
+    admits the low one again, and its new pods go on from that checkpoint to the last step. Meanwhile `ctl logs -f`
+    (as the Role's user) says why the low one waits."""
+    marker = uuid.uuid4().hex
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+
+    low, high = (f"{priority}-{marker[:6]}" for priority in ("low", "high"))
+    with kueue_queue(cluster, namespace, ONE_JOB_QUOTA, {"low": 100, "high": 1000}) as local_queue:
+        for name, training in ((low, LONG_TRAINING), (high, {"maxSteps": 5})):
+            queue = {"kueue": local_queue, "kueuePriorityClass": f"{namespace}-{name.split('-')[0]}"}
+            spec = job_spec(marker, name=name, training=training, apiKind=kind.api.kind, queue=queue)
+            if name == high:
+                deadline = time.monotonic() + JOB_TIMEOUT_S
+                wait_for(f"{low} at step 100", lambda: "step 100/600" in pod_logs(cluster, namespace), deadline)
+            submitted = ctl("submit", str(spec_file(tmp_path, spec)))
+            assert submitted.returncode == 0, submitted.stderr
+            if name == low:
+                follower = start_ctl_on(kubeconfig, "logs", low, "-f", "-n", namespace, cwd=tmp_path)
+        for name in (high, low):
+            done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S}s")
+            assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
+        followed, _ = follower.communicate(timeout=60)
+        assert_resumed_from_its_checkpoint(followed, kind)
+        assert f"{low} waits in Kueue's LocalQueue {local_queue}: " in followed, followed
+        evictions = workload_status(cluster, namespace, low)["schedulingStats"]["evictions"]
+        assert [(e["reason"], e["count"]) for e in evictions] == [("Preempted", 1)], evictions
+    assert_no_process_left(cluster, marker)
+
+
+def assert_resumed_from_its_checkpoint(followed: str, kind: Kind) -> None:
+    """`ctl logs -f` of a job whose pods were stopped after step 100 and made anew: rank 0 saved at the SIGTERM, and
+    the new pods went on from that checkpoint to the last of LONG_TRAINING's steps."""
+    saved = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", followed)
+    assert saved and 100 <= int(saved[2]) < 600, followed
+    assert f"resuming from {saved[1]}:" in followed and "step 600/600" in followed, followed
+    assert f"{kind.nodes[0]}: new pod" in followed, followed
+
+
 # Room in a ClusterQueue for every job of the tests at once.
 ROOMY_QUOTA = {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "16Gi"}
 SUSPENDED = [
@@ -1545,8 +1602,7 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
     name, deadline = f"sr-{marker[:6]}", time.monotonic() + JOB_TIMEOUT_S
     with contextlib.ExitStack() as stack:
         queue = {"kueue": stack.enter_context(kueue_queue(cluster, namespace, ROOMY_QUOTA))} if queued else {}
-        training = {"maxSteps": 600, "logEvery": 20, "checkpoint": {"every": 50}}
-        spec = job_spec(marker, name=name, training=training, apiKind=kind.api.kind, queue=queue)
+        spec = job_spec(marker, name=name, training=LONG_TRAINING, apiKind=kind.api.kind, queue=queue)
         submitted = ctl("submit", str(spec_file(tmp_path, spec)))
         assert submitted.returncode == 0, submitted.stderr
         follower = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=tmp_path)
@@ -1569,11 +1625,9 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S}s")
         assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
         followed, _ = follower.communicate(timeout=60)
-        saved = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", followed)
-        assert saved and 100 <= int(saved[2]) < 600, followed
-        assert f"resuming from {saved[1]}:" in followed and "step 600/600" in followed, followed
+        assert_resumed_from_its_checkpoint(followed, kind)
         held = "waits in Kueue's LocalQueue team: its Workload is inactive" if queued else "is suspended: `ctl resume"
-        assert f"{name} {held}" in followed and f"{kind.nodes[0]}: new pod" in followed, followed
+        assert f"{name} {held}" in followed, followed
         ended = ctl("resume", name)
         assert ended.returncode == 1, ended.stdout
         assert f"{kind.api.kind.lower()} {name} has ended (Succeeded): there is nothing to resume" in ended.stderr
