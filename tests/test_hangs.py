@@ -16,15 +16,14 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, processes_with_marker, rank_log, run_ctl, start_ctl, trainer_pids
+from conftest import REPO, processes_with_marker, rank_log, run_ctl, start_ctl, trainer_pids, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
@@ -41,7 +40,6 @@ from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RA
 from trainer.spec import TimeoutsSpec
 from trainer.watchdog import Watchdog
 
-T = TypeVar("T")
 RULE_TESTS = REPO / "tests" / "rules"
 SLOWDOWN = 0.5  # seconds rank 1 sleeps in every step: slow enough to stand out, and to stop it mid-run
 FLOOR = 5  # timeouts.hangFloorSeconds
@@ -68,13 +66,6 @@ def samples(text: str, name: str) -> dict[str, float]:
     }
 
 
-def poll(what: str, check: Callable[[], T | None], deadline: float) -> T:
-    while (result := check()) is None:
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return result
-
-
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> Hung:
     """`ctl run` with rank 1 slowed down; once the straggler shows and a checkpoint exists, rank 1 is SIGSTOPped."""
@@ -96,24 +87,21 @@ def hung(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> Hung:
     reader.start()
     try:
         deadline = time.monotonic() + 180
-        endpoint = poll(
+        endpoint = wait_for(
             "node 0's metrics endpoint",
             lambda: next((m.group(1) for line in lines if (m := re.search(r"metrics of node 0 at (\S+)", line))), None),
             deadline,
         )
 
         def straggler_seen() -> str | None:
-            try:
-                with urllib.request.urlopen(endpoint, timeout=5) as response:
-                    text = response.read().decode()
-            except OSError:
-                return None
+            with urllib.request.urlopen(endpoint, timeout=5) as response:  # not up yet: wait_for goes on
+                text = response.read().decode()
             saved = samples(text, "ddpjob_checkpoint_step").get("0", 0) >= EVERY
             slow = samples(text, "ddpjob_step_time_ratio_to_median").get("1", 0) > 1.3
             return text if saved and slow and samples(text, "ddpjob_slowest_rank").get("0") == 1 else None
 
         # The first readings include the first step, alike on both ranks; rank 1's sleep shows from then on.
-        metrics = poll("rank 1 to stand out as the slowest, and a checkpoint", straggler_seen, deadline)
+        metrics = wait_for("rank 1 to stand out as the slowest, and a checkpoint", straggler_seen, deadline)
         (rank_1,) = trainer_pids(marker, rank=1, local_rank=1)
         os.kill(rank_1, signal.SIGSTOP)
         with urllib.request.urlopen(endpoint, timeout=5) as response:
@@ -226,7 +214,7 @@ def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_
         tmp_path, corpus_file, {"DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
     )
     try:
-        poll("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
+        wait_for("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
         (rank_1,) = trainer_pids(marker, rank=1)
         os.kill(rank_1, signal.SIGSTOP)
     finally:
@@ -324,7 +312,7 @@ def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_
     with Watchdog(dist, None, metrics=None) as watchdog:
         watchdog.step_done(1, 0.01)
         with watchdog.long_work("checkpoint save"):
-            poll("the save's beat", lambda: limit() == timeouts.long_work_seconds or None, time.monotonic() + 30)
+            wait_for("the save's beat", lambda: limit() == timeouts.long_work_seconds or None, time.monotonic() + 30)
         assert limit() == FLOOR
     assert not beat_path(tmp_path, os.getpid()).exists()  # a rank no longer watched leaves no beat
 
