@@ -53,7 +53,7 @@ def node_lines(
             if streamed is not None:  # the same pod's container again, or a pod made anew (resumed, evicted)
                 again = f"container restarted (restart {run[1]})" if run[0] == streamed[0] else "new pod"
                 note(f"{label}: {again}")
-            streamed = run
+            streamed, told, held = run, {}, None  # a wait after this run is said again, even for the same reason
             yield from read_log(target, pod["metadata"]["name"], api, options)
             if not options.follow or options.previous:
                 return

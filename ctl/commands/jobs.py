@@ -94,8 +94,10 @@ def submit(
     if dry_run == "server":
         return
     ns = target.namespace
+    # Created suspended (runPolicy.suspend) it has no pods until resumed; under Kueue, until Kueue admits it.
+    resume = f"ctl resume {job.name} -n {ns}  |  " if job.run_policy.suspend and not job.queue.kueue else ""
     typer.echo(
-        f"next: ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"
+        f"next: {resume}ctl logs {job.name} -n {ns} -f  |  ctl status {job.name} -n {ns}"
         f"  |  ctl wait {job.name} -n {ns} --for succeeded  |  ctl delete {job.name} -n {ns}",
         err=True,
     )

@@ -1589,7 +1589,8 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
     cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind, queued: bool
 ) -> None:
     """`ctl suspend` (as the Role's user) sets the job's suspend field, or, for a job of queue.kueue, deactivates
-    its Workload, and Kueue suspends the job. Either way the controller deletes the pods: their trainers get SIGTERM,
+    its Workload, and Kueue suspends the job (which, without Kueue, was created suspended, and `ctl submit` said to
+    `ctl resume` it first). Either way the controller deletes the pods: their trainers get SIGTERM,
     stop at one agreed step, and rank 0 saves it. The job waits Suspended, without pods, and `ctl logs -f` says what
     resumes it. `ctl resume` has the pods made again, and they go on from that checkpoint to the last step. Both
     commands leave a job already as asked unchanged, and refuse one that has ended."""
@@ -1602,10 +1603,22 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
     name, deadline = f"sr-{marker[:6]}", time.monotonic() + JOB_TIMEOUT_S
     with contextlib.ExitStack() as stack:
         queue = {"kueue": stack.enter_context(kueue_queue(cluster, namespace, ROOMY_QUOTA))} if queued else {}
-        spec = job_spec(marker, name=name, training=LONG_TRAINING, apiKind=kind.api.kind, queue=queue)
+        created_suspended = {"suspend": not queued}
+        spec = job_spec(
+            marker, name=name, training=LONG_TRAINING, apiKind=kind.api.kind, queue=queue, runPolicy=created_suspended
+        )
         submitted = ctl("submit", str(spec_file(tmp_path, spec)))
         assert submitted.returncode == 0, submitted.stderr
         follower = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=tmp_path)
+        if not queued:
+            assert f"next: ctl resume {name} -n {namespace}  |  " in submitted.stderr, submitted.stderr
+            wait_for(
+                f"{name} created suspended",
+                lambda: kind.api.state(kind.get(cluster, namespace, name)) == "Suspended",
+                deadline,
+            )
+            assert not job_pods(cluster, namespace, kind, name)
+            assert ctl("resume", name).stdout == f"{kind.resource}/{name} resumed\n"
         wait_for("step 100", lambda: "step 100/600" in pod_logs(cluster, namespace), deadline)
 
         suspended = ctl("suspend", name)
@@ -1626,8 +1639,9 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
         followed, _ = follower.communicate(timeout=60)
         assert_resumed_from_its_checkpoint(followed, kind)
+        # Without Kueue, noted while it was created suspended, and again once stopped.
         held = "waits in Kueue's LocalQueue team: its Workload is inactive" if queued else "is suspended: `ctl resume"
-        assert f"{name} {held}" in followed, followed
+        assert followed.count(f"{name} {held}") == (1 if queued else 2), followed
         ended = ctl("resume", name)
         assert ended.returncode == 1, ended.stdout
         assert f"{kind.api.kind.lower()} {name} has ended (Succeeded): there is nothing to resume" in ended.stderr
