@@ -1366,6 +1366,7 @@ def test_notes_tell_how_to_follow_the_job() -> None:
     assert "job-worker-0 -c pytorch" in elastic and "elastic, 1-4 pods" in elastic
     suspended = notes(spec_of(runPolicy={"suspend": True}), namespace="ml")
     assert "no pods start until spec.runPolicy.suspend is false: ctl resume job -n ml" in suspended
+    assert "created suspended" not in notes(spec_of(**VARIANTS["kueue"]))  # Kueue starts it
 
 
 def test_helm_accepts_what_ctl_accepts_for_a_single_path(tmp_path: Path) -> None:
