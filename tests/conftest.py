@@ -12,7 +12,6 @@ import sys
 import sysconfig
 import textwrap
 import time
-import urllib.error
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,7 +89,7 @@ def wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> A
     while True:
         try:
             result = check()
-        except (OSError, urllib.error.URLError):
+        except OSError:  # URLError too
             result = None
         if result:
             return result

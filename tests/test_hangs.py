@@ -312,7 +312,7 @@ def test_the_launchers_heartbeat_leaves_the_long_work_limit_as_soon_as_the_work_
     with Watchdog(dist, None, metrics=None) as watchdog:
         watchdog.step_done(1, 0.01)
         with watchdog.long_work("checkpoint save"):
-            wait_for("the save's beat", lambda: limit() == timeouts.long_work_seconds or None, time.monotonic() + 30)
+            wait_for("the save's beat", lambda: limit() == timeouts.long_work_seconds, time.monotonic() + 30)
         assert limit() == FLOOR
     assert not beat_path(tmp_path, os.getpid()).exists()  # a rank no longer watched leaves no beat
 
