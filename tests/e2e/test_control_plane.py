@@ -1610,6 +1610,17 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         submitted = ctl("submit", str(spec_file(tmp_path, spec)))
         assert submitted.returncode == 0, submitted.stderr
         follower = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=tmp_path)
+        followed: list[str] = []
+        reader = threading.Thread(target=lambda: followed.extend(follower.stdout), daemon=True)
+        reader.start()
+        # ctl logs -f polls: each suspension is resumed only once it has noted it (without Kueue, it notes the job
+        # created suspended, and again once stopped).
+        inactive = f"waits in Kueue's LocalQueue {queue.get('kueue')}: its Workload is inactive"
+        held = f"{name} {inactive if queued else 'is suspended: `ctl resume'}"
+
+        def noted(times: int) -> bool:
+            return "".join(followed).count(held) == times
+
         if not queued:
             assert f"next: ctl resume {name} -n {namespace}  |  " in submitted.stderr, submitted.stderr
             wait_for(
@@ -1618,6 +1629,7 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
                 deadline,
             )
             assert not job_pods(cluster, namespace, kind, name)
+            wait_for("ctl logs -f to note the job created suspended", lambda: noted(1), deadline)
             assert ctl("resume", name).stdout == f"{kind.resource}/{name} resumed\n"
         wait_for("step 100", lambda: "step 100/600" in pod_logs(cluster, namespace), deadline)
 
@@ -1632,16 +1644,16 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         if queued:
             assert kind.get(cluster, namespace, name)["spec"]["runPolicy"]["suspend"] is True  # by Kueue
             assert "its Workload is inactive" in status["queue"]["pending"], status
+        wait_for("ctl logs -f to note the suspension", lambda: noted(1 if queued else 2), deadline)
 
         resumed = ctl("resume", name)
         assert (resumed.returncode, resumed.stdout) == (0, f"{kind.resource}/{name} resumed\n"), resumed.stderr
         done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S}s")
         assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
-        followed, _ = follower.communicate(timeout=60)
-        assert_resumed_from_its_checkpoint(followed, kind)
-        # Without Kueue, noted while it was created suspended, and again once stopped.
-        held = "waits in Kueue's LocalQueue team: its Workload is inactive" if queued else "is suspended: `ctl resume"
-        assert followed.count(f"{name} {held}") == (1 if queued else 2), followed
+        follower.wait(timeout=60)
+        reader.join(timeout=10)
+        assert_resumed_from_its_checkpoint("".join(followed), kind)
+        assert noted(1 if queued else 2), "".join(followed)
         ended = ctl("resume", name)
         assert ended.returncode == 1, ended.stdout
         assert f"{kind.api.kind.lower()} {name} has ended (Succeeded): there is nothing to resume" in ended.stderr
