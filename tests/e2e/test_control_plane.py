@@ -1144,6 +1144,15 @@ def run_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.CompletedP
     return run_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(kubeconfig)})
 
 
+def ctl_in(kubeconfig: Path, namespace: str, cwd: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """`ctl ARGS -n NAMESPACE`, as a user with `kubeconfig` runs it in `cwd`."""
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=cwd)
+
+    return ctl
+
+
 def start_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.Popen:
     return start_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(kubeconfig)})
 
@@ -1197,9 +1206,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
 
     # As a user with only k8s/rbac.yaml's Role: it is all ctl needs (pods/log, pods/proxy included).
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
     if cluster.plane is not None:
         elsewhere = run_ctl_on(kubeconfig, "list", "-n", "default", cwd=tmp_path)
@@ -1379,6 +1386,7 @@ def test_helm_install_by_the_roles_user_runs_the_job_and_uninstall_keeps_the_cla
     name = f"hi-{marker[:6]}"
     spec = spec_file(tmp_path, job_spec(marker, name=name, training={"maxSteps": 5}, apiKind=kind.api.kind))
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
     def helm(*args: str, driver: str = "configmap") -> subprocess.CompletedProcess:
         command = [str(build_helm()), *args, "-n", namespace]
@@ -1389,18 +1397,18 @@ def test_helm_install_by_the_roles_user_runs_the_job_and_uninstall_keeps_the_cla
     if cluster.plane is not None:  # an external cluster's admin may read Secrets
         refused = helm(*install, driver="secret")  # Helm's default
         assert refused.returncode == 1 and "secrets is forbidden" in refused.stderr, refused.stderr
-        assert run_ctl_on(kubeconfig, "status", name, "-n", namespace, cwd=tmp_path).returncode == EXIT_NOT_FOUND
+        assert ctl("status", name).returncode == EXIT_NOT_FOUND
     installed = helm(*install)
     assert installed.returncode == 0, installed.stderr
     # Helm rewrites its record once the objects are made (PUT): refused, it says so only in its log, exit 0.
     assert json.loads(helm("status", name, "-o", "json").stdout)["info"]["status"] == "deployed", installed.stderr
-    done = run_ctl_on(kubeconfig, "wait", name, "--for", "succeeded", "-n", namespace, cwd=tmp_path)
+    done = ctl("wait", name, "--for", "succeeded")
     assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
 
     uninstalled = helm("uninstall", name, "--wait")
     assert uninstalled.returncode == 0, uninstalled.stderr
     assert helm("status", name).returncode == 1  # no record left
-    assert run_ctl_on(kubeconfig, "status", name, "-n", namespace, cwd=tmp_path).returncode == EXIT_NOT_FOUND
+    assert ctl("status", name).returncode == EXIT_NOT_FOUND
     client = cluster.client()
     kubernetes.client.CoreV1Api(client).read_namespaced_persistent_volume_claim(f"{name}-checkpoints", namespace)
     if kind is TRAINJOB:
@@ -1473,9 +1481,7 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
     why, in Kueue's words from its Workload."""
     marker = uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
     with kueue_queue(cluster, namespace, ONE_JOB_QUOTA) as local_queue:
         first, second = (f"kq{n}-{marker[:6]}" for n in (1, 2))
@@ -1539,9 +1545,7 @@ def test_a_job_kueue_preempts_for_a_higher_priority_one_saves_and_goes_on_from_i
     (as the Role's user) says why the low one waits."""
     marker = uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
     low, high = (f"{priority}-{marker[:6]}" for priority in ("low", "high"))
     with kueue_queue(cluster, namespace, ONE_JOB_QUOTA, {"low": 100, "high": 1000}) as local_queue:
@@ -1596,9 +1600,7 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
     commands leave a job already as asked unchanged, and refuse one that has ended."""
     marker = uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
     name, deadline = f"sr-{marker[:6]}", time.monotonic() + JOB_TIMEOUT_S
     with contextlib.ExitStack() as stack:
@@ -1708,9 +1710,7 @@ def test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job(
     spec = spec_file(
         tmp_path, job_spec(marker, missing_data, name=name, restartPolicy=restart_policy, apiKind=kind.api.kind)
     )
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     # --follow: rank 0's log (the trainer's one-line error) until the job has failed, then its exit code.
     followed = ctl("submit", str(spec), "--follow", "--timeout", str(JOB_TIMEOUT_S))
@@ -1761,9 +1761,7 @@ def test_the_root_cause_outlives_the_pods_deleted_under_restart_policy_on_failur
     run_policy = ON_FAILURE_ONCE if kind is PYTORCHJOB else {"backoffLimit": 1}  # a TrainJob has no cleanPodPolicy
     values = {"name": name, "runPolicy": run_policy, "apiKind": kind.api.kind}
     spec = spec_file(tmp_path, job_spec(marker, ["/nonexistent/ddpjob-e2e/train.txt"], **values))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     waited = ctl("submit", str(spec), "--wait", "--timeout", str(JOB_TIMEOUT_S))
     assert waited.returncode == EXIT_JOB_FAILED, waited.stderr
@@ -1787,9 +1785,7 @@ def test_a_pod_that_cannot_start_says_why(cluster: Cluster, namespace: str, tmp_
     name = f"nostart-{marker[:6]}"
     image = {"repository": "localhost:1/ddpjob", "tag": "0.0.0"}
     spec = spec_file(tmp_path, job_spec(marker, name=name, image=image))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     timeout_s = 25  # the pull is refused at once
     followed = ctl("submit", str(spec), "--follow", "--timeout", str(timeout_s))
@@ -1856,9 +1852,7 @@ def test_ctl_submit_refuses_read_write_many_from_a_block_storage_class(
         {"metadata": {"name": block, "annotations": default}, "provisioner": "ebs.csi.aws.com"}
     )
     spec = spec_file(tmp_path, job_spec(marker, name=f"rwx-{marker[:6]}"))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     try:
         for chosen, which in (
@@ -1897,9 +1891,7 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
 
     marker = uuid.uuid4().hex
     ours, theirs = f"ctl-{marker[:6]}", f"sdk-{marker[:6]}"
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     sdk = TrainingClient(config_file=str(cluster.kubeconfig), namespace=namespace)
     assert ctl("submit", str(spec_file(tmp_path, job_spec(marker, name=ours)))).returncode == 0
@@ -1954,9 +1946,7 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
 
     marker = uuid.uuid4().hex
     ours = f"ctl-{marker[:6]}"
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     sdk = TrainerClient(KubernetesBackendConfig(namespace=namespace, config_file=str(cluster.kubeconfig)))
     # kubeflow 0.5 describes a runtime (and so a TrainJob) only when its trainer has a cpu, GPU, TPU or NPU limit

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sysconfig
 import time
 import uuid
@@ -28,10 +27,10 @@ from test_control_plane import (
     Cluster,
     Kind,
     assert_no_process_left,
+    ctl_in,
     first_processes,
     job_spec,
     pod_logs,
-    run_ctl_on,
     spec_file,
 )
 
@@ -135,9 +134,7 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
     corpus = sorted((STDLIB / "json").glob("*.py"))
     claim = put_on_claim(cluster, namespace, name, {path.name: path.read_bytes() for path in corpus})
     spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, apiKind=kind.api.kind))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     submitted = ctl("submit", str(spec))
     assert submitted.returncode == 0, submitted.stderr
@@ -217,9 +214,7 @@ def test_a_prepare_job_killed_outright_ends_the_training_job_with_one_line_namin
     corpus = sorted((STDLIB / "email").glob("*.py"))  # ~600 KB: a few seconds of work, the Job is killed amid it
     claim = put_on_claim(cluster, namespace, name, {path.name: path.read_bytes() for path in corpus})
     spec = spec_file(tmp_path, prepare_job_spec(marker, name, corpus, prepare_stall_s=PREPARE_STALL_S))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     assert ctl("submit", str(spec)).returncode == 0
     progress = sigkill_prepare_pod_once_it_shows_progress(claim / "_datasets", marker, f"{name}-prepare-")
@@ -297,9 +292,7 @@ def test_bad_data_found_by_the_prepare_job_reaches_the_user_as_one_line(
     claim = put_on_claim(cluster, namespace, name, files)
     # A retry left: bad data is not retried all the same (the Job's podFailurePolicy).
     spec = spec_file(tmp_path, prepare_job_spec(marker, name, [*corpus, Path("latin1.py")], backoff_limit=1))
-
-    def ctl(*args: str) -> subprocess.CompletedProcess:
-        return run_ctl_on(cluster.kubeconfig, *args, "-n", namespace, cwd=tmp_path)
+    ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
     assert ctl("submit", str(spec)).returncode == 0
     failed = ctl("wait", name, "--timeout", str(JOB_TIMEOUT_S))
