@@ -48,9 +48,10 @@ GPUS_BELOW_PROCESSES = "resources.gpu: %d GPU(s) per pod for procsPerNode %d: ea
 # What a pod gets per torchrun process when the spec leaves resources.cpu/memory unset.
 CPU_PER_PROCESS = 2
 MEMORY_MIB_PER_PROCESS = 4096
-# Kueue's labels on a job of `queue.kueue`: its LocalQueue and its WorkloadPriorityClass.
+# Kueue's labels on a job of `queue.kueue`: its LocalQueue, its WorkloadPriorityClass, its time budget.
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+KUEUE_MAX_EXEC_TIME_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
 # `ctl wait` and `submit --wait/--follow`: the job's outcome as the exit code (0 is the awaited state).
 EXIT_JOB_FAILED = 100
 EXIT_NOT_FINISHED = 101

@@ -361,7 +361,11 @@ def chart_names() -> dict[str, Any]:
         "refusals": {"podNameTooLong": names.POD_NAME_TOO_LONG, "gpusBelowProcesses": names.GPUS_BELOW_PROCESSES},
         "cpuPerProcess": names.CPU_PER_PROCESS,
         "memoryMiPerProcess": names.MEMORY_MIB_PER_PROCESS,
-        "kueueLabels": {"queue": names.KUEUE_QUEUE_LABEL, "priorityClass": names.KUEUE_PRIORITY_LABEL},
+        "kueueLabels": {
+            "queue": names.KUEUE_QUEUE_LABEL,
+            "priorityClass": names.KUEUE_PRIORITY_LABEL,
+            "maxExecutionSeconds": names.KUEUE_MAX_EXEC_TIME_LABEL,
+        },
         "kinds": {
             kind.kind: {
                 "container": kind.container,

@@ -43,6 +43,7 @@ from ctl.names import (
     CPU_PER_PROCESS,
     DNS_LABEL_MAX,
     GPUS_BELOW_PROCESSES,
+    KUEUE_MAX_EXEC_TIME_LABEL,
     KUEUE_PRIORITY_LABEL,
     KUEUE_QUEUE_LABEL,
     MEMORY_MIB_PER_PROCESS,
@@ -343,6 +344,15 @@ class QueueSpec(SpecModel):
     )
     kueue_priority_class: LabelValue = Field(
         "", description=f"Kueue WorkloadPriorityClass: sets the `{KUEUE_PRIORITY_LABEL}` label on the job."
+    )
+    kueue_max_execution_seconds: Int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,  # Kueue keeps it as an int32
+        description=f"Kueue's time budget: sets the `{KUEUE_MAX_EXEC_TIME_LABEL}` label on the job. Once it has been"
+        " admitted this long (its admissions added up), Kueue deactivates its Workload for good: the job is suspended"
+        " (rank 0 saves at the SIGTERM) and keeps no pods. Unlike runPolicy.activeDeadlineSeconds, it does not fail:"
+        " `ctl submit SPEC --replace` makes it anew, with the time again, and it goes on from its checkpoint.",
     )
     volcano: ObjectName = Field(
         "",

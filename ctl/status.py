@@ -370,7 +370,10 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
     workload = workloads[0]
     if workload["spec"].get("active") is False:  # Kueue's words for it are its eviction's, not what to do
         name = job["metadata"]["name"]
-        inactive = f"its Workload is inactive (`ctl resume {name} -n {target.namespace}` activates it)"
+        if why := kueue_deactivation(workload):
+            inactive = deactivated_by_kueue(why, target.namespace)
+        else:
+            inactive = f"its Workload is inactive (`ctl resume {name} -n {target.namespace}` activates it)"
         return QueueStatus(local_queue, workload["metadata"]["name"], False, inactive)
     conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
     if conditions.get("Admitted", {}).get("status") == "True":
@@ -379,6 +382,25 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
     held = [c for c in (conditions.get("QuotaReserved"), conditions.get("Admitted")) if c and c["status"] == "False"]
     pending = held[0]["message"] if held else "waiting for Kueue to consider it"
     return QueueStatus(local_queue, workload["metadata"]["name"], False, pending)
+
+
+def kueue_deactivation(workload: dict[str, Any]) -> str | None:
+    """Why Kueue itself deactivated the Workload (queue.kueueMaxExecutionSeconds spent, its requeuing limit, a
+    rejected admission check), in its words: its DeactivationTarget condition's, which its eviction message quotes.
+    None when the Workload is active or was deactivated by hand (`ctl suspend`). Kueue (v0.17) keeps that condition
+    after the eviction, and deactivates the Workload again as soon as it is activated."""
+    conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
+    target = conditions.get("DeactivationTarget", {})
+    if workload["spec"].get("active") is not False or target.get("status") != "True":
+        return None
+    return f"due to {target.get('message') or target.get('reason')}"
+
+
+def deactivated_by_kueue(why: str, namespace: str) -> str:
+    return (
+        f"Kueue deactivated its Workload {why}, and would again if activated: `ctl submit SPEC --replace -n"
+        f" {namespace}` makes the job anew, which goes on from its checkpoint"
+    )
 
 
 def rank0_progress(target: Target, job: dict[str, Any], pods: list[dict[str, Any]]) -> Progress | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ctl.cluster import ClusterError, Target, find_job, merge_patch
 from ctl.kinds import kind_of
-from ctl.status import KUEUE_WORKLOADS, queue_status
+from ctl.status import KUEUE_WORKLOADS, deactivated_by_kueue, kueue_deactivation, queue_status
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,11 @@ def set_suspended(target: Target, name: str, suspend: bool) -> Suspension:
     if queued.workload is None:  # nothing to deactivate yet, and the job's own field is Kueue's
         raise ClusterError(f"{name} is queued by Kueue (LocalQueue {queued.local_queue}): {queued.pending}")
     path = f"{KUEUE_WORKLOADS.format(namespace=target.namespace)}/{queued.workload}"
+    workload = target.call(path)
+    if not suspend and (why := kueue_deactivation(workload)):
+        raise ClusterError(f"{name}: {deactivated_by_kueue(why, target.namespace)}")
     # A Workload is active unless it says otherwise; Kueue evicts an inactive one and suspends its job.
-    changed = target.call(path)["spec"].get("active", True) == suspend
+    changed = workload["spec"].get("active", True) == suspend
     if changed:
         merge_patch(target, path, {"spec": {"active": not suspend}})
     return Suspension(reference, changed, queued.workload)

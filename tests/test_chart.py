@@ -181,7 +181,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trainjob-gang": {
         "apiKind": "TrainJob",
         "nodes": 3,
-        "queue": {"kueue": "team-a", "kueuePriorityClass": "high", "coscheduling": "scheduler-plugins-scheduler"},
+        "queue": {
+            "kueue": "team-a",
+            "kueuePriorityClass": "high",
+            "kueueMaxExecutionSeconds": 86400,
+            "coscheduling": "scheduler-plugins-scheduler",
+        },
         "runPolicy": {"suspend": True, "schedulingPolicy": {"scheduleTimeoutSeconds": 600}},
     },
     "trainjob-volcano": {"apiKind": "TrainJob", "nodes": 2, "queue": {"volcano": "research"}},

@@ -8,7 +8,15 @@ from typing import Any
 
 from ctl.kinds import State
 from ctl.kinds.pytorchjob import PYTORCHJOB, REPLICA_INDEX_LABEL, REPLICA_TYPE_LABEL
-from ctl.status import JobStatus, PrepareStatus, QueueStatus, failure_cause, pod_status, quoted_cause
+from ctl.status import (
+    JobStatus,
+    PrepareStatus,
+    QueueStatus,
+    failure_cause,
+    kueue_deactivation,
+    pod_status,
+    quoted_cause,
+)
 from ctl.tables import age, status_line, status_table
 
 NO_FILE = "error: training.data.train: no file matches '/data/x.txt'"
@@ -74,6 +82,25 @@ def test_a_job_held_by_kueue_says_why_and_one_it_admitted_says_so() -> None:
     assert "  queue: team (Kueue): admitted" in status_table(admitted).splitlines()
     assert status_line(admitted) == "Running"
     assert not any(line.startswith("  queue:") for line in status_table(job_status(State.RUNNING)).splitlines())
+
+
+def workload(active: bool, *conditions: tuple[str, str, str]) -> dict[str, Any]:
+    """A Workload with these (type, reason, message) conditions, all True."""
+    listed = [{"type": t, "status": "True", "reason": r, "message": m} for t, r, m in conditions]
+    return {"spec": {"active": active}, "status": {"conditions": listed}}
+
+
+def test_only_a_workload_kueue_deactivated_itself_has_its_reason() -> None:
+    """Kueue's conditions on a Workload past its max-exec-time-seconds (as the e2e tier's real Kueue v0.17 leaves
+    them, DeactivationTarget kept after the eviction) against one deactivated by `ctl suspend`."""
+    target = ("DeactivationTarget", "MaximumExecutionTimeExceeded", "exceeding the maximum execution time")
+    evicted = "The workload is deactivated due to exceeding the maximum execution time"
+    by_kueue = workload(False, target, ("Evicted", "DeactivatedDueToMaximumExecutionTimeExceeded", evicted))
+    assert kueue_deactivation(by_kueue) == "due to exceeding the maximum execution time"
+    by_hand = workload(False, ("Evicted", "Deactivated", "The workload is deactivated"))
+    assert kueue_deactivation(by_hand) is None
+    assert kueue_deactivation(workload(True, target)) is None  # Kueue is about to deactivate it
+    assert kueue_deactivation({"spec": {}}) is None  # active unless it says otherwise
 
 
 def event(pod_name: str, code: int, message: str, at: str) -> dict[str, Any]:

@@ -121,6 +121,7 @@ def test_gang_scheduling_and_kueue() -> None:
     gang = objects(spec_of(**VARIANTS["trainjob-gang"]))
     labels = gang["TrainJob"]["metadata"]["labels"]
     assert (labels["kueue.x-k8s.io/queue-name"], labels["kueue.x-k8s.io/priority-class"]) == ("team-a", "high")
+    assert labels["kueue.x-k8s.io/max-exec-time-seconds"] == "86400"  # Kueue reads a string of digits
     assert gang["TrainJob"]["spec"]["suspend"] is True
     assert gang["TrainingRuntime"]["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 600}}
     (template,) = pod_templates(gang["TrainingRuntime"]).values()
@@ -134,8 +135,10 @@ def test_gang_scheduling_and_kueue() -> None:
     untimed = objects(spec_of(apiKind="TrainJob", queue={"coscheduling": "sched"}))["TrainingRuntime"]["spec"]
     assert untimed["podGroupPolicy"] == {"coscheduling": {}}  # the CRD's default timeout (60 s)
     # The same Kueue labels on a PyTorchJob.
-    v1 = objects(spec_of(queue={"kueue": "team-a", "kueuePriorityClass": "high"}))["PyTorchJob"]["metadata"]["labels"]
-    assert labels.items() >= {k: v for k, v in v1.items() if k.startswith("kueue.x-k8s.io/")}.items()
+    queue = {"kueue": "team-a", "kueuePriorityClass": "high", "kueueMaxExecutionSeconds": 86400}
+    v1 = objects(spec_of(queue=queue))["PyTorchJob"]["metadata"]["labels"]
+    kueue_labels = {k: v for k, v in v1.items() if k.startswith("kueue.x-k8s.io/")}
+    assert len(kueue_labels) == 3 and labels.items() >= kueue_labels.items()
 
 
 def test_pod_monitor_names_jobs_and_nodes_by_jobset_labels() -> None:

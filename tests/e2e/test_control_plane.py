@@ -1157,6 +1157,31 @@ def start_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.Popen:
     return start_ctl(*args, cwd=cwd, env=os.environ | {"KUBECONFIG": str(kubeconfig)})
 
 
+@dataclass(frozen=True)
+class Follower:
+    """`ctl logs NAME -f` in the background, its output gathered as it comes."""
+
+    process: subprocess.Popen
+    lines: list[str]
+    reader: threading.Thread
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self) -> None:
+        """Until it has ended and all it wrote is read."""
+        self.process.wait(timeout=60)
+        self.reader.join(timeout=10)
+
+
+def follow_ctl_logs(kubeconfig: Path, name: str, namespace: str, cwd: Path) -> Follower:
+    process = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=cwd)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    return Follower(process, lines, reader)
+
+
 def ctl_on_terminal(kubeconfig: Path, *args: str, cwd: Path, **env: str) -> str:
     """`ctl`'s stdout when it is a terminal (a pseudo-terminal here)."""
     reader, writer = pty.openpty()
@@ -1611,17 +1636,14 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         )
         submitted = ctl("submit", str(spec_file(tmp_path, spec)))
         assert submitted.returncode == 0, submitted.stderr
-        follower = start_ctl_on(kubeconfig, "logs", name, "-f", "-n", namespace, cwd=tmp_path)
-        followed: list[str] = []
-        reader = threading.Thread(target=lambda: followed.extend(follower.stdout), daemon=True)
-        reader.start()
+        follower = follow_ctl_logs(kubeconfig, name, namespace, tmp_path)
         # ctl logs -f polls: each suspension is resumed only once it has noted it (without Kueue, it notes the job
         # created suspended, and again once stopped).
         inactive = f"waits in Kueue's LocalQueue {queue.get('kueue')}: its Workload is inactive"
         held = f"{name} {inactive if queued else 'is suspended: `ctl resume'}"
 
         def noted(times: int) -> bool:
-            return "".join(followed).count(held) == times
+            return follower.text().count(held) == times
 
         if not queued:
             assert f"next: ctl resume {name} -n {namespace}  |  " in submitted.stderr, submitted.stderr
@@ -1652,14 +1674,70 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
         assert (resumed.returncode, resumed.stdout) == (0, f"{kind.resource}/{name} resumed\n"), resumed.stderr
         done = ctl("wait", name, "--for", "succeeded", "--timeout", f"{JOB_TIMEOUT_S}s")
         assert done.returncode == 0, done.stderr + pod_logs(cluster, namespace)
-        follower.wait(timeout=60)
-        reader.join(timeout=10)
-        assert_resumed_from_its_checkpoint("".join(followed), kind)
-        assert noted(1 if queued else 2), "".join(followed)
+        follower.wait()
+        assert_resumed_from_its_checkpoint(follower.text(), kind)
+        assert noted(1 if queued else 2), follower.text()
         ended = ctl("resume", name)
         assert ended.returncode == 1, ended.stdout
         assert f"{kind.api.kind.lower()} {name} has ended (Succeeded): there is nothing to resume" in ended.stderr
     assert ctl("suspend", f"{name}-none").returncode == EXIT_NOT_FOUND
+    assert_no_process_left(cluster, marker)
+
+
+# queue.kueueMaxExecutionSeconds of the test below: a job's pods start and train well within it, and it ends
+# long before the job's 6000 steps would.
+KUEUE_BUDGET_S = 20
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_ctl_says_why(
+    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+) -> None:
+    """queue.kueueMaxExecutionSeconds: once the job has been admitted that long, the real Kueue deactivates its
+    Workload and suspends it. The pods get SIGTERM and rank 0 saves. The job waits Suspended, without pods, and
+    `ctl status` and `ctl logs -f` (as the Role's user) give Kueue's reason and what goes on. Kueue would deactivate
+    the Workload again at once, so `ctl resume` refuses and says so; `ctl submit --replace` makes the job anew, with
+    the time again, and it goes on from the checkpoint."""
+    marker = uuid.uuid4().hex
+    kubeconfig = ctl_user_kubeconfig(cluster, namespace)
+    ctl = ctl_in(kubeconfig, namespace, tmp_path)
+
+    name, deadline = f"mx-{marker[:6]}", time.monotonic() + JOB_TIMEOUT_S
+    with kueue_queue(cluster, namespace, ROOMY_QUOTA) as local_queue:
+        queue = {"kueue": local_queue, "kueueMaxExecutionSeconds": KUEUE_BUDGET_S}
+        training = LONG_TRAINING | {"maxSteps": 6000}
+        spec = job_spec(marker, name=name, training=training, apiKind=kind.api.kind, queue=queue)
+        submitted = ctl("submit", str(spec_file(tmp_path, spec)))
+        assert submitted.returncode == 0, submitted.stderr
+        follower = follow_ctl_logs(kubeconfig, name, namespace, tmp_path)
+
+        def status() -> dict[str, Any]:
+            return json.loads(ctl("status", name, "-o", "json").stdout)
+
+        why = "due to exceeding the maximum execution time"
+        inactive = f"Kueue deactivated its Workload {why}, and would again if activated: `ctl submit SPEC --replace"
+        wait_for(f"Kueue to deactivate {name}", lambda: inactive in str(status()["queue"]), deadline)
+        wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, kind, name), deadline)
+        assert status()["state"] == "Suspended"
+        note = f"{name} waits in Kueue's LocalQueue {local_queue}: {inactive}"
+        wait_for("ctl logs -f to note why", lambda: note in follower.text(), deadline)
+        saved = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/6000", follower.text())
+        assert saved, follower.text()
+
+        evictions = workload_status(cluster, namespace, name)["schedulingStats"]["evictions"]
+        causes = [(e["reason"], e["underlyingCause"]) for e in evictions]
+        assert causes == [("Deactivated", "MaximumExecutionTimeExceeded")], evictions
+
+        # Kueue would deactivate it again at once: ctl resume says so, and a new job goes on from the checkpoint.
+        refused = ctl("resume", name)
+        assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr
+        assert f"{name}: Kueue deactivated its Workload {why}, and would again if activated: " in refused.stderr
+        follower.process.terminate()
+        follower.wait()
+        again = ctl("submit", str(spec_file(tmp_path, spec)), "--replace")
+        assert again.returncode == 0, again.stderr
+        wait_for("the new job to go on", lambda: f"resuming from {saved[1]}:" in pod_logs(cluster, namespace), deadline)
+        assert ctl("delete", name, "-y").returncode == 0
     assert_no_process_left(cluster, marker)
 
 

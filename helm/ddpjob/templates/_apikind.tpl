@@ -67,6 +67,9 @@ Kueue labels on the job object (Kueue admits PyTorchJobs and TrainJobs by them).
 {{- with .Values.queue.kueuePriorityClass }}
 {{ $labels.priorityClass }}: {{ . | quote }}
 {{- end }}
+{{- with .Values.queue.kueueMaxExecutionSeconds }}
+{{ $labels.maxExecutionSeconds }}: {{ . | int64 | toString | quote }}
+{{- end }}
 {{- end }}
 
 {{/*
