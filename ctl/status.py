@@ -75,6 +75,9 @@ class QueueStatus:
     workload: str | None  # None until Kueue has made it (or where Kueue's API cannot be read)
     admitted: bool
     pending: str | None  # why it is not admitted, in Kueue's words where it has some
+    # queue.kueueMaxExecutionSeconds, and how much of it the job's admissions have used up (Kueue's count)
+    time_budget_seconds: int | None = None
+    time_used_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -368,20 +371,37 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
     if not workloads:
         return QueueStatus(local_queue, None, False, "Kueue has not made its Workload yet")
     workload = workloads[0]
+    status = workload.get("status") or {}
+    conditions = {c["type"]: c for c in status.get("conditions") or []}
+    pending = why_pending(target, job, workload, conditions)
+    admitted = pending is None
+    budget = workload["spec"].get("maximumExecutionTimeSeconds")
+    used = status.get("accumulatedPastExecutionTimeSeconds") or 0
+    if budget and admitted:  # the current admission too, which Kueue adds to the past ones when it ends
+        since = datetime.now(timezone.utc) - timestamp(conditions["Admitted"]["lastTransitionTime"])
+        used += max(0, int(since.total_seconds()))
+    return QueueStatus(local_queue, workload["metadata"]["name"], admitted, pending, budget, used if budget else None)
+
+
+def why_pending(
+    target: Target, job: dict[str, Any], workload: dict[str, Any], conditions: dict[str, dict[str, Any]]
+) -> str | None:
+    """Why Kueue does not admit the job's Workload; None when it does."""
     if workload["spec"].get("active") is False:  # Kueue's words for it are its eviction's, not what to do
-        name = job["metadata"]["name"]
         if why := kueue_deactivation(workload):
-            inactive = deactivated_by_kueue(why, target.namespace)
-        else:
-            inactive = f"its Workload is inactive (`ctl resume {name} -n {target.namespace}` activates it)"
-        return QueueStatus(local_queue, workload["metadata"]["name"], False, inactive)
-    conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
+            return deactivated_by_kueue(why, target.namespace)
+        name = job["metadata"]["name"]
+        return f"its Workload is inactive (`ctl resume {name} -n {target.namespace}` activates it)"
     if conditions.get("Admitted", {}).get("status") == "True":
-        return QueueStatus(local_queue, workload["metadata"]["name"], True, None)
+        return None
     # Quota first: a Workload waits for it, then for its admission checks (if the ClusterQueue has any).
     held = [c for c in (conditions.get("QuotaReserved"), conditions.get("Admitted")) if c and c["status"] == "False"]
-    pending = held[0]["message"] if held else "waiting for Kueue to consider it"
-    return QueueStatus(local_queue, workload["metadata"]["name"], False, pending)
+    return held[0]["message"] if held else "waiting for Kueue to consider it"
+
+
+def timestamp(text: str) -> datetime:
+    """An API server's time (RFC 3339, `Z` for UTC), which Python before 3.11 does not read as it is."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def kueue_deactivation(workload: dict[str, Any]) -> str | None:
@@ -427,7 +447,7 @@ def list_jobs(target: Target, all_namespaces: bool) -> list[JobRow]:
         in_namespace = Target(target.api, job["metadata"]["namespace"])
         kind, state = kind_of(job), kind_of(job).state(job)
         running = state in (State.RUNNING, State.RESTARTING)
-        created = datetime.fromisoformat(job["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        created = timestamp(job["metadata"]["creationTimestamp"])
         rows.append(
             JobRow(
                 name=job["metadata"]["name"],

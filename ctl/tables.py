@@ -78,6 +78,8 @@ def prepare_text(prepare: PrepareStatus) -> str:
 def queue_text(queue: QueueStatus) -> str:
     """`team (Kueue): admitted`, or `team (Kueue): not admitted: couldn't assign flavors to pod set ...`."""
     admission = "admitted" if queue.admitted else f"not admitted: {one_line(queue.pending)}"
+    if queue.admitted and queue.time_budget_seconds:
+        admission += f", {age(queue.time_used_seconds or 0)} of its {age(queue.time_budget_seconds)} time budget used"
     return f"{queue.local_queue} (Kueue): {admission}"
 
 

@@ -1693,11 +1693,11 @@ KUEUE_BUDGET_S = 20
 def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_ctl_says_why(
     cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
 ) -> None:
-    """queue.kueueMaxExecutionSeconds: once the job has been admitted that long, the real Kueue deactivates its
-    Workload and suspends it. The pods get SIGTERM and rank 0 saves. The job waits Suspended, without pods, and
-    `ctl status` and `ctl logs -f` (as the Role's user) give Kueue's reason and what goes on. Kueue would deactivate
-    the Workload again at once, so `ctl resume` refuses and says so; `ctl submit --replace` makes the job anew, with
-    the time again, and it goes on from the checkpoint."""
+    """queue.kueueMaxExecutionSeconds: `ctl status` counts the time the job uses, and once it has been admitted that
+    long, the real Kueue deactivates its Workload and suspends it. The pods get SIGTERM and rank 0 saves. The job
+    waits Suspended, without pods, and `ctl status` and `ctl logs -f` (as the Role's user) give Kueue's reason and
+    what goes on. Kueue would deactivate the Workload again at once, so `ctl resume` refuses and says so;
+    `ctl submit --replace` makes the job anew, with the time again, and it goes on from the checkpoint."""
     marker = uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
     ctl = ctl_in(kubeconfig, namespace, tmp_path)
@@ -1714,11 +1714,16 @@ def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_
         def status() -> dict[str, Any]:
             return json.loads(ctl("status", name, "-o", "json").stdout)
 
+        # While it runs, `ctl status` counts the time it has used up.
+        budget = rf"  queue: {local_queue} \(Kueue\): admitted, \d+s of its {KUEUE_BUDGET_S}s time budget used$"
+        wait_for("ctl status to count the time", lambda: re.search(budget, ctl("status", name).stdout, re.M), deadline)
         why = "due to exceeding the maximum execution time"
         inactive = f"Kueue deactivated its Workload {why}, and would again if activated: `ctl submit SPEC --replace"
         wait_for(f"Kueue to deactivate {name}", lambda: inactive in str(status()["queue"]), deadline)
         wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, kind, name), deadline)
-        assert status()["state"] == "Suspended"
+        stopped = status()
+        assert (stopped["state"], stopped["queue"]["timeBudgetSeconds"]) == ("Suspended", KUEUE_BUDGET_S), stopped
+        assert stopped["queue"]["timeUsedSeconds"] >= KUEUE_BUDGET_S, stopped
         note = f"{name} waits in Kueue's LocalQueue {local_queue}: {inactive}"
         wait_for("ctl logs -f to note why", lambda: note in follower.text(), deadline)
         saved = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/6000", follower.text())
