@@ -355,8 +355,17 @@ def prepare_status(target: Target, name: str, kind: JobKind) -> PrepareStatus | 
     )
 
 
-def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
-    """Kueue's hold on the job, from its Workload: None for a job without a LocalQueue."""
+@dataclass(frozen=True)
+class Queued:
+    """A job of queue.kueue: its LocalQueue, and its Workload as read (None, and why, where there is none to read)."""
+
+    local_queue: str
+    workload: dict[str, Any] | None
+    missing: str | None = None
+
+
+def queued_workload(target: Target, job: dict[str, Any]) -> Queued | None:
+    """The job's Kueue Workload, found by the job's uid: None for a job without a LocalQueue."""
     local_queue = (job["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
     if not local_queue:
         return None
@@ -365,14 +374,24 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
         path = KUEUE_WORKLOADS.format(namespace=target.namespace)
         workloads = target.call(path, query_params=[("labelSelector", selector)])["items"]
     except NotFound:  # the label alone holds nothing back
-        return QueueStatus(local_queue, None, False, "the cluster serves no Kueue Workloads: is Kueue installed?")
+        return Queued(local_queue, None, "the cluster serves no Kueue Workloads: is Kueue installed?")
     except ClusterError as error:  # e.g. a Role without Kueue's read rights (k8s/rbac.yaml has them)
-        return QueueStatus(local_queue, None, False, f"its Kueue Workload cannot be read: {error}")
+        return Queued(local_queue, None, f"its Kueue Workload cannot be read: {error}")
     if not workloads:
-        return QueueStatus(local_queue, None, False, "Kueue has not made its Workload yet")
-    workload = workloads[0]
+        return Queued(local_queue, None, "Kueue has not made its Workload yet")
+    return Queued(local_queue, workloads[0])
+
+
+def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
+    """Kueue's hold on the job, from its Workload: None for a job without a LocalQueue."""
+    queued = queued_workload(target, job)
+    if queued is None:
+        return None
+    workload = queued.workload
+    if workload is None:
+        return QueueStatus(queued.local_queue, None, False, queued.missing)
     status = workload.get("status") or {}
-    conditions = {c["type"]: c for c in status.get("conditions") or []}
+    conditions = workload_conditions(workload)
     pending = why_pending(target, job, workload, conditions)
     admitted = pending is None
     budget = workload["spec"].get("maximumExecutionTimeSeconds")
@@ -380,7 +399,13 @@ def queue_status(target: Target, job: dict[str, Any]) -> QueueStatus | None:
     if budget and admitted:  # the current admission too, which Kueue adds to the past ones when it ends
         since = datetime.now(timezone.utc) - timestamp(conditions["Admitted"]["lastTransitionTime"])
         used += max(0, int(since.total_seconds()))
-    return QueueStatus(local_queue, workload["metadata"]["name"], admitted, pending, budget, used if budget else None)
+    return QueueStatus(
+        queued.local_queue, workload["metadata"]["name"], admitted, pending, budget, used if budget else None
+    )
+
+
+def workload_conditions(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
 
 
 def why_pending(
@@ -409,8 +434,7 @@ def kueue_deactivation(workload: dict[str, Any]) -> str | None:
     rejected admission check), in its words: its DeactivationTarget condition's, which its eviction message quotes.
     None when the Workload is active or was deactivated by hand (`ctl suspend`). Kueue (v0.17) keeps that condition
     after the eviction, and deactivates the Workload again as soon as it is activated."""
-    conditions = {c["type"]: c for c in (workload.get("status") or {}).get("conditions") or []}
-    target = conditions.get("DeactivationTarget", {})
+    target = workload_conditions(workload).get("DeactivationTarget", {})
     if workload["spec"].get("active") is not False or target.get("status") != "True":
         return None
     return f"due to {target.get('message') or target.get('reason')}"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ctl.cluster import ClusterError, Target, find_job, merge_patch
 from ctl.kinds import kind_of
-from ctl.status import KUEUE_WORKLOADS, deactivated_by_kueue, kueue_deactivation, queue_status
+from ctl.status import KUEUE_WORKLOADS, deactivated_by_kueue, kueue_deactivation, queued_workload
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,20 @@ def set_suspended(target: Target, name: str, suspend: bool) -> Suspension:
     if state.terminal:
         verb = "suspend" if suspend else "resume"
         raise ClusterError(f"{api.kind.lower()} {name} has ended ({state}): there is nothing to {verb}")
-    queued = queue_status(target, job)
+    queued = queued_workload(target, job)
     if queued is None:
         changed = api.suspended(job) != suspend
         if changed:
             merge_patch(target, api.path(target.namespace, name), api.suspend_patch(suspend))
         return Suspension(reference, changed, None)
-    if queued.workload is None:  # nothing to deactivate yet, and the job's own field is Kueue's
-        raise ClusterError(f"{name} is queued by Kueue (LocalQueue {queued.local_queue}): {queued.pending}")
-    path = f"{KUEUE_WORKLOADS.format(namespace=target.namespace)}/{queued.workload}"
-    workload = target.call(path)
+    workload = queued.workload
+    if workload is None:  # nothing to deactivate yet, and the job's own field is Kueue's
+        raise ClusterError(f"{name} is queued by Kueue (LocalQueue {queued.local_queue}): {queued.missing}")
     if not suspend and (why := kueue_deactivation(workload)):
         raise ClusterError(f"{name}: {deactivated_by_kueue(why, target.namespace)}")
     # A Workload is active unless it says otherwise; Kueue evicts an inactive one and suspends its job.
     changed = workload["spec"].get("active", True) == suspend
     if changed:
+        path = f"{KUEUE_WORKLOADS.format(namespace=target.namespace)}/{workload['metadata']['name']}"
         merge_patch(target, path, {"spec": {"active": not suspend}})
-    return Suspension(reference, changed, queued.workload)
+    return Suspension(reference, changed, workload["metadata"]["name"])

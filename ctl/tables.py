@@ -43,14 +43,16 @@ def one_line(text: str | None) -> str:
 
 
 def status_line(status: JobStatus) -> str:
-    """`ctl status -w`'s line: state, progress and the pods."""
+    """`ctl status -w`'s line: state, the queue (while Kueue holds the job, or counts its time budget), progress and
+    the pods."""
     pods = ", ".join(
         f"{p.node} {p.phase}"  # master-0, worker-0; node-0, node-1
         + (f" ({p.restarts} restarts)" if p.restarts else "")
         for p in status.pods
     )
     progress = status.progress and progress_text(status.progress)
-    queued = status.queue and status.queue.pending and queue_text(status.queue)
+    queue = status.queue
+    queued = queue and (queue.pending or queue.time_budget_seconds) and queue_text(queue)
     return " | ".join(filter(None, [status.state.value, queued, progress, pods]))
 
 

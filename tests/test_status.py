@@ -83,6 +83,7 @@ def test_a_job_held_by_kueue_says_why_and_one_it_admitted_says_so() -> None:
     assert status_line(admitted) == "Running"
     timed = job_status(State.RUNNING, queue=QueueStatus("team", "pytorchjob-j-1a2b3", True, None, 36000, 1500))
     assert "  queue: team (Kueue): admitted, 25m of its 10h time budget used" in status_table(timed).splitlines()
+    assert status_line(timed) == "Running | team (Kueue): admitted, 25m of its 10h time budget used"
     assert not any(line.startswith("  queue:") for line in status_table(job_status(State.RUNNING)).splitlines())
 
 
