@@ -1,4 +1,5 @@
-"""The test harness itself: a test run stopped by SIGTERM still tears down what its tests started."""
+"""The test harness itself: a test run stopped by SIGTERM still tears down what its tests started, and the cache
+of built binaries keeps what runs use."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from e2e import cluster_binaries
 
 # A test run in miniature: a module fixture standing for the control plane (it asks for the plane's SIGTERM handling
 # as controlplane.start does), whose teardown takes a moment, and a test that forks a child (which must still end by
@@ -82,3 +84,21 @@ def test_sigterm_stops_a_background_run_as_ctrl_c_does_and_its_teardown_runs(tmp
     # The run's handler stayed: a plane is stopped by its fixture's teardown, as the run ends.
     assert not (tmp_path / "stopped-by-handler").exists(), output
     assert (tmp_path / "child").read_text() == str(int(signal.SIGTERM))
+
+
+def test_the_binary_cache_keeps_what_runs_use_and_drops_what_none_has_used_for_a_month(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version bump leaves the old builds in ~/.cache/ddpjob/bin; ensure_binaries marks the ones it returns as
+    used, and removes those unused for UNUSED_FOR_S (another checkout's, used lately, stay)."""
+    monkeypatch.setattr(cluster_binaries, "CACHE", tmp_path)
+    (tmp_path / "bin").mkdir()
+    old = time.time() - cluster_binaries.UNUSED_FOR_S - 60
+    names = ("kubelet-v1.36.3-stamped", "kubelet-v1.35.0-stamped", "kubelet-v1.37.0-stamped", ".kueue-v0.17.0.tmp")
+    for name in names:
+        (tmp_path / "bin" / name).touch()
+    for name in names[:2] + names[3:]:  # all but the other checkout's are a month old
+        os.utime(tmp_path / "bin" / name, (old, old))
+    assert cluster_binaries.prune([tmp_path / "bin" / names[0]]) == [tmp_path / "bin" / names[1]]
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == sorted(names[:1] + names[2:])
+    assert (tmp_path / "bin" / names[0]).stat().st_mtime > old + 60

@@ -25,6 +25,8 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,10 @@ CACHE = Path(os.environ.get("DDPJOB_CACHE", Path.home() / ".cache" / "ddpjob"))
 # Two cores and ~24 GiB here: two compile jobs keep the machine usable and the link of kube-apiserver in memory.
 BUILD_PARALLELISM = "2"
 BUILD_TIMEOUT_S = 3 * 3600
+# A cached binary that no run has asked for in this long is removed, as Go trims its build cache of entries unused
+# for days: a version bump would otherwise leave every old build behind (about 1 GB a Kubernetes release), while
+# two checkouts of different versions on one machine still keep theirs.
+UNUSED_FOR_S = 30 * 24 * 3600
 
 STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/src/k8s\.io/[\w.-]+\s*$", re.MULTILINE)
 
@@ -228,12 +234,29 @@ def cached(name: str, version: str) -> Path:
     return CACHE / "bin" / f"{name}-{version}"
 
 
-def install(built: Path, target: Path) -> Path:
+def go_build(target: Path, package: str, flags: list[str], cwd: Path) -> Path:
+    """`go build flags -o target package`, written beside the target first: a concurrent run never sees half a
+    binary."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.tmp")
-    shutil.copy2(built, staging)
-    staging.replace(target)  # atomic: a concurrent run never sees half a binary
+    run_go("build", *flags, "-o", str(staging), package, cwd=cwd)
+    staging.replace(target)
     return target
+
+
+def prune(used: Iterable[Path]) -> list[Path]:
+    """Mark `used` as used now, and remove the cached binaries unused for UNUSED_FOR_S; returns those removed."""
+    now = time.time()
+    for path in used:
+        os.utime(path, (now, now))
+    stale = [
+        path
+        for path in (CACHE / "bin").iterdir()
+        if not path.name.startswith(".") and path.stat().st_mtime < now - UNUSED_FOR_S  # not a build's staging
+    ]
+    for path in stale:
+        path.unlink()
+    return stale
 
 
 def kubernetes_wrapper_module(version: str, etcd_version: str) -> Path:
@@ -287,12 +310,10 @@ def build_kubernetes(version: str = KUBERNETES_VERSION, etcd_version: str = ETCD
     if missing:
         module = kubernetes_wrapper_module(version, etcd_version)
         run_go("mod", "tidy", cwd=module)
-        out = module / "out"
         for name in missing:
             ldflags = "-s -w" if name == "etcd" else f"-s -w {version_ldflags(version)}"
-            build = ["build", "-p", BUILD_PARALLELISM, "-trimpath", f"-ldflags={ldflags}", "-o", str(out / name)]
-            run_go(*build, f"./cmd/{name}", cwd=module)
-            install(out / name, targets[name])
+            flags = ["-p", BUILD_PARALLELISM, "-trimpath", f"-ldflags={ldflags}"]
+            go_build(targets[name], f"./cmd/{name}", flags, cwd=module)
     return targets
 
 
@@ -316,10 +337,8 @@ def build_main(name: str, module: str, package: str, version: str, tags: str = "
     if main is not None:
         (wrapper / "main.go").write_text(main)
         package = "."
-    built = wrapper / "out" / name
     flags = ["-p", BUILD_PARALLELISM, "-trimpath", "-ldflags=-s -w", *(["-tags", tags] if tags else [])]
-    run_go("build", *flags, "-o", str(built), package, cwd=wrapper)
-    return install(built, target)
+    return go_build(target, package, flags, cwd=wrapper)
 
 
 def build_pause() -> Path:
@@ -331,8 +350,7 @@ def build_pause() -> Path:
     wrapper.mkdir(parents=True, exist_ok=True)
     (wrapper / "go.mod").write_text("module ddpjob.local/pause\n\ngo 1.22.0\n")
     (wrapper / "main.go").write_text(PAUSE_MAIN)
-    run_go("build", "-trimpath", "-ldflags=-s -w", "-o", str(wrapper / "out" / "pause"), ".", cwd=wrapper)
-    return install(wrapper / "out" / "pause", target)
+    return go_build(target, ".", ["-trimpath", "-ldflags=-s -w"], cwd=wrapper)
 
 
 def containerd_command(name: str) -> Path:
@@ -394,6 +412,7 @@ def ensure_binaries() -> Binaries:
         }
         commands = kubernetes.result()
         paths = {name: future.result() for name, future in built.items()}
+    prune([*commands.values(), *paths.values()])
     return Binaries(
         etcd=commands["etcd"],
         kube_apiserver=commands["kube-apiserver"],
