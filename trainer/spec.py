@@ -69,7 +69,7 @@ class SpecModel(BaseModel):
     def _integers_fit_an_int32(self) -> SpecModel:
         for name, value in self:
             if type(value) is int and not INT_MIN <= value <= INT_MAX:
-                key = self.model_fields[name].alias or name
+                key = type(self).model_fields[name].alias or name
                 raise KeyProblem(key, f"{value} is beyond an int32's range ({INT_MIN} to {INT_MAX})")
         return self
 
