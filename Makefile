@@ -63,15 +63,18 @@ test: test-prerequisites
 
 # The floors tier: pyproject.toml's dependencies at their lower bounds (uv's lowest-direct resolution; what they pull
 # in, and the dev tools, at their newest), under the tests that reach each of them: pydantic, typer and helm (spec,
-# chart, CLI, shell completion); torch, transformers, tokenizers, safetensors, prometheus-client, tensorboard, numpy
-# and obstore (a 2-process run of each workload with its export loaded by transformers, torchrun's report of a killed
-# rank, compile, checkpoint and resume, trainer/gpt.py's GPT-2 exchanged with transformers' both ways, metrics,
-# TensorBoard event files, checkpoints in a bucket). Each is one run, not a file's every variation: the suite ran
-# those already, and the tier is to find an API a floor lacks. urllib3 is reached only by the cluster commands (the
-# e2e tier).
-# The generated chart files are left out: their exact text follows the newest pydantic.
-FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_chart.py tests/test_completion.py \
-	--deselect tests/test_chart.py::test_generated_chart_files_match_the_spec_model \
+# CLI, shell completion, and of the chart's tests a render through each path: the API, `ctl render`, Helm's merge of
+# every example's values; the rest check what the templates make of the values: Helm's work); torch, transformers,
+# tokenizers, safetensors, prometheus-client, tensorboard, numpy and obstore (a 2-process run of each workload with
+# its export loaded by transformers, torchrun's report of a killed rank, compile, checkpoint and resume,
+# trainer/gpt.py's GPT-2 exchanged with transformers' both ways, metrics, TensorBoard event files, checkpoints in a
+# bucket). Each is one run, not a file's every variation: the suite ran those already, and the tier is to find an API
+# a floor lacks. urllib3 is reached only by the cluster commands (the e2e tier).
+FLOOR_TESTS := tests/test_spec.py tests/test_operator_env.py tests/test_completion.py \
+	tests/test_chart.py::test_master_and_workers \
+	tests/test_chart.py::test_training_config_is_the_spec_training_section \
+	tests/test_chart.py::test_ctl_render_prints_multi_document_yaml_and_json \
+	tests/test_chart.py::test_helm_values_merge_gives_the_same_objects_as_ctl \
 	tests/test_gpt.py tests/test_causal_lm.py \
 	tests/test_local_run.py::test_run_writes_a_loadable_final_model_and_report \
 	tests/test_local_run.py::test_a_killed_node_is_said_to_be_killed_by_its_signal \
