@@ -159,6 +159,27 @@ def run_ctl(
     )
 
 
+@pytest.fixture
+def ctl_here(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> Callable[..., subprocess.CompletedProcess]:
+    """`run_ctl` for a command that ctl itself refuses (bad input, before anything runs): its main() in this process,
+    where a new interpreter takes a second on a slow machine, and the hundred-odd such cases add up. What it printed
+    and its exit code, as `run_ctl` gives them."""
+    from ctl import cli
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        capfd.readouterr()  # what came before is not this command's
+        with monkeypatch.context() as patched, pytest.raises(SystemExit) as exited:
+            patched.chdir(cwd)
+            patched.setattr(sys, "argv", ["ctl", *args])
+            cli.main()
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["ctl", *args], exited.value.code, out, err)
+
+    return run
+
+
 # A sitecustomize module: once `module` is imported by a process where `when` holds, `patch` runs with it as
 # `module`. Every Python process of a run imports it when its folder leads PYTHONPATH (start_ctl's `hooks`).
 IMPORT_HOOK = """

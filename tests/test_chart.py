@@ -529,10 +529,12 @@ def test_s3_data_for_a_run_on_the_volume_gets_the_s3_variables_too() -> None:
         ),
     ],
 )
-def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path, values: dict, message: str) -> None:
+def test_bad_object_storage_settings_are_one_line_naming_the_key(
+    tmp_path: Path, values: dict, message: str, ctl_here
+) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({"name": "job", "training": TRAIN} | values))
-    result = run_ctl("render", str(spec), cwd=tmp_path)
+    result = ctl_here("render", str(spec), cwd=tmp_path)
     assert result.returncode == EXIT_BAD_INPUT and not result.stdout
     (line,) = result.stderr.splitlines()
     assert message in line, line
@@ -563,7 +565,7 @@ def test_bad_object_storage_settings_are_one_line_naming_the_key(tmp_path: Path,
 )
 @pytest.mark.parametrize("command", [["render"], ["submit", "--dry-run", "client"]])
 def test_a_run_directory_on_no_shared_volume_is_refused_for_a_cluster(
-    tmp_path: Path, values: dict, message: str, command: list[str]
+    tmp_path: Path, values: dict, message: str, command: list[str], ctl_here
 ) -> None:
     """The pods saved their checkpoints into their own file systems (a path off the volume, or any path with
     storage.uri, which mounts none) and lost them with each pod; a prepare Job filled a cache the trainers never saw.
@@ -574,7 +576,7 @@ def test_a_run_directory_on_no_shared_volume_is_refused_for_a_cluster(
     spec.write_text(text)
     key = message.split(":")[0].rpartition(".")[2] + ":"
     number = next(n for n, line in enumerate(text.splitlines(), 1) if line.lstrip().startswith(key))
-    result = run_ctl(*command, "spec.yaml", cwd=tmp_path)
+    result = ctl_here(*command, "spec.yaml", cwd=tmp_path)
     assert result.returncode == EXIT_BAD_INPUT and not result.stdout
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"error: spec.yaml:{number}: {message}"), line
@@ -1050,8 +1052,8 @@ BAD = [
 
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0].split("=")[0] for b in BAD])
-def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_path: Path) -> None:
-    result = run_ctl("render", str(EXAMPLES[0]), "--set", override, cwd=tmp_path)
+def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_path: Path, ctl_here) -> None:
+    result = ctl_here("render", str(EXAMPLES[0]), "--set", override, cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr

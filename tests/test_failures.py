@@ -135,8 +135,8 @@ COMMANDS = sorted(
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, command: str) -> None:
-    result = run_ctl(command, "--bogus", cwd=tmp_path)
+def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, command: str, ctl_here) -> None:
+    result = ctl_here(command, "--bogus", cwd=tmp_path)
     assert_one_line(result, EXIT_BAD_INPUT, f"ctl {command}: No such option: --bogus")
     assert f"ctl {command} --help" in result.stderr
 

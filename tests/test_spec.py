@@ -386,10 +386,12 @@ def test_numbers_with_an_exponent_are_numbers_as_helm_reads_them(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("patch", "flags", "message"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])
-def test_bad_spec_is_one_line_and_exit_2(tmp_path: Path, corpus_file: Path, patch: dict, flags: list, message: str):
+def test_bad_spec_is_one_line_and_exit_2(
+    tmp_path: Path, corpus_file: Path, patch: dict, flags: list, message: str, ctl_here
+) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(merge_values(tiny_spec(corpus_file), patch)))
-    result = run_ctl("run", str(spec), *flags, cwd=tmp_path)
+    result = ctl_here("run", str(spec), *flags, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

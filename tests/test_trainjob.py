@@ -169,10 +169,12 @@ BAD = [
 
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0].split("=")[0] for b in BAD])
-def test_what_trainer_v2_cannot_do_is_refused_in_one_line(override: str, message: str, tmp_path: Path) -> None:
+def test_what_trainer_v2_cannot_do_is_refused_in_one_line(
+    override: str, message: str, tmp_path: Path, ctl_here
+) -> None:
     example = REPO / "examples" / "trainjob.yaml"
     extra = ["--set", "elastic.maxNodes=4"] if override.startswith("elastic") else []
-    result = run_ctl("render", str(example), "--set", override, *extra, cwd=tmp_path)
+    result = ctl_here("render", str(example), "--set", override, *extra, cwd=tmp_path)
     assert (result.returncode, result.stdout) == (2, ""), result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
