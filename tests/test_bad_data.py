@@ -99,8 +99,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+# Found in a `ctl run` (by ctl or a trainer rank): one of each place bad data is found (the spec's paths, a file read,
+# a label against the training data's, the world size against the prepared data). Every case is found by the same
+# readers under `ctl prepare`, one process without torchrun, the test after this one: that the line reaches the
+# terminal from a rank is the same path for every message.
+FOUND_IN_A_RUN = ["missing-file", "invalid-json", "unseen-label-in-val", "fewer-samples-than-ranks-x-batch"]
+
+
+def bad_spec(tmp_path: Path, case: str) -> str:
+    """The classification spec of `case`'s data, written in `tmp_path`; the message to expect."""
     make_data, message = CASES[case]
     spec = {
         "name": "bad",
@@ -113,6 +120,12 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
         },
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return message
+
+
+@pytest.mark.parametrize("case", FOUND_IN_A_RUN)
+def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    message = bad_spec(tmp_path, case)
     result = run_ctl("run", "spec.yaml", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     # One line on the terminal, whichever rank found it first; ranks' own output is not shown.
@@ -123,6 +136,19 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
         assert all((entry / "manifest.json").exists() for entry in (tmp_path / "runs" / "_datasets").iterdir())
     else:
         assert not (tmp_path / "runs").exists()
+
+
+# The world size is a run's: `ctl prepare` has none to check the samples against.
+@pytest.mark.parametrize("case", [case for case in CASES if case != "fewer-samples-than-ranks-x-batch"])
+def test_bad_data_found_by_ctl_prepare_is_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    message = bad_spec(tmp_path, case)
+    result = run_ctl("prepare", "spec.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    # Its own note of what it prepares, then the one line.
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.stdout == "" and errors == [result.stderr.splitlines()[-1]], result.stderr
+    assert errors[0].startswith("error: training.data.") and message in errors[0], result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_files_skipped_as_bad_are_a_warning_on_the_terminal_at_every_run(tmp_path: Path, corpus_file: Path) -> None:
