@@ -632,14 +632,15 @@ def test_a_two_node_job_on_object_storage_runs_without_any_volume_claim(
 
 @pytest.mark.parametrize(
     ("restart_policy", "run_policy"),
-    [("Never", {}), ("ExitCode", {}), ("OnFailure", {"backoffLimit": 3, "cleanPodPolicy": "All"})],
-    ids=["Never", "ExitCode", "OnFailure-backoffLimit-3"],
+    [("ExitCode", {}), ("OnFailure", {"backoffLimit": 3, "cleanPodPolicy": "All"})],
+    ids=["ExitCode", "OnFailure-backoffLimit-3"],
 )
 def test_a_failing_trainer_fails_the_job(
     cluster: Cluster, namespace: str, restart_policy: str, run_policy: dict[str, Any]
 ) -> None:
-    """A trainer that exits on bad input fails the job, as the restart policy says. Never: at the first exit.
-    ExitCode: the launcher's exit code 2 (bad input) is not retryable (only >= 128 are), so no restart either.
+    """A trainer that exits on bad input fails the job, as the restart policy says (Never: at the first exit, in
+    test_ctl_wait_exit_codes_for_a_failed_and_a_missing_job[PyTorchJob]). ExitCode: the launcher's exit code 2 (bad
+    input) is not retryable (only >= 128 are), so no restart either.
     OnFailure: the containers are restarted in place until their restarts, summed over the job's running pods, reach
     runPolicy.backoffLimit; with cleanPodPolicy All the operator then deletes the pods, and their processes end. (With
     None it may still delete them, or recreate them in a reconcile that has not seen the Failed condition yet: the
@@ -670,45 +671,6 @@ def test_a_failing_trainer_fails_the_job(
         master = pods[Replica("master", 0).pod_name(spec.name)]
         assert master.status.phase == "Failed" and terminated(master).exit_code == EXIT_BAD_INPUT
         assert sum(s.restart_count for pod in pods.values() for s in pod.status.container_statuses) == 0
-    assert_no_process_left(cluster, marker)
-
-
-def test_a_pod_stopped_by_sigterm_resumes_under_restart_policy_exit_code(cluster: Cluster, namespace: str) -> None:
-    """Eviction, preemption or a node shutting down: the kubelet sends SIGTERM to the master's container, whose pod
-    then fails. Every rank stops at one agreed step, rank 0 saves, and both pods exit 143: the master's launcher
-    because of the signal, the worker's because its trainers stopped with the master's. ExitCode retries 128 and
-    up, so the operator recreates the pods, the run resumes from the checkpoint and the job succeeds (plain torchrun
-    exits 1 on both pods, and the job failed)."""
-    if cluster.plane is None:
-        pytest.skip("sends SIGTERM to a container's first process, as its kubelet would: needs the tier's node")
-    marker = uuid.uuid4().hex
-    spec = job_spec(marker, training=LONG_TRAINING, restartPolicy="ExitCode")
-    apply_rendered(cluster, spec, namespace)
-    master = Replica("master", 0).pod_name(spec.name)
-    first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
-    wait_for_log(cluster, namespace, master, "step 100/600")
-    # The stopped pods' logs go with them when the operator recreates them: followed until their containers end.
-    worker = Replica("worker", 0).pod_name(spec.name)
-    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
-    (first_process,) = [pid for pid, env in first_processes(marker).items() if env.get("PET_NODE_RANK") == "0"]
-    os.kill(first_process, signal.SIGTERM)
-
-    job = wait_for_job(cluster, namespace, spec.name)
-    logs = "\n".join([*(followed() for followed in first_runs), pod_logs(cluster, namespace)])
-    assert finished_as(job) == "Succeeded", logs
-    stopped = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/600", logs)
-    assert stopped, logs
-    assert f"resuming from {stopped.group(1)}:" in logs and "trainer.launch: stopped by SIGTERM" in logs
-    assert "trainer.launch: the trainers stopped to be resumed; exiting with code 143" in logs
-    assert wait_for_pod(cluster, namespace, master, lambda pod: True).metadata.uid != first.metadata.uid
-    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
-    # The operator's events for the pods it saw exit: each pod once with the retryable code. (Once the job has
-    # succeeded, it may or may not still report the recreated worker's exit 0.)
-    exits = {e.message for e in events if "exited with code" in (e.message or "")}
-    assert {m.split(".")[-1] for m in exits if m.endswith(" 143")} == {
-        "tiny-master-0 exited with code 143",
-        "tiny-worker-0 exited with code 143",
-    }, exits
     assert_no_process_left(cluster, marker)
 
 
@@ -748,10 +710,13 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
 
 
 def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster, namespace: str) -> None:
-    """training.compile, the master pod deleted mid-run (an eviction): every rank stops at a saved step, both pods
-    exit 143, and the operator recreates them (restartPolicy ExitCode). Their first step then compiles nothing:
-    every graph comes from the caches that the pods before them left in the run directory on the volume (a new
-    pod's scratch volume is empty, and it compiled again)."""
+    """training.compile, the master pod deleted mid-run (an eviction, a preemption, a node draining: its kubelet sends
+    SIGTERM to the container): every rank stops at one agreed step, rank 0 saves, and both pods exit 143, the
+    master's launcher because of the signal, the worker's because its trainers stopped with the master's. ExitCode
+    retries 128 and up, so the operator makes the worker's pod again as well as the master's, and the run resumes
+    from the checkpoint and succeeds (plain torchrun exits 1 on both pods, and the job failed). The new pods' first
+    step compiles nothing: every graph comes from the caches that the pods before them left in the run directory on
+    the volume (a new pod's scratch volume is empty, and it compiled again)."""
     marker = uuid.uuid4().hex
     training = {"compile": True, "maxSteps": 300, "logEvery": 20, "checkpoint": {"every": 50}}
     # Compiling runs gcc beside the trainer: more memory than the other jobs' 1Gi.
@@ -760,14 +725,24 @@ def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster,
     apply_rendered(cluster, spec, namespace)
     master = Replica("master", 0).pod_name(spec.name)
     first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
-    first_run = follow_log(cluster, namespace, master)  # it goes with the pod: followed until its container ends
-    wait_for_log(cluster, namespace, master, "with torch.compile:")
+    wait_for_log(cluster, namespace, master, "with torch.compile:")  # after the rendezvous: both pods run
+    # The stopped pods' logs go with them: followed until their containers end.
+    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, Replica("worker", 0).pod_name(spec.name))]
     kubernetes.client.CoreV1Api(cluster.client()).delete_namespaced_pod(master, namespace)
 
     job = wait_for_job(cluster, namespace, spec.name)
-    before, after = first_run(), pod_logs(cluster, namespace)
+    (before, worker_before), after = (followed() for followed in first_runs), pod_logs(cluster, namespace)
     assert finished_as(job) == "Succeeded", before + after
     assert wait_for_pod(cluster, namespace, master, lambda pod: True).metadata.uid != first.metadata.uid
+    stopped = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/300", before)
+    assert stopped, before
+    assert f"resuming from {stopped[1]}:" in after, after
+    assert "trainer.launch: stopped by SIGTERM; exiting with code 143" in before, before
+    assert "trainer.launch: the trainers stopped to be resumed; exiting with code 143" in worker_before, worker_before
+    # The worker's pod failed with the retryable code, and the operator made it again (the master's was deleted).
+    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
+    exits = {e.message.split(".")[-1] for e in events if "exited with code" in (e.message or "")}
+    assert "tiny-worker-0 exited with code 143" in exits, exits
     folder = f"{spec.storage.mount_path}/{spec.name}/{COMPILE_CACHE_DIR}/{master}"
     cache = re.escape(f"{folder}/{COMPILE_CACHES['TORCHINDUCTOR_CACHE_DIR']}")
     compiled = re.compile(rf"with torch\.compile: (\d+) graph\(s\), (\d+) from the cache \({cache}\)")
@@ -775,7 +750,6 @@ def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster,
     assert all(found), (before, after)
     (graphs, hits), (graphs_again, hits_again) = (match.groups() for match in found if match)
     assert (hits, hits_again) == ("0", graphs) and graphs_again == graphs != "0", (before, after)
-    assert "resuming from step-" in after
     assert_no_process_left(cluster, marker)
 
 
@@ -1559,16 +1533,18 @@ def test_kueue_starts_a_queued_job_only_when_its_queue_has_quota_for_all_its_pod
     assert_no_process_left(cluster, marker)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# One kind: a TrainJob that Kueue holds and starts is the test above's, and one suspended, saving and going on from
+# its checkpoint is test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_from_it's; Kueue
+# preempts either by that same suspend field.
 def test_a_job_kueue_preempts_for_a_higher_priority_one_saves_and_goes_on_from_its_checkpoint(
-    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+    cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """queue.kueuePriorityClass names a real WorkloadPriorityClass, in a ClusterQueue with room for one job that
     preempts lower priorities. A high-priority job submitted while a low-priority one trains makes Kueue evict the
     low one: Kueue suspends it, its pods get SIGTERM and rank 0 saves. The high one runs and succeeds; then Kueue
     admits the low one again, and its new pods go on from that checkpoint to the last step. Meanwhile `ctl logs -f`
     (as the Role's user) says why the low one waits."""
-    marker = uuid.uuid4().hex
+    kind, marker = PYTORCHJOB, uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
     ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
@@ -1690,16 +1666,17 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
 KUEUE_BUDGET_S = 45
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# One kind: what differs between the two is Kueue suspending the job and its pods saving, which the preemption test
+# above has for both; the deactivation, its reason and ctl's words about it are the Workload's, whichever the kind.
 def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_ctl_says_why(
-    cluster: Cluster, namespace: str, tmp_path: Path, kind: Kind
+    cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """queue.kueueMaxExecutionSeconds: `ctl status` counts the time the job uses, and once it has been admitted that
     long, the real Kueue deactivates its Workload and suspends it. The pods get SIGTERM and rank 0 saves. The job
     waits Suspended, without pods, and `ctl status` and `ctl logs -f` (as the Role's user) give Kueue's reason and
     what goes on. Kueue would deactivate the Workload again at once, so `ctl resume` refuses and says so;
     `ctl submit --replace` makes the job anew, with the time again, and it goes on from the checkpoint."""
-    marker = uuid.uuid4().hex
+    kind, marker = PYTORCHJOB, uuid.uuid4().hex
     kubeconfig = ctl_user_kubeconfig(cluster, namespace)
     ctl = ctl_in(kubeconfig, namespace, tmp_path)
 
@@ -1871,7 +1848,7 @@ def test_a_pod_that_cannot_start_says_why(cluster: Cluster, namespace: str, tmp_
     spec = spec_file(tmp_path, job_spec(marker, name=name, image=image))
     ctl = ctl_in(cluster.kubeconfig, namespace, tmp_path)
 
-    timeout_s = 25  # the pull is refused at once
+    timeout_s = 15  # the pull is refused at once: the pod says so within seconds, even on a slow day
     followed = ctl("submit", str(spec), "--follow", "--timeout", str(timeout_s))
     assert followed.returncode == EXIT_NOT_FINISHED, followed.stderr
     told = rf"^master-0 of {name} is not starting: (ErrImagePull|ImagePullBackOff): \S"
