@@ -1237,7 +1237,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     ]
     assert ctl("wait", name, "--timeout", "500ms").returncode == EXIT_NOT_FINISHED
 
-    progress = progress_while_running(ctl, name)
+    progress = progress_while_running(ctl, cluster, namespace, name)
     assert progress["plannedSteps"] == PROGRESS_STEPS and 0 < progress["step"] <= PROGRESS_STEPS
     assert progress["trainLoss"] > 0 and progress["tokensPerSecond"] > 0
 
@@ -1356,10 +1356,14 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     assert_no_process_left(cluster, marker)
 
 
-def progress_while_running(ctl: Callable[..., subprocess.CompletedProcess], name: str) -> dict[str, Any]:
+def progress_while_running(
+    ctl: Callable[..., subprocess.CompletedProcess], cluster: Cluster, namespace: str, name: str
+) -> dict[str, Any]:
     """`ctl status -o json`'s progress once rank 0 has a checkpoint and a logged loss, read while the job runs
-    (and `ctl list` shows it too)."""
+    (and `ctl list` shows it too). Until the first loss is logged, the wait reads the pods' logs here: each `ctl
+    status` is a second of the node's CPU, which would only slow the pods' start."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
+    wait_for("the first logged loss", lambda: f"step 25/{PROGRESS_STEPS}" in pod_logs(cluster, namespace), deadline)
     while time.monotonic() < deadline:
         status = json.loads(ctl("status", name, "-o", "json").stdout)
         progress = status["progress"]
@@ -1662,8 +1666,10 @@ def test_ctl_suspend_stops_the_pods_after_a_checkpoint_and_ctl_resume_goes_on_fr
 
 # queue.kueueMaxExecutionSeconds of the test below: a job's pods start and train well within it, and it ends
 # long before the job's 6000 steps would. 20 s was too short on a slow day (2026-12-05, the e2e tier at about half
-# its usual speed): Kueue deactivated the job while its pods were still preparing the data, before any step.
-KUEUE_BUDGET_S = 45
+# its usual speed): Kueue deactivated the job while its pods were still preparing the data, before any step. So was
+# 45 s in a CI run on such a day (2026-12-06), while the test polled `ctl status` meanwhile: a second of CPU each,
+# taken from the pods' start on the 2-core node. The test now waits on the Workload itself.
+KUEUE_BUDGET_S = 60
 
 
 # One kind: what differs between the two is Kueue suspending the job and its pods saving, which the preemption test
@@ -1692,12 +1698,19 @@ def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_
         def status() -> dict[str, Any]:
             return json.loads(ctl("status", name, "-o", "json").stdout)
 
-        # While it runs, `ctl status` counts the time it has used up.
+        def condition(wanted: str) -> bool:
+            conditions = workload_status(cluster, namespace, name).get("conditions", [])
+            return any(c["type"] == wanted and c["status"] == "True" for c in conditions)
+
+        # While it runs, `ctl status` counts the time it has used up. Each wait is on the Workload first, read here:
+        # a `ctl status` is a second of the node's CPU, which the pods need to train within the budget.
+        wait_for(f"Kueue to admit {name}", lambda: condition("Admitted"), deadline)
         budget = rf"  queue: {local_queue} \(Kueue\): admitted, \d+s of its {KUEUE_BUDGET_S}s time budget used$"
         wait_for("ctl status to count the time", lambda: re.search(budget, ctl("status", name).stdout, re.M), deadline)
         why = "due to exceeding the maximum execution time"
         inactive = f"Kueue deactivated its Workload {why}, and would again if activated: `ctl submit SPEC --replace"
-        wait_for(f"Kueue to deactivate {name}", lambda: inactive in str(status()["queue"]), deadline)
+        wait_for(f"Kueue to deactivate {name}", lambda: condition("DeactivationTarget"), deadline)
+        wait_for("ctl status to say why", lambda: inactive in str(status()["queue"]), deadline)
         wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, kind, name), deadline)
         stopped = status()
         assert (stopped["state"], stopped["queue"]["timeBudgetSeconds"]) == ("Suspended", KUEUE_BUDGET_S), stopped
