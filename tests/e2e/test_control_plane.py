@@ -1699,8 +1699,7 @@ def test_kueue_deactivates_a_job_past_its_execution_time_after_a_checkpoint_and_
             return json.loads(ctl("status", name, "-o", "json").stdout)
 
         def condition(wanted: str) -> bool:
-            conditions = workload_status(cluster, namespace, name).get("conditions", [])
-            return any(c["type"] == wanted and c["status"] == "True" for c in conditions)
+            return wanted in conditions({"status": workload_status(cluster, namespace, name)})
 
         # While it runs, `ctl status` counts the time it has used up. Each wait is on the Workload first, read here:
         # a `ctl status` is a second of the node's CPU, which the pods need to train within the budget.
