@@ -115,6 +115,27 @@ def test_the_image_has_the_trainer_without_client_dependencies_or_build_leftover
     assert found["leftovers"] == []
 
 
+# Run in the image: the modules a rank imports that have no byte code beside their source. The image sets
+# PYTHONDONTWRITEBYTECODE and a pod's root is read-only, so each would be compiled again in every process
+# (`import torch` then `torch._dynamo`: 8.9 s instead of 3.2 while the stand-in's torch had none).
+UNCOMPILED = """
+import os, sys
+import torch, torch._dynamo, transformers, trainer.__main__
+for name, module in sorted(sys.modules.items()):
+    spec = getattr(module, "__spec__", None)
+    if spec and spec.cached and (spec.origin or "").endswith(".py") and not os.path.exists(spec.cached):
+        print(name)
+"""
+
+
+def test_what_a_rank_imports_in_the_image_is_byte_compiled(image: Image) -> None:
+    result = podman(
+        "run", "--rm", "--pull=never", "--network=none", "--entrypoint=python", image.reference, "-c", UNCOMPILED
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == []
+
+
 def test_the_image_size_and_its_archive(image: Image) -> None:
     built, base = local_image(f"docker.io/library/{image.reference}"), local_image(image.base)
     assert built and base
