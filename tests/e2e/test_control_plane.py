@@ -727,11 +727,14 @@ def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster,
     first = wait_for_pod(cluster, namespace, master, lambda pod: pod.status.phase == "Running")
     wait_for_log(cluster, namespace, master, "with torch.compile:")  # after the rendezvous: both pods run
     # The stopped pods' logs go with them: followed until their containers end.
-    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, Replica("worker", 0).pod_name(spec.name))]
+    worker = Replica("worker", 0).pod_name(spec.name)
+    first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
+    history = watch_pods(cluster, namespace)
     kubernetes.client.CoreV1Api(cluster.client()).delete_namespaced_pod(master, namespace)
 
     job = wait_for_job(cluster, namespace, spec.name)
     (before, worker_before), after = (followed() for followed in first_runs), pod_logs(cluster, namespace)
+    seen = history()
     assert finished_as(job) == "Succeeded", before + after
     assert wait_for_pod(cluster, namespace, master, lambda pod: True).metadata.uid != first.metadata.uid
     stopped = re.search(r"stop requested \(SIGTERM\): saved (step-\d{8}) at step (\d+)/300", before)
@@ -740,9 +743,8 @@ def test_pods_recreated_mid_run_load_what_they_compiled_before(cluster: Cluster,
     assert "trainer.launch: stopped by SIGTERM; exiting with code 143" in before, before
     assert "trainer.launch: the trainers stopped to be resumed; exiting with code 143" in worker_before, worker_before
     # The worker's pod failed with the retryable code, and the operator made it again (the master's was deleted).
-    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
-    exits = {e.message.split(".")[-1] for e in events if "exited with code" in (e.message or "")}
-    assert "tiny-worker-0 exited with code 143" in exits, exits
+    assert {f"{master} exited with code 143", f"{worker} exited with code 143"} <= seen.exits, seen
+    assert len(seen.pods[worker]) == len(seen.pods[master]) == 2, seen
     folder = f"{spec.storage.mount_path}/{spec.name}/{COMPILE_CACHE_DIR}/{master}"
     cache = re.escape(f"{folder}/{COMPILE_CACHES['TORCHINDUCTOR_CACHE_DIR']}")
     compiled = re.compile(rf"with torch\.compile: (\d+) graph\(s\), (\d+) from the cache \({cache}\)")
@@ -771,6 +773,7 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     # Meant midway between checkpoints (100 and 150), where the master's rank waits in a gradient all-reduce.
     wait_for_log(cluster, namespace, master, "step 120/600")
     first_runs = [follow_log(cluster, namespace, pod) for pod in (master, worker)]
+    history = watch_pods(cluster, namespace)
     marked = processes_with_marker(marker)
     # The trainer of global rank 1, below its launcher (which the operator gives RANK=1 too, the pod's node rank).
     (rank_1,) = [pid for pid in marked if environ(pid).get("RANK") == "1" and parent_pid(pid) in marked]
@@ -778,6 +781,7 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
 
     job = wait_for_job(cluster, namespace, spec.name)
     master_run, worker_run = (followed() for followed in first_runs)
+    seen = history()
     logs = "\n".join([master_run, worker_run, pod_logs(cluster, namespace)])
     assert finished_as(job) == "Succeeded", logs
     # The log can lag by 30 steps on a busy machine: stopped just before the checkpoint at 150, the worker's launcher
@@ -791,12 +795,11 @@ def test_a_frozen_rank_fails_both_pods_hung_and_the_job_resumes_under_restart_po
     for run in (master_run, worker_run):
         assert run.splitlines()[-1].startswith("trainer.launch: a rank's watchdog found the job hung"), run
     assert re.search(r"resuming from step-\d{8}:", logs), logs
-    events = kubernetes.client.CoreV1Api(cluster.client()).list_namespaced_event(namespace).items
-    exits = {e.message for e in events if "exited with code" in (e.message or "")}
-    assert {m.split(".")[-1] for m in exits if m.endswith(f" {EXIT_HUNG}")} == {
-        f"tiny-master-0 exited with code {EXIT_HUNG}",
-        f"tiny-worker-0 exited with code {EXIT_HUNG}",
-    }, exits
+    assert {m for m in seen.exits if m.endswith(f" {EXIT_HUNG}")} == {
+        f"{master} exited with code {EXIT_HUNG}",
+        f"{worker} exited with code {EXIT_HUNG}",
+    }, seen
+    assert len(seen.pods[worker]) == len(seen.pods[master]) == 2, seen
     assert_no_process_left(cluster, marker)
 
 
@@ -902,6 +905,59 @@ def follow_log(cluster: Cluster, namespace: str, pod: str) -> Callable[[], str]:
         reader.join(60)
         assert not reader.is_alive(), f"the follow of {pod} did not end with its container: {b''.join(chunks)!r}"
         return b"".join(chunks).decode()
+
+    return result
+
+
+@dataclass
+class PodHistory:
+    exits: set[str]  # "pod exited with code N": each code the trainer's container of a pod by that name ended with
+    pods: dict[str, set[str]]  # each pod name's pods (their UIDs): one more for each the operator made again
+
+
+def watch_pods(cluster: Cluster, namespace: str) -> Callable[[], PodHistory]:
+    """Watches the namespace's pods in a thread, from now on; the function returned stops the watch and gives what
+    it saw, pods deleted meanwhile included (a watch's DELETED carries the pod's last status). The operator's
+    ExitedWithCode events say the same, but its event recorder drops a job's events past 25 (client-go's spam
+    filter, per object), and a run with a restart comes close: a test reading them failed when one was dropped."""
+    core = kubernetes.client.CoreV1Api(cluster.client())
+    seen = PodHistory(exits=set(), pods={})
+    stop = threading.Event()
+
+    def record(pod: kubernetes.client.V1Pod) -> None:
+        seen.pods.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
+        for status in pod.status.container_statuses or []:
+            if status.name == V1.container and status.state.terminated:
+                seen.exits.add(f"{pod.metadata.name} exited with code {status.state.terminated.exit_code}")
+
+    listed = core.list_namespaced_pod(namespace)
+    for pod in listed.items:
+        record(pod)
+
+    failures: list[BaseException] = []
+
+    def watch(version: str) -> None:
+        try:
+            while not stop.is_set():  # short server-side watches: the stop flag is read between them
+                for event in kubernetes.watch.Watch().stream(
+                    core.list_namespaced_pod, namespace, resource_version=version, timeout_seconds=2
+                ):
+                    assert event["type"] != "ERROR", event
+                    record(event["object"])
+                    version = event["object"].metadata.resource_version
+        except BaseException as error:  # given to the test by result()
+            failures.append(error)
+
+    watcher = threading.Thread(target=watch, args=(listed.metadata.resource_version,), daemon=True)
+    watcher.start()
+
+    def result() -> PodHistory:
+        stop.set()
+        watcher.join(30)
+        assert not watcher.is_alive(), "the pods' watch did not stop"
+        if failures:
+            raise failures[0]
+        return seen
 
     return result
 
