@@ -627,6 +627,43 @@ def test_shm_gpu_and_default_resources() -> None:
     assert resources["requests"] == {"cpu": "500m", "memory": "1943Mi", "ephemeral-storage": "5Gi"}  # 1431 + 512
 
 
+@pytest.mark.parametrize(
+    ("procs", "cpu", "threads"),
+    [
+        (1, None, "2"),
+        (3, None, "2"),
+        (4, "16", "4"),
+        (3, "7.5", "2"),
+        (2, "1500m", "1"),
+        (1, "0.5", "1"),
+        (8, "2", "1"),
+    ],
+)
+@pytest.mark.parametrize("api_kind", sorted(KINDS))
+def test_each_process_gets_a_thread_for_each_cpu_of_its_share_of_the_request(
+    api_kind: str, procs: int, cpu: str | None, threads: str
+) -> None:
+    """OMP_NUM_THREADS of the trainer container: the pod's CPU request shared by its processes, rounded down, at
+    least 1 (torch would start a thread per core of the node). The prepare pod keeps the library's default."""
+    resources = {"cpu": cpu} if cpu else {}
+    by_kind = objects(spec_of(apiKind=api_kind, procsPerNode=procs, resources=resources, prepare={"enabled": True}))
+    for template in pod_templates(pod_owner(by_kind)).values():
+        env = [e for e in trainer_container(template)["env"] if e["name"] == "OMP_NUM_THREADS"]
+        assert env == [{"name": "OMP_NUM_THREADS", "value": threads}]
+    (prepare,) = by_kind["Job"]["spec"]["template"]["spec"]["containers"]
+    assert "OMP_NUM_THREADS" not in {e["name"] for e in prepare["env"]}
+
+
+def test_threads_set_in_the_spec_s_env_are_the_only_ones() -> None:
+    """`env` with OMP_NUM_THREADS: the chart sets none of its own, and the prepare pod gets the spec's too."""
+    by_kind = objects(spec_of(env=[{"name": "OMP_NUM_THREADS", "value": "6"}], prepare={"enabled": True}))
+    (prepare,) = by_kind["Job"]["spec"]["template"]["spec"]["containers"]
+    for container in [*map(trainer_container, pod_templates(by_kind["PyTorchJob"]).values()), prepare]:
+        assert [e for e in container["env"] if e["name"] == "OMP_NUM_THREADS"] == [
+            {"name": "OMP_NUM_THREADS", "value": "6"}
+        ]
+
+
 SIZE_SUFFIXES = BYTES_QUANTITY.rsplit("(", 1)[1].split(")")[0].split("|")  # its last group: Ki|Mi|...
 
 

@@ -53,7 +53,7 @@ from ctl.processes import parent_pid
 from ctl.render import render
 from ctl.spec import JobSpec, load_spec, with_keys
 from trainer.location import S3_ACCESS_KEY_ENV, S3_SECRET_KEY_ENV
-from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG
+from trainer.names import EXIT_BAD_INPUT, EXIT_HUNG, SLOW_RANK_ENV
 from trainer.spec import SpecError
 
 pytestmark = pytest.mark.e2e
@@ -675,13 +675,14 @@ def test_a_failing_trainer_fails_the_job(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
+def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory_and_gets_its_threads(
     cluster: Cluster, namespace: str, kind: Kind
 ) -> None:
     """training.compile: the kubelet resolves the chart's folder of each pod in the run directory on the volume, for
     torch's and Triton's caches, named by what stays the same when the operator recreates the pod (the pod's name;
-    a TrainJob pod's completion index), so a recreated pod finds what it compiled before (the next test). Read from
-    the pods' processes; the job is deleted then."""
+    a TrainJob pod's completion index), so a recreated pod finds what it compiled before (the next test). Each
+    pod's processes get OMP_NUM_THREADS for their share of its CPU request (250m: 1; unset, torch would start one
+    thread per core of the node). Read from the pods' processes; the job is deleted then."""
     if cluster.plane is None:
         pytest.skip("reads the pods' processes on this machine: needs the tier's node")
     marker = uuid.uuid4().hex
@@ -693,6 +694,7 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
         str(rank): {
             variable: f"{run_dir}/{COMPILE_CACHE_DIR}/{folder}/{leaf}" for variable, leaf in COMPILE_CACHES.items()
         }
+        | {"OMP_NUM_THREADS": "1"}
         for rank, folder in enumerate(folders)
     }
     found: dict[str, dict[str, str]] = {}
@@ -700,7 +702,7 @@ def test_with_compile_each_pod_keeps_its_compile_caches_in_the_run_directory(
     while found != expected and time.monotonic() < deadline:
         for env in first_processes(marker).values():
             if "PET_NODE_RANK" in env:
-                found[env["PET_NODE_RANK"]] = {variable: env.get(variable, "") for variable in COMPILE_CACHES}
+                found[env["PET_NODE_RANK"]] = {variable: env.get(variable, "") for variable in expected["0"]}
         time.sleep(0.5)
     assert found == expected, pod_logs(cluster, namespace)
     kubernetes.client.CustomObjectsApi(cluster.client()).delete_namespaced_custom_object(
@@ -1167,6 +1169,10 @@ def cgroups(pid: int) -> bytes:
 # ctl submit | wait | status | list | delete, as a user runs them: exit codes, `-o json` shapes, what stays.
 
 PROGRESS_STEPS = 200
+# Rank 1 sleeps this long in each step (the straggler test hook) and rank 0 waits for it, so the steps after the first
+# logged loss take 17 s or more however fast the node is: time to read the job while it runs. Unpaced, they once
+# took less than the three ctl calls that read it (a thread per process made each step a few milliseconds).
+PACED_STEP_S = 0.1
 
 
 def run_ctl_on(kubeconfig: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -1256,7 +1262,8 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     name = f"rt-{marker[:6]}"
     # Long enough (a few seconds of steps) for its progress to be read while it runs.
     training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
-    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api.kind))
+    paced = [{"name": "DDPJOB_TEST_MARKER", "value": marker}, {"name": SLOW_RANK_ENV, "value": f"1:{PACED_STEP_S}"}]
+    spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api.kind, env=paced))
     master, worker = kind.nodes
 
     # As a user with only k8s/rbac.yaml's Role: it is all ctl needs (pods/log, pods/proxy included).

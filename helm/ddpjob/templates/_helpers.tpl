@@ -193,6 +193,34 @@ A byte quantity (the spec's pattern: a number and an optional Ki/Mi/Gi/Ti/Pi or 
 {{- end }}
 
 {{/*
+The pod's CPU request: resources.cpu, else cpuPerProcess for each process.
+*/}}
+{{- define "ddpjob.cpuRequest" -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
+{{- default (toString (mul (int $names.cpuPerProcess) (int .Values.procsPerNode))) .Values.resources.cpu -}}
+{{- end }}
+
+{{/*
+OMP_NUM_THREADS of each trainer process: the pod's CPU request shared by its processes, at least 1. Without it
+torch starts a thread per core of the node, whatever the pod asked for (torchrun sets 1 for more than one process
+a pod, which leaves the rest of the request idle).
+*/}}
+{{- define "ddpjob.threadsPerProcess" -}}
+{{- $cpu := include "ddpjob.cpuRequest" . -}}
+{{- $millicores := hasSuffix "m" $cpu | ternary (trimSuffix "m" $cpu | int64) (round (mulf (float64 $cpu) 1000.0) 0 | int64) -}}
+{{- max 1 (div $millicores (mul 1000 (int .Values.procsPerNode))) -}}
+{{- end }}
+
+{{/*
+"true" when the chart sets OMP_NUM_THREADS: the spec's `env` does not.
+*/}}
+{{- define "ddpjob.setsThreads" -}}
+{{- $names := list -}}
+{{- range .Values.env }}{{ $names = append $names .name }}{{ end -}}
+{{- if not (has "OMP_NUM_THREADS" $names) }}true{{ end -}}
+{{- end }}
+
+{{/*
 Container resources, scaled from the spec. Requests: CPU (2 per process unless set), memory (the trainer's, 4Gi
 per process unless set, plus the /dev/shm volume, which is memory the pod is charged for) and ephemeral storage
 (the scratch volume). Limits: memory equal to its request (memory cannot be taken back, only the pod killed) and
@@ -205,7 +233,7 @@ GPUs (extended resources require limit = request); no CPU limit, whose throttlin
 {{- $trainer := mul (int $names.memoryMiPerProcess) $procs -}}
 {{- with $r.memory }}{{ $trainer = include "ddpjob.mebibytes" . | int64 }}{{ end -}}
 {{- $memory := printf "%dMi" (add $trainer (include "ddpjob.mebibytes" $r.shm | int64)) -}}
-{{- $requests := dict "cpu" (default (toString (mul (int $names.cpuPerProcess) $procs)) $r.cpu) "memory" $memory "ephemeral-storage" $r.cache -}}
+{{- $requests := dict "cpu" (include "ddpjob.cpuRequest" .) "memory" $memory "ephemeral-storage" $r.cache -}}
 {{- $limits := dict "memory" $memory -}}
 {{- /* NCCL gives each process a GPU of its own; ctl's spec model refuses this too, for values files it never saw. */ -}}
 {{- if and (gt (int $r.gpu) 0) (lt (int $r.gpu) $procs) -}}
@@ -391,6 +419,11 @@ spec:
         {{- end }}
         - name: TMPDIR
           value: {{ $names.mounts.tmp }}
+        {{- if include "ddpjob.setsThreads" . }}
+        # The pod's CPU request shared by its processes: torch would start a thread per core of the node.
+        - name: OMP_NUM_THREADS
+          value: {{ include "ddpjob.threadsPerProcess" . | quote }}
+        {{- end }}
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
         # default: 30 s, whatever the grace period); the last 5 s of the grace period are its own exit.
         - name: {{ $names.env.shutdownTimeout }}
