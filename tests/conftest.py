@@ -159,10 +159,12 @@ def run_ctl(
     )
 
 
+# What the ctl_here fixture gives: run(*args, cwd=...) -> ctl's output and exit code.
+CtlHere = Callable[..., subprocess.CompletedProcess]
+
+
 @pytest.fixture
-def ctl_here(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> Callable[..., subprocess.CompletedProcess]:
+def ctl_here(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> CtlHere:
     """`run_ctl` for a command that ctl itself refuses (bad input, before anything runs): its main() in this process,
     where a new interpreter takes a second on a slow machine, and the hundred-odd such cases add up. What it printed
     and its exit code, as `run_ctl` gives them."""

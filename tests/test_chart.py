@@ -24,7 +24,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 import yaml
-from conftest import CTL, REPO, prometheus_server, prometheus_tool, run_ctl
+from conftest import CTL, REPO, CtlHere, prometheus_server, prometheus_tool, run_ctl
 from e2e.cluster_binaries import build_helm
 from pod_security import violations
 
@@ -1089,7 +1089,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0].split("=")[0] for b in BAD])
-def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_path: Path, ctl_here) -> None:
+def test_bad_values_are_refused_in_one_line(override: str, message: str, tmp_path: Path, ctl_here: CtlHere) -> None:
     result = ctl_here("render", str(EXAMPLES[0]), "--set", override, cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr

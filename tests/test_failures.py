@@ -27,6 +27,7 @@ import yaml
 from certs import private_ca
 from conftest import (
     TEMPORARY,
+    CtlHere,
     import_hook,
     processes_with_marker,
     run_ctl,
@@ -135,7 +136,7 @@ COMMANDS = sorted(
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, command: str, ctl_here) -> None:
+def test_usage_errors_of_every_command_are_one_line_and_exit_2(tmp_path: Path, command: str, ctl_here: CtlHere) -> None:
     result = ctl_here(command, "--bogus", cwd=tmp_path)
     assert_one_line(result, EXIT_BAD_INPUT, f"ctl {command}: No such option: --bogus")
     assert f"ctl {command} --help" in result.stderr
