@@ -239,7 +239,8 @@ def wrap_model(spec: TrainingSpec, dist: Dist, model: torch.nn.Module) -> tuple[
 def compiled(seconds: float) -> str:
     """What the first step compiled, and how much of it torch.compile's caches already held: a recreated pod's are
     in the run directory (docs/operations.md). From torch's own tally of its graph cache."""
-    # here: a run that does not compile never loads dynamo or inductor
+    # Here, not at the top: dynamo takes seconds to import on a slow machine, and a rank that stops on bad input
+    # before its first step should not wait for it (DDP and torch's optimizers import it by the end of that step).
     from torch._dynamo.utils import counters
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
