@@ -182,18 +182,22 @@ def in_namespace(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
 
 
 def job_spec(
-    marker: str, train: list[str] = STDLIB_TEXT, training: dict[str, Any] | None = None, **values: Any
+    marker: str,
+    train: list[str] = STDLIB_TEXT,
+    training: dict[str, Any] | None = None,
+    env: list[dict[str, str]] | None = None,
+    **values: Any,
 ) -> JobSpec:
     """The tiny char-gpt job on 2 pods x 1 process; every process carries DDPJOB_TEST_MARKER=marker, to find
-    what a job left running (containers' processes are this machine's too). Its requests fit the tier's 2-CPU
-    node, or a small kind node (the defaults are sized for GPU training)."""
+    what a job left running (containers' processes are this machine's too), and `env` after it. Its requests fit
+    the tier's 2-CPU node, or a small kind node (the defaults are sized for GPU training)."""
     spec = tiny_spec(Path("unused"), data={"train": train, "valFraction": 0.1}, **(training or {}))
     spec |= {
         "nodes": 2,
         "image": image_values(),
         # A quarter CPU: two jobs, a prepare Job and pods still ending fit the tier's node (CPU is not limited).
         "resources": {"cpu": "250m", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
-        "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}],
+        "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}, *(env or [])],
     }
     return JobSpec.model_validate(spec | values)
 
@@ -1054,8 +1058,7 @@ def test_a_job_deleted_while_its_pods_python_starts_ends_at_once(cluster: Cluste
     if cluster.plane is None:
         pytest.skip("reads the pods' processes on this machine: needs the tier's node")
     marker = uuid.uuid4().hex
-    env = [{"name": "DDPJOB_TEST_MARKER", "value": marker}, {"name": "PYTHONPATH", "value": f"/opt/{SLOW_START}"}]
-    spec = job_spec(marker, env=env)
+    spec = job_spec(marker, env=[{"name": "PYTHONPATH", "value": f"/opt/{SLOW_START}"}])
     client = cluster.client()
     sitecustomize = "import sys, time\nprint('starting slowly', file=sys.stderr, flush=True)\ntime.sleep(3600)\n"
     kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
@@ -1262,7 +1265,7 @@ def test_ctl_submit_wait_status_logs_list_delete_round_trip(
     name = f"rt-{marker[:6]}"
     # Long enough (a few seconds of steps) for its progress to be read while it runs.
     training = {"maxSteps": PROGRESS_STEPS, "logEvery": 25, "checkpoint": {"every": 50}}
-    paced = [{"name": "DDPJOB_TEST_MARKER", "value": marker}, {"name": SLOW_RANK_ENV, "value": f"1:{PACED_STEP_S}"}]
+    paced = [{"name": SLOW_RANK_ENV, "value": f"1:{PACED_STEP_S}"}]
     spec = spec_file(tmp_path, job_spec(marker, name=name, training=training, apiKind=kind.api.kind, env=paced))
     master, worker = kind.nodes
 

@@ -215,9 +215,9 @@ a pod, which leaves the rest of the request idle).
 "true" when the chart sets OMP_NUM_THREADS: the spec's `env` does not.
 */}}
 {{- define "ddpjob.setsThreads" -}}
-{{- $names := list -}}
-{{- range .Values.env }}{{ $names = append $names .name }}{{ end -}}
-{{- if not (has "OMP_NUM_THREADS" $names) }}true{{ end -}}
+{{- $given := list -}}
+{{- range .Values.env }}{{ $given = append $given .name }}{{ end -}}
+{{- if not (has "OMP_NUM_THREADS" $given) }}true{{ end -}}
 {{- end }}
 
 {{/*
