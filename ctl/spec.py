@@ -501,7 +501,9 @@ class PrepareSpec(SpecModel):
         " preparing it themselves.",
     )
     cpu: str = Field(
-        "4", pattern=CPU_QUANTITY, description="CPU request and limit of the prepare pod: it tokenizes with every core."
+        "4",
+        pattern=CPU_QUANTITY,
+        description="CPU request and limit of the prepare pod: it tokenizes with a process per CPU of it.",
     )
     memory: str = Field("4Gi", pattern=BYTES_QUANTITY, description="Memory request and limit of the prepare pod.")
     backoff_limit: Int = Field(1, ge=0, description="Retries of the prepare pod before the Job is marked Failed.")

@@ -240,7 +240,11 @@ class DataSpec(SpecModel):
         description="What identifies the sources in the cache: size and modification time, or a hash of their"
         " contents (reads every file at each start).",
     )
-    prepare_workers: Int = Field(0, ge=0, description="Processes that tokenize during preparation; 0: every core.")
+    prepare_workers: Int = Field(
+        0,
+        ge=0,
+        description="Processes that tokenize during preparation; 0: one per CPU it may use (in a pod, its CPU limit).",
+    )
     prepare_buffer_mib: Int = Field(
         256,
         ge=1,

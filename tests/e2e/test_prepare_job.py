@@ -166,7 +166,10 @@ def test_prepare_job_prepares_the_data_the_training_pods_read(
 
     logs = pod_logs(cluster, namespace)
     assert f"prepared {in_pod(claim, entry)} in " in logs, logs
-    training_logs = logs.replace(prepare_log(cluster, namespace, pod), "")
+    prepared_by_job = prepare_log(cluster, namespace, pod)
+    # One tokenizing process for the pod's 250m CPU limit (trainer.cpus), not one per core of the node.
+    assert f"preparing {in_pod(claim, entry)} with 1 process(es)" in prepared_by_job, prepared_by_job
+    training_logs = logs.replace(prepared_by_job, "")
     # Each rank found the Job's manifest, or waited for it (the Job may finish before torch is imported).
     assert "preparing " not in training_logs, training_logs
     for rank in (0, 1):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.cpus import usable_cpus
 from trainer.location import source_name
 from trainer.owned import OWNER, remove, remove_if_abandoned
 from trainer.preparation.encode import (
@@ -397,7 +398,5 @@ def dtype_for(vocab_size: int) -> str:
 
 
 def worker_count(data: DataSpec) -> int:
-    """`data.prepareWorkers`, else every core this process may run on."""
-    if data.prepare_workers:
-        return data.prepare_workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """`data.prepareWorkers`, else a process for each CPU this one may use (a prepare pod's: its CPU limit)."""
+    return data.prepare_workers or usable_cpus()

@@ -1,4 +1,4 @@
-"""Tokenizing in a pool: documents in chunks to a pool of processes (every core by default), tokens back in
+"""Tokenizing in a pool: documents in chunks to a pool of processes (one per usable CPU by default), tokens back in
 document order, with at most `data.prepareBufferMiB` of text in flight, and an allocator preloaded into the
 pool's processes. Torch-free: the pool's processes import it without torch.
 """
