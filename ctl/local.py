@@ -193,8 +193,6 @@ def agent_env(
         env["PET_LOCAL_RANKS_FILTER"] = "0"
     if METRICS_PORT_ENV in node.container.env:  # the pod serves metrics: all nodes share loopback, a port each
         env |= {METRICS_PORT_ENV: str(metrics_port), METRICS_HOST_ENV: LOCAL_ADDRESS}
-    # Share the machine's cores among all local processes instead of oversubscribing.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (spec.nodes * spec.procs_per_node))))
     return env
 
 

@@ -26,6 +26,7 @@ from ctl.pod import LocalContainer, PodSetupError, Volume, local_container
 from ctl.processes import LOCAL_ADDRESS
 from ctl.render import Manifest, chart_values, render_chart, split_manifests
 from ctl.spec import JobSpec
+from trainer.cpus import usable_cpus
 from trainer.location import S3Location, is_s3, run_cache
 
 NAMESPACE = "default"
@@ -67,6 +68,9 @@ def local_job(spec: JobSpec, run_dir: Path | None = None) -> Iterator[LocalJob]:
     """Render the job (`run_dir`: its training.checkpoint.dir, as `--run-dir` asks) and materialise its pods in a
     temporary directory, removed afterwards. PodSetupError when a pod needs what this machine cannot give."""
     values = chart_values(spec)
+    # Every local pod shares this machine: each requests its share of the CPUs ctl may use, not what a cluster's
+    # node would grant it, so the chart's OMP_NUM_THREADS divides this machine among all local processes.
+    values["resources"]["cpu"] = f"{usable_cpus() * 1000 // spec.nodes}m"
     if run_dir is not None:
         values["training"].setdefault("checkpoint", {})["dir"] = str(run_dir.absolute())
     manifests = split_manifests(render_chart(values, spec.name, NAMESPACE))

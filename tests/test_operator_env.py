@@ -17,6 +17,7 @@ from ctl.local_pods import local_job
 from ctl.operator_env import Replica, operator_env, replicas
 from ctl.processes import free_port
 from ctl.spec import JobSpec
+from trainer.cpus import usable_cpus
 from trainer.names import SHUTDOWN_TIMEOUT_ENV
 
 
@@ -101,6 +102,22 @@ def test_local_agents_get_the_pods_shutdown_timeout_unless_one_is_exported(
     monkeypatch.setenv(SHUTDOWN_TIMEOUT_ENV, "7")
     env = local_env(spec, Replica("master", 0), tmp_path)
     assert env[SHUTDOWN_TIMEOUT_ENV] == "7"
+
+
+@pytest.mark.parametrize(("nodes", "procs"), [(1, 1), (1, 2), (2, 2), (1, 64)])
+def test_local_processes_share_the_cpus_of_this_machine(
+    corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: int, procs: int
+) -> None:
+    """`ctl run`: OMP_NUM_THREADS of every process is the CPUs ctl may use shared among all local processes, at
+    least 1, whatever CPU request the pods would make of a cluster; the spec's `env`, or an exported value, wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = job(corpus_file, nodes=nodes, procsPerNode=procs, resources={"cpu": "32"})
+    for replica in replicas(spec):
+        assert local_env(spec, replica, tmp_path)["OMP_NUM_THREADS"] == str(max(1, usable_cpus() // (nodes * procs)))
+    given = job(corpus_file, nodes=nodes, procsPerNode=procs, env=[{"name": "OMP_NUM_THREADS", "value": "3"}])
+    assert local_env(given, replicas(given)[0], tmp_path)["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert local_env(spec, replicas(spec)[0], tmp_path)["OMP_NUM_THREADS"] == "5"
 
 
 def test_trainjob_nodes_get_the_torch_plugin_env(corpus_file: Path) -> None:
