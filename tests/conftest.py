@@ -25,6 +25,8 @@ from trainer import scratch
 
 CTL = [sys.executable, "-m", "ctl"]
 REPO = Path(__file__).resolve().parent.parent
+# Every process a test starts carries it, with a value of the test's own: what finds the processes a run left behind.
+MARKER_ENV = "DDPJOB_TEST_MARKER"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -239,7 +241,7 @@ def ctrl_c_reaches() -> None:
 
 def processes_with_marker(marker: str) -> list[int]:
     """PIDs whose environment carries `DDPJOB_TEST_MARKER=marker` (what a run left behind)."""
-    needle = f"DDPJOB_TEST_MARKER={marker}".encode()
+    needle = f"{MARKER_ENV}={marker}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -318,7 +320,7 @@ def temporary(tmp_path: Path) -> Path:
 @pytest.fixture
 def marked_env() -> tuple[dict[str, str], str]:
     marker = uuid.uuid4().hex
-    return os.environ | {"DDPJOB_TEST_MARKER": marker}, marker
+    return os.environ | {MARKER_ENV: marker}, marker
 
 
 @pytest.fixture(scope="session")

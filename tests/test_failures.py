@@ -26,6 +26,7 @@ import pytest
 import yaml
 from certs import private_ca
 from conftest import (
+    MARKER_ENV,
     TEMPORARY,
     CtlHere,
     import_hook,
@@ -1097,7 +1098,7 @@ def test_ctl_run_gives_a_slow_save_the_spec_s_grace_period_and_a_second_ctrl_c_k
     marker = marked_env[1]
     (path / "hook").mkdir()
     (path / "hook" / "sitecustomize.py").write_text(SLOW_SAVE)
-    env |= {"DDPJOB_TEST_MARKER": marker}
+    env |= {MARKER_ENV: marker}
     run_dir = path / "runs" / "tiny"
     ctl, _ = start_long_run(path, env, corpus_file, hooks=path / "hook")
     try:
@@ -1131,7 +1132,7 @@ def test_a_second_run_into_a_run_directory_in_use_is_refused(workdir, corpus_fil
     ends leaves no lock file in the node cache (one was left for every run directory ever used)."""
     path, env = workdir
     marker = marked_env[1]
-    env |= {"DDPJOB_TEST_MARKER": marker, NODE_CACHE_ENV: str(path / "node")}
+    env |= {MARKER_ENV: marker, NODE_CACHE_ENV: str(path / "node")}
     ctl, _ = start_long_run(path, env, corpus_file)
     in_use = f"error: {path / 'runs' / 'tiny'}: another ctl run trains there (process {ctl.pid}): wait for it"
     try:
@@ -1160,7 +1161,7 @@ def test_sigterm_to_the_nodes_or_to_ctl_stops_at_a_saved_step_and_resumes(workdi
     `timeout`): each time every rank saves at one agreed step; exit 143 with the step, never a failure."""
     path, env = workdir
     marker = marked_env[1]
-    env |= {"DDPJOB_TEST_MARKER": marker}
+    env |= {MARKER_ENV: marker}
     run_dir = path / "runs" / "tiny"
     ctl, _ = start_long_run(path, env, corpus_file)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import REPO, processes_with_marker, rank_log, run_ctl, start_ctl, trainer_pids, wait_for
+from conftest import MARKER_ENV, REPO, processes_with_marker, rank_log, run_ctl, start_ctl, trainer_pids, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_chart import objects, pod_templates, spec_of, trainer_container
 from test_checkpoint import EVERY, STEPS, assert_bitwise_equal, training, weights
@@ -80,7 +80,7 @@ def hung(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path) -> Hung:
     spec_path = tmp / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec), encoding="utf-8")
     marker = uuid.uuid4().hex
-    env = os.environ | {"OMP_NUM_THREADS": "1", "DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", MARKER_ENV: marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
     process = start_ctl("run", str(spec_path), cwd=tmp, env=env)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -210,9 +210,7 @@ def test_a_rank_frozen_whole_is_killed_by_its_own_nodes_launcher_and_both_nodes_
     pods would wait for it at the rendezvous)."""
     marker = uuid.uuid4().hex
     # Steps long enough to stop rank 1 amid the run.
-    nodes, run_dir = launch_two_nodes(
-        tmp_path, corpus_file, {"DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"}
-    )
+    nodes, run_dir = launch_two_nodes(tmp_path, corpus_file, {MARKER_ENV: marker, SLOW_RANK_ENV: f"1:{SLOWDOWN}"})
     try:
         wait_for("a checkpoint", lambda: next(run_dir.glob("step-*"), None), time.monotonic() + 180)
         (rank_1,) = trainer_pids(marker, rank=1)
@@ -237,7 +235,7 @@ def test_a_rank_frozen_as_its_peer_starts_an_evaluation_is_killed_first_and_the_
     store, stays up for the peer to read it."""
     peer = 1 - frozen
     marker = uuid.uuid4().hex
-    env = {"DDPJOB_TEST_MARKER": marker, FREEZE_RANK_ENV: f"{frozen}:6"}
+    env = {MARKER_ENV: marker, FREEZE_RANK_ENV: f"{frozen}:6"}
     nodes, _ = launch_two_nodes(tmp_path, corpus_file, env, evalEvery=6, logEvery=5)  # step 6: no log reduction
     outputs = node_outputs(nodes, marker)
     assert [node.returncode for node in nodes] == [EXIT_HUNG, EXIT_HUNG], outputs

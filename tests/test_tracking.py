@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import (
+    MARKER_ENV,
     REPO,
     processes_with_marker,
     rank_log,
@@ -350,7 +351,7 @@ def interrupted_run(path: Path, corpus: Path, case: str, env: dict[str, str], ma
         training["optimizer"] = {"lr": 1e30}  # the loss is no longer finite after the first update
     spec = tiny_spec(corpus, **training) | {"procsPerNode": 2, "terminationGracePeriodSeconds": 8}
     (path / "spec.yaml").write_text(json.dumps(spec))
-    env |= {"DDPJOB_TEST_MARKER": marker, SLOW_RANK_ENV: "1:0.2", "OMP_NUM_THREADS": "1"}
+    env |= {MARKER_ENV: marker, SLOW_RANK_ENV: "1:0.2", "OMP_NUM_THREADS": "1"}
     ctl = start_ctl("run", "spec.yaml", cwd=path, env=env)
     assert ctl.stdout is not None
     try:

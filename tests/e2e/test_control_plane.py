@@ -35,7 +35,7 @@ import pytest
 import yaml
 from certs import private_ca
 from cluster_binaries import BuildError, build_helm, ensure_binaries
-from conftest import CTL, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec, wait_for
+from conftest import CTL, MARKER_ENV, REPO, processes_with_marker, run_ctl, start_ctl, tiny_spec, wait_for
 from node import NODE_NAME, POD_CIDR
 from pod_security import violations
 from s3server import s3_server
@@ -197,7 +197,7 @@ def job_spec(
         "image": image_values(),
         # A quarter CPU: two jobs, a prepare Job and pods still ending fit the tier's node (CPU is not limited).
         "resources": {"cpu": "250m", "memory": "1Gi", "shm": "256Mi", "cache": "1Gi"},
-        "env": [{"name": "DDPJOB_TEST_MARKER", "value": marker}, *(env or [])],
+        "env": [{"name": MARKER_ENV, "value": marker}, *(env or [])],
     }
     return JobSpec.model_validate(spec | values)
 
@@ -2040,7 +2040,7 @@ def test_kubeflow_sdk_and_ctl_manage_each_others_jobs(cluster: Cluster, namespac
         num_workers=2,
         num_procs_per_worker=1,
         base_image=IMAGE,
-        env_vars={"DDPJOB_TEST_MARKER": marker},
+        env_vars={MARKER_ENV: marker},
     )
 
     # The SDK on ctl's job.
@@ -2104,7 +2104,7 @@ def test_kubeflow_trainer_sdk_and_ctl_manage_each_others_trainjobs(
     assert "step 5/5" in "\n".join(sdk.get_job_logs(ours))  # node 0's, as the SDK reads it by default
 
     # ctl on the SDK's job: no chart labels, a command of its own, the runtime's processes per node.
-    trainer = CustomTrainer(func=sdk_train, num_nodes=2, env={"DDPJOB_TEST_MARKER": marker})
+    trainer = CustomTrainer(func=sdk_train, num_nodes=2, env={MARKER_ENV: marker})
     theirs = sdk.train(runtime=sdk.get_runtime(ours), trainer=trainer)
     assert ctl("wait", theirs, "--timeout", str(JOB_TIMEOUT_S)).returncode == 0, pod_logs(cluster, namespace)
     status = json.loads(ctl("status", theirs, "-o", "json").stdout)
