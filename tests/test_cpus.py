@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,14 @@ def v1_quota(directory: str, quota_us: int, period_us: int = 100000) -> dict[str
     return {f"{directory}/cpu.cfs_quota_us": str(quota_us), f"{directory}/cpu.cfs_period_us": str(period_us)}
 
 
+def v1_host(pod_quota_us: int, container_quota_us: int, container_period_us: int = 100000) -> tuple[Any, ...]:
+    """A pod's container seen from the host (no cgroup namespace): no quota at the root, then the pod's and its own."""
+    directory = "sys/fs/cgroup/cpu,cpuacct"
+    quotas = v1_quota(directory, -1) | v1_quota(f"{directory}{POD}", pod_quota_us)
+    quotas |= v1_quota(f"{directory}{CONTAINER}", container_quota_us, container_period_us)
+    return [f"3:cpu,cpuacct:{CONTAINER}"], [V1_MOUNT.format(root="/")], quotas
+
+
 LAYOUTS = {
     # runc on cgroup v1 without a cgroup namespace: the full path, and the container's cgroup mounted as the root.
     "v1 container, 250m": (
@@ -47,22 +56,8 @@ LAYOUTS = {
         0.25,
     ),
     # A host's process (ctl run) in a pod's cgroup: the pod's limit and the container's, the smaller one counts.
-    "v1 host, pod 3 and container 1.5": (
-        [f"3:cpu,cpuacct:{CONTAINER}"],
-        [V1_MOUNT.format(root="/")],
-        v1_quota("sys/fs/cgroup/cpu,cpuacct", -1)
-        | v1_quota(f"sys/fs/cgroup/cpu,cpuacct{POD}", 300000)
-        | v1_quota(f"sys/fs/cgroup/cpu,cpuacct{CONTAINER}", 75000, 50000),
-        1.5,
-    ),
-    "v1 host, the pod's limit only": (
-        [f"3:cpu,cpuacct:{CONTAINER}"],
-        [V1_MOUNT.format(root="/")],
-        v1_quota("sys/fs/cgroup/cpu,cpuacct", -1)
-        | v1_quota(f"sys/fs/cgroup/cpu,cpuacct{POD}", 200000)
-        | v1_quota(f"sys/fs/cgroup/cpu,cpuacct{CONTAINER}", -1),
-        2.0,
-    ),
+    "v1 host, pod 3 and container 1.5": (*v1_host(300000, 75000, 50000), 1.5),
+    "v1 host, the pod's limit only": (*v1_host(200000, -1), 2.0),
     "v1 without a quota": (
         [f"3:cpu,cpuacct:{CONTAINER}"],
         [V1_MOUNT.format(root=CONTAINER)],
