@@ -71,12 +71,13 @@ def cgroup_directory(root: Path) -> tuple[Path, Path, int] | None:
 
 def read_quota(directory: Path, version: int) -> float | None:
     """The quota of one cgroup, None when unlimited or when the level has no such file (v2's root)."""
-    if not (directory / ("cpu.max" if version == 2 else "cpu.cfs_quota_us")).exists():
+    try:
+        if version == 2:
+            quota, period = (directory / "cpu.max").read_text().split()
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((directory / "cpu.cfs_quota_us").read_text())
+    except FileNotFoundError:
         return None
-    if version == 2:
-        quota, period = (directory / "cpu.max").read_text().split()
-        return None if quota == "max" else int(quota) / int(period)
-    quota_us = int((directory / "cpu.cfs_quota_us").read_text())
     return None if quota_us < 0 else quota_us / int((directory / "cpu.cfs_period_us").read_text())
 
 
