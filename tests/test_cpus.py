@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def test_the_quota_of_the_process_cgroup_and_its_ancestors(tmp_path: Path, layou
     cgroup, mounts, files, expected = LAYOUTS[layout]
     root = fake_root(tmp_path, cgroup, mounts, files)
     assert cpu_quota(root) == expected
-    assert usable_cpus(root) == (CORES if expected is None else max(1, min(CORES, -int(-expected // 1))))
+    assert usable_cpus(root) == (CORES if expected is None else max(1, min(CORES, math.ceil(expected))))
 
 
 def test_a_quota_above_the_cores_leaves_the_cores(tmp_path: Path) -> None:
