@@ -995,7 +995,9 @@ def test_what_the_ranks_leave_in_the_temporary_directory_goes_with_their_launche
         options = {} if chosen is None else {"TORCHINDUCTOR_CACHE_DIR": str(chosen)}
         done = subprocess.run(launch, cwd=work, env=env | options, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        [(ranks, cache)] = {tuple(map(Path, line.split())) for line in done.stdout.splitlines()}  # the same for both
+        printed = {tuple(map(Path, line.split())) for line in done.stdout.splitlines()}
+        assert len(printed) == 1, f"the ranks printed other lines:\n{done.stdout}{done.stderr}"  # the same for both
+        [(ranks, cache)] = printed
         assert ranks.parent == temporary and ranks.name.startswith(scratch.RANKS), ranks
         assert cache == (chosen or default)
         assert list(temporary.iterdir()) == [default], done.stderr
