@@ -40,7 +40,6 @@ from trainer.names import EXIT_HUNG, FREEZE_RANK_ENV, HEARTBEAT_DIR_ENV, SLOW_RA
 from trainer.spec import TimeoutsSpec
 from trainer.watchdog import Watchdog
 
-RULE_TESTS = REPO / "tests" / "rules"
 SLOWDOWN = 0.5  # seconds rank 1 sleeps in every step: slow enough to stand out, and to stop it mid-run
 FLOOR = 5  # timeouts.hangFloorSeconds
 
