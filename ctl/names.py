@@ -15,6 +15,9 @@ TRAINER_COMPONENT = "trainer"
 PREPARE_COMPONENT = "prepare"
 # torch's: a fresh rendezvous store every round of an elastic job (the chart sets it on elastic pods).
 FRESH_RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The threads of each trainer process (torch's and OpenMP's variable): the chart sets the pod's CPU request shared by
+# its processes, unless the spec's env sets it; the prepare pod never gets the training processes' share.
+THREADS_ENV = "OMP_NUM_THREADS"
 # torch.compile's caches: torch's and Triton's variables, and each one's folder. With `training.compile` and the run
 # directory on the volume, the chart puts them in the run directory's COMPILE_CACHE_DIR, one folder per pod (named by
 # POD_KEY_ENV), so that a restarted pod finds what it compiled before; otherwise in the pod's scratch volume, where

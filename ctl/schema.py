@@ -346,6 +346,7 @@ def chart_names() -> dict[str, Any]:
             "preparedByJob": PREPARED_BY_JOB_ENV,
             "renderedBy": RENDERED_BY_ENV,
             "freshRendezvousStore": names.FRESH_RDZV_STORE_ENV,
+            "threads": names.THREADS_ENV,
             "podKey": names.POD_KEY_ENV,
             "s3Endpoint": S3_ENDPOINT_ENV,
             "s3Region": S3_REGION_ENV,

@@ -215,9 +215,10 @@ a pod, which leaves the rest of the request idle).
 "true" when the chart sets OMP_NUM_THREADS: the spec's `env` does not.
 */}}
 {{- define "ddpjob.setsThreads" -}}
+{{- $names := include "ddpjob.names" . | fromJson -}}
 {{- $given := list -}}
 {{- range .Values.env }}{{ $given = append $given .name }}{{ end -}}
-{{- if not (has "OMP_NUM_THREADS" $given) }}true{{ end -}}
+{{- if not (has $names.env.threads $given) }}true{{ end -}}
 {{- end }}
 
 {{/*
@@ -421,7 +422,7 @@ spec:
           value: {{ $names.mounts.tmp }}
         {{- if include "ddpjob.setsThreads" . }}
         # The pod's CPU request shared by its processes: torch would start a thread per core of the node.
-        - name: OMP_NUM_THREADS
+        - name: {{ $names.env.threads }}
           value: {{ include "ddpjob.threadsPerProcess" . | quote }}
         {{- end }}
         # After forwarding SIGTERM, torchrun waits this long for its workers to save and exit (torch's
